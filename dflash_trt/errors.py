@@ -1,0 +1,17 @@
+"""User-facing errors.
+
+Every failure a user can cause (bad flag, bad checkpoint, impossible mapping) is raised as a
+`DFlashError` whose message is ONE line saying what failed, the values involved, and the fix.
+The CLI prints it and exits non-zero; it never shows a traceback from inside a library.
+"""
+
+from __future__ import annotations
+
+
+class DFlashError(Exception):
+    """An error the user can fix. `str(err)` is a single actionable line."""
+
+    exit_code = 2
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))  # always one line

@@ -1,0 +1,415 @@
+"""The DFlash drafter (z-lab checkpoint format, ``architectures: ["DFlashDraftModel"]``).
+
+A stack of Qwen3-style decoder layers with no embedding and no lm_head of its own: the block's
+token embeddings and the output head are the TARGET's. The target's hidden states from
+``target_layer_ids`` are fused once per position, ``ctx = hidden_norm(fc(concat(h_l)))``, and
+injected into the K/V of every layer: ``k = k_norm(k_proj([ctx ; x]))``, ``v = v_proj([ctx ; x])``,
+``q = q_norm(q_proj(x))``. Attention inside the block is bidirectional. Context K/V live in the
+draft KV cache; the block's own K/V are dropped after each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+from dflash_trt.errors import DFlashError
+
+if TYPE_CHECKING:
+    from dflash_trt.runtime.target import TargetAdapter
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default: which target layers feed the drafter (Qwen3-8B, 36, 5 -> [1,9,17,25,33])."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DFlashSettings:
+    """The DFlash-specific fields of a drafter config, wherever the checkpoint put them."""
+
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+
+    @staticmethod
+    def from_config_dict(cfg: dict[str, Any], where: str = "config.json") -> "DFlashSettings":
+        dcfg = cfg.get("dflash_config") or {}
+        # block_size sits at top level in Qwen3/Llama drafters, inside dflash_config in newer ones.
+        block_size = dcfg.get("block_size", cfg.get("block_size"))
+        mask_token_id = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+        num_target_layers = cfg.get("num_target_layers")
+        if block_size is None:
+            raise DFlashError(f"{where}: no block_size (top level or dflash_config); add e.g. \"block_size\": 16")
+        if mask_token_id is None:
+            raise DFlashError(f"{where}: no dflash_config.mask_token_id; set it to a token id the target never emits")
+        if num_target_layers is None:
+            raise DFlashError(f"{where}: no num_target_layers; set it to the target's num_hidden_layers")
+        layer_ids = dcfg.get("target_layer_ids")
+        if layer_ids is None:
+            layer_ids = build_target_layer_ids(int(num_target_layers), int(cfg.get("num_hidden_layers", 1)))
+        return DFlashSettings(int(block_size), int(mask_token_id), tuple(int(i) for i in layer_ids), int(num_target_layers))
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE where q covers only the LAST q_len positions of cos/sin and k covers all of them."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, hd]
+    q_len = q.shape[-2]
+    q = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
+    k = k * cos + rotate_half(k) * sin
+    return q, k
+
+
+class DraftKVCache:
+    """Per-layer K/V of the drafter: the context positions only, between steps."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: [B, kv_heads, T_new, head_dim]
+        while len(self.keys) <= layer:
+            self.keys.append(None)
+            self.values.append(None)
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=-2)
+            v = torch.cat([self.values[layer], v], dim=-2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def get_seq_length(self) -> int:
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[-2]
+
+    def crop(self, length: int) -> None:
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                self.keys[i] = k[..., :length, :]
+                self.values[i] = self.values[i][..., :length, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        h, hd = config.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=bias)
+        self.q_norm = Qwen3RMSNorm(hd, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(hd, eps=config.rms_norm_eps)
+        layer_types = getattr(config, "layer_types", None)
+        sliding = bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = getattr(config, "sliding_window", None) if sliding else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, S, H] block hidden states after input_layernorm
+        ctx: torch.Tensor,  # [B, C, H] fused target context (new positions only)
+        cos: torch.Tensor,  # [B, C+S, hd]
+        sin: torch.Tensor,
+        cache: DraftKVCache | None,
+        attn_mask: torch.Tensor | None,  # bool [B|1, 1, S, K] (True = visible) or None
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        c = ctx.shape[1]
+        hd = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(b, s, -1, hd)).transpose(1, 2)  # [B, nh, S, hd]
+        kv_in = torch.cat([ctx, x], dim=1)  # [B, C+S, H]
+        k = self.k_norm(self.k_proj(kv_in).view(b, c + s, -1, hd)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, c + s, -1, hd).transpose(1, 2)  # [B, nkv, C+S, hd]
+        q, k = apply_rope(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, K, hd], K = cached + C + S
+        if attn_mask is None and self.sliding_window is not None:
+            attn_mask = sliding_window_mask(s, k.shape[-2], self.sliding_window, x.device)
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=hd**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def sliding_window_mask(q_len: int, k_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """Bidirectional sliding window: |query position - key position| < window."""
+    qpos = (k_len - q_len + torch.arange(q_len, device=device))[:, None]
+    kpos = torch.arange(k_len, device=device)[None, :]
+    return ((qpos - kpos).abs() < window)[None, None]
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, ctx, cos, sin, cache, attn_mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, cache, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter
+# ---------------------------------------------------------------------------------------------
+
+
+class DFlashDraftModel(nn.Module):
+    """DFlash block-diffusion drafter. Weights named as z-lab's: layers.*, fc, hidden_norm, norm."""
+
+    def __init__(self, config: Qwen3Config | dict[str, Any]) -> None:
+        super().__init__()
+        raw = config if isinstance(config, dict) else config.to_dict()
+        self.raw_config: dict[str, Any] = dict(raw)
+        self.settings = DFlashSettings.from_config_dict(raw)
+        self.config = config if isinstance(config, Qwen3Config) else Qwen3Config(**_qwen3_kwargs(raw))
+        cfg = self.config
+        n_ctx = len(self.settings.target_layer_ids)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(n_ctx * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=cfg)
+        self.reset_parameters()
+
+    # -- properties used by the decoding loop ----------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.settings.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.settings.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.settings.target_layer_ids)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None, std: float | None = None) -> None:
+        """Random init (Qwen3's normal(0, initializer_range)); norms to 1."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = std if std is not None else float(getattr(self.config, "initializer_range", 0.02))
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            else:
+                p.zero_()
+
+    def fuse_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        # [B, C, n_ctx*H] -> [B, C, H]
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def forward(
+        self,
+        target_hidden: torch.Tensor,  # [B, C, n_ctx*H] raw target features of NEW context positions
+        noise_embedding: torch.Tensor,  # [B, S, H] target embeddings of [anchor, MASK x (S-1)]
+        position_ids: torch.Tensor,  # [B, C+S] context positions then block positions
+        cache: DraftKVCache | None = None,
+        attn_mask: torch.Tensor | None = None,  # default: every query sees every key
+    ) -> torch.Tensor:  # [B, S, H] after the final norm
+        ctx = self.fuse_context(target_hidden)
+        x = noise_embedding
+        cos, sin = self.rotary_emb(x, position_ids)  # [B, C+S, hd]
+        for layer in self.layers:
+            x = layer(x, ctx, cos, sin, cache, attn_mask)
+        return self.norm(x)
+
+    # -- the API users know from the DFlash release ------------------------------------------
+    def spec_generate(
+        self,
+        target: "nn.Module | TargetAdapter",
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        return_stats: bool = False,
+    ):
+        """Speculative generation. Returns ``[1, prompt + generated]`` ids, or the full
+        :class:`~dflash_trt.runtime.generate.GenerationResult` with ``return_stats=True``."""
+        from dflash_trt.runtime.generate import dflash_generate
+
+        result = dflash_generate(
+            self, target, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, stop_token_ids=stop_token_ids, seed=seed,
+        )
+        return result if return_stats else result.sequence
+
+    # -- z-lab checkpoint I/O -------------------------------------------------------------------
+    def to_config_dict(self) -> dict[str, Any]:
+        cfg = dict(self.raw_config)
+        cfg["architectures"] = [ARCHITECTURE]
+        cfg["model_type"] = "qwen3"
+        cfg.pop("auto_map", None)  # we never ship remote code; the format is data
+        dcfg = dict(cfg.get("dflash_config") or {})
+        dcfg.update(mask_token_id=self.mask_token_id, target_layer_ids=self.target_layer_ids)
+        cfg["dflash_config"] = dcfg
+        if "block_size" in (self.raw_config.get("dflash_config") or {}):
+            dcfg["block_size"] = self.block_size
+        else:
+            cfg["block_size"] = self.block_size
+        return cfg
+
+    def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
+        from dflash_trt.fsutil import write_json_atomic
+        from dflash_trt.runtime.checkpoint import save_safetensors_atomic
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        cfg = self.to_config_dict()
+        cfg["dtype"] = str(dtype or next(self.parameters()).dtype).removeprefix("torch.")
+        save_safetensors_atomic(state, directory / WEIGHTS_NAME)
+        write_json_atomic(directory / CONFIG_NAME, cfg)
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+        allow_pickle: bool = False,
+    ) -> "DFlashDraftModel":
+        """Load a z-lab drafter directory. Reads config.json and safetensors only: no remote code."""
+        from dflash_trt.runtime.checkpoint import load_state_dict, read_json
+
+        directory = Path(directory)
+        cfg = read_json(directory / CONFIG_NAME, what="drafter config")
+        archs = cfg.get("architectures") or []
+        if archs and not any("DFlash" in a for a in archs):
+            raise DFlashError(
+                f"{directory}: architectures={archs} is not a DFlash drafter; "
+                f"pass the drafter directory (config.json with architectures [\"{ARCHITECTURE}\"])"
+            )
+        model = cls(cfg)
+        state = load_state_dict(directory, allow_pickle=allow_pickle)
+        model._load_checked(state, directory)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def _load_checked(self, state: dict[str, torch.Tensor], where: Path) -> None:
+        expected = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing:
+            raise DFlashError(
+                f"{where}: drafter weights missing {len(missing)} tensors (first: {missing[0]}); "
+                "the checkpoint is incomplete or not in z-lab format"
+            )
+        if unexpected:
+            raise DFlashError(
+                f"{where}: drafter weights have {len(unexpected)} unexpected tensors (first: {unexpected[0]}); "
+                "num_hidden_layers or the architecture in config.json does not match the weights"
+            )
+        for k, v in expected.items():
+            if tuple(state[k].shape) != tuple(v.shape):
+                raise DFlashError(
+                    f"{where}: tensor {k} has shape {tuple(state[k].shape)} but config.json implies "
+                    f"{tuple(v.shape)}; config.json and model.safetensors disagree"
+                )
+        self.load_state_dict(state, strict=False)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def _qwen3_kwargs(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3Config kwargs from a z-lab config dict (unknown keys are kept as attributes)."""
+    kw = {k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "model_type", "dtype", "torch_dtype")}
+    if "rope_parameters" not in kw and "rope_theta" in kw:
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw["rope_theta"]}
+    return kw
+
+
+def make_draft_config(
+    target_config: Any,
+    num_layers: int = 1,
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    target_layer_ids: list[int] | None = None,
+    intermediate_size: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
+) -> dict[str, Any]:
+    """A z-lab drafter config sized for `target_config` (hidden size must equal the target's)."""
+    t = target_config
+    hidden = t.hidden_size
+    heads = num_attention_heads or t.num_attention_heads
+    kv = num_key_value_heads or getattr(t, "num_key_value_heads", heads)
+    hd = head_dim or getattr(t, "head_dim", None) or hidden // t.num_attention_heads
+    n_target = t.num_hidden_layers
+    rope_theta = _rope_theta(t)
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate_size or t.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(getattr(t, "rms_norm_eps", 1e-6)),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": int(getattr(t, "max_position_embeddings", 4096)),
+        "vocab_size": t.vocab_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "num_target_layers": n_target,
+        "block_size": block_size,
+        "dflash_config": {
+            "mask_token_id": mask_token_id if mask_token_id is not None else t.vocab_size - 1,
+            "target_layer_ids": target_layer_ids or build_target_layer_ids(n_target, num_layers),
+        },
+    }
+
+
+def _rope_theta(config: Any) -> float:
+    rp = getattr(config, "rope_parameters", None) or {}
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        return float(rp["rope_theta"])
+    theta = getattr(config, "rope_theta", None)
+    return float(theta) if theta else 10000.0
+

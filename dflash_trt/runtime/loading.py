@@ -1,0 +1,102 @@
+"""Loading a target / drafter pair from directories: safetensors and configs only, no remote code."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.runtime.checkpoint import PICKLE_SUFFIXES, read_json
+from dflash_trt.runtime.draft_model import DFlashDraftModel
+from dflash_trt.runtime.validate import validate_pair
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedPair:
+    target: Any  # transformers PreTrainedModel
+    draft: DFlashDraftModel
+    tokenizer: Any | None
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise DFlashError(f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPES))}")
+    return DTYPES[name]
+
+
+def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                allow_pickle: bool = False):
+    """A HF causal LM from a local directory; never executes code from it."""
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    read_json(directory / "config.json", what="target config")
+    if not list(directory.glob("*.safetensors")):
+        pickles = [p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES]
+        if not pickles:
+            raise DFlashError(f"{directory}: no *.safetensors weights; pass a HF checkpoint directory")
+        if not allow_pickle:
+            raise DFlashError(f"{directory}: only pickle weights ({pickles[0].name}); convert to safetensors or pass --allow-pickle")
+    try:
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, dtype=dtype, trust_remote_code=False, use_safetensors=not allow_pickle or None,
+                local_files_only=True,
+            )
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise DFlashError(f"cannot load target from {directory}: {str(e).splitlines()[0]}")
+    return model.to(device).eval()
+
+
+def load_tokenizer(directory: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        with _quiet_transformers():
+            return AutoTokenizer.from_pretrained(Path(directory), trust_remote_code=False, local_files_only=True)
+    except (OSError, ValueError) as e:
+        logging.getLogger(__name__).warning("no tokenizer in %s (%s)", directory, str(e).splitlines()[0])
+        return None
+
+
+def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype: str | torch.dtype = "float32",
+              device: str = "cpu", allow_pickle: bool = False) -> LoadedPair:
+    """Validate the pair from configs first (cheap), then load weights."""
+    from transformers import AutoConfig
+
+    dt = parse_dtype(dtype)
+    draft_cfg = read_json(Path(draft_dir) / "config.json", what="drafter config")
+    read_json(Path(target_dir) / "config.json", what="target config")
+    try:
+        tcfg = AutoConfig.from_pretrained(Path(target_dir), trust_remote_code=False, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise DFlashError(f"cannot read target config in {target_dir}: {str(e).splitlines()[0]}")
+    validate_pair(draft_cfg, tcfg, where=str(draft_dir))
+    target = load_target(target_dir, dt, device, allow_pickle)
+    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=dt, device=device, allow_pickle=allow_pickle)
+    return LoadedPair(target, draft, load_tokenizer(target_dir))
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers prints load reports to stdout/stderr; keep the CLI output clean."""
+    from transformers.utils import logging as hf_logging
+
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        hf_logging.set_verbosity(old)

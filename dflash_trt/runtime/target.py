@@ -1,0 +1,114 @@
+"""A thin adapter over any Hugging Face causal LM (Llama, Qwen3, GptOss, ...) for DFlash.
+
+It gives the decoding loop exactly four things: the target's token embedding, its lm_head, a
+forward that also returns the hidden states of ``target_layer_ids``, and KV-cache rollback.
+
+Layer indexing (the classic silent bug): the feature of "layer l" is the OUTPUT of decoder layer
+l (after its residual add), i.e. HF ``output_hidden_states[l + 1]``; index 0 would be the
+embedding. This matches z-lab and TensorRT-LLM. vLLM and SGLang capture the state ENTERING a
+layer and therefore add 1 to the ids. An off-by-one keeps the output lossless and silently
+destroys acceptance, so tests/test_target.py pins it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+
+class TargetAdapter:
+    """Wraps a frozen HF causal LM. Captures decoder-layer outputs with forward hooks."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if isinstance(model, TargetAdapter):  # idempotent wrapping
+            model = model.model
+        self.model = model.eval()
+        self.config = model.config
+        self._decoder_layers = _find_decoder_layers(model)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capture_ids: tuple[int, ...] = ()
+        for idx, layer in enumerate(self._decoder_layers):
+            layer.register_forward_hook(self._make_hook(idx))
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self._decoder_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    # -- pieces the drafter borrows -------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        # [B, S] -> [B, S, H]; raw embedding rows (no model-specific scaling)
+        return self.model.get_input_embeddings()(ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [B, S, H] -> [B, S, V]
+        return self.model.get_output_embeddings()(hidden)
+
+    # -- forward with hidden-state capture ------------------------------------------------------
+    def new_cache(self) -> DynamicCache:
+        # A plain DynamicCache keeps every position in every layer (also sliding-window ones, whose
+        # masks still restrict attention), so it can always be cropped back after a rejection.
+        return DynamicCache()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, S]
+        position_ids: torch.Tensor,  # [B, S]
+        cache: DynamicCache,
+        capture_layer_ids: tuple[int, ...] | list[int] = (),
+        logits_to_keep: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns logits [B, S', V] (S' = logits_to_keep or S) and ctx features [B, S, n*H]."""
+        self._capture_ids = tuple(capture_layer_ids)
+        self._captured = {}
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        finally:
+            captured, self._captured, self._capture_ids = self._captured, {}, ()
+        feats = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
+        return out.logits, feats
+
+    @staticmethod
+    def crop(cache: DynamicCache, length: int) -> None:
+        """Roll the KV cache back to its first `length` positions (after a rejection)."""
+        cache.crop(length)
+
+    def _make_hook(self, idx: int):
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if idx in self._capture_ids:
+                self._captured[idx] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+
+def _find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", None) or getattr(model, "transformer", None) or model
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")

