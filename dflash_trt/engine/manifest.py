@@ -1,0 +1,117 @@
+"""`dflash_trt.json`: the manifest that makes an engine directory self-describing.
+
+Layout of an engine directory (written atomically; the manifest is written LAST, so its
+presence means the build completed):
+
+    engine/
+      dflash_trt.json        this manifest
+      target/                unified HF checkpoint (ModelOpt export when quantized)
+      draft/                 DFlash drafter, z-lab format
+      llm_api_options.yaml   TensorRT-LLM LLM-API args incl. speculative_config (DFlash)
+      launch/                trtllm-serve / vLLM / SGLang commands for the same engine
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dflash_trt.errors import DFlashError
+
+MANIFEST_NAME = "dflash_trt.json"
+FORMAT_VERSION = 1
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Mapping(Strict):
+    """How the target is split across GPUs (TensorRT-LLM's parallel sizes)."""
+
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        """MPI ranks = GPUs used. Expert parallelism reuses the TP ranks (ep divides tp*pp)."""
+        return self.tp * self.pp
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.world_size // self.gpus_per_node)
+
+    @property
+    def tasks_per_node(self) -> int:
+        return min(self.world_size, self.gpus_per_node)
+
+
+class Quantization(Strict):
+    weights: Literal["none", "fp8", "nvfp4"] = "none"
+    kv_cache: Literal["none", "fp8"] = "none"
+
+
+class Limits(Strict):
+    max_batch_size: int = Field(8, ge=1)
+    max_seq_len: int = Field(2048, ge=2)
+    max_draft_len: int = Field(15, ge=1)
+    max_num_tokens: int | None = Field(None, ge=1)
+
+
+class DraftInfo(Strict):
+    path: str = "draft"
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+
+
+class TargetInfo(Strict):
+    path: str = "target"
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+class EngineManifest(Strict):
+    format_version: int = FORMAT_VERSION
+    name: str
+    created: str  # ISO-8601 UTC
+    gpu: str  # b300 | b200 | h200 | h100 | cpu
+    mapping: Mapping
+    quantization: Quantization
+    limits: Limits
+    target: TargetInfo
+    draft: DraftInfo
+    llm_api_options: str = "llm_api_options.yaml"
+    min_tensorrt_llm_version: str
+    versions: dict[str, str]  # library -> version used by the build
+    spec: dict[str, Any]  # the resolved build spec, as printed
+    files: dict[str, str]  # relative path -> sha256 of every other file in the directory
+
+
+def load_manifest(engine_dir: str | Path) -> EngineManifest:
+    """Read and validate `engine_dir/dflash_trt.json` (DFlashError with a fix on any problem)."""
+    import json
+
+    engine_dir = Path(engine_dir)
+    path = engine_dir / MANIFEST_NAME
+    if not path.is_file():
+        hint = " (an interrupted build leaves no manifest; rebuild)" if engine_dir.is_dir() else ""
+        raise DFlashError(f"{engine_dir} is not a dflash-trt engine directory: {MANIFEST_NAME} missing{hint}; run `dflash-trt build`")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        manifest = EngineManifest.model_validate(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{path} is not valid JSON ({e}); rebuild the engine")
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise DFlashError(f"{path}: field {loc}: {err['msg']}; rebuild the engine with this dflash-trt version")
+    if manifest.format_version != FORMAT_VERSION:
+        raise DFlashError(f"{path}: format_version {manifest.format_version} is not {FORMAT_VERSION}; rebuild the engine")
+    return manifest

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny random pairs saved on disk, in the same formats real checkpoints use."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+
+
+def save_tiny_pair(root: Path, arch: str = "llama", block_size: int = 8, draft_layers: int = 1, seed: int = 0,
+                   **target_kw) -> tuple[Path, Path]:
+    """A tiny target (HF directory, safetensors) and a random drafter (z-lab format) under root."""
+    from dflash_trt.runtime.tiny import random_draft, tiny_target
+
+    target = tiny_target(arch, seed=seed, **target_kw)
+    draft = random_draft(target.config, num_layers=draft_layers, block_size=block_size, seed=seed)
+    tdir, ddir = root / "target", root / "draft"
+    target.save_pretrained(tdir)
+    draft.save_pretrained(ddir)
+    return tdir, ddir
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """(target_dir, draft_dir) of a tiny Llama target and a random 1-layer drafter, block 8."""
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
