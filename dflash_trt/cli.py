@@ -71,5 +71,41 @@ def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=None, separators=(",", ":")))
 
 
+@main.group()
+def deploy() -> None:
+    """Turn an engine directory into a deployment (Triton model repository, Slurm jobs)."""
+
+
+# Each area of the product keeps its commands in its own module, which exposes COMMANDS (added
+# to `dflash-trt`) and optionally DEPLOY_COMMANDS (added to `dflash-trt deploy`). Those modules
+# import heavy libraries inside the commands only, so `dflash-trt --help` stays fast.
+COMMAND_MODULES = (
+    "dflash_trt.train.cli",
+    "dflash_trt.engine.cli",
+    "dflash_trt.serving.cli",
+    "dflash_trt.deploy.cli",
+    "dflash_trt.bench.cli",
+)
+
+
+def _register_commands() -> None:
+    import importlib
+
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and name.startswith(e.name):  # that area is not written yet
+                continue
+            raise
+        for cmd in getattr(module, "COMMANDS", ()):
+            main.add_command(cmd)
+        for cmd in getattr(module, "DEPLOY_COMMANDS", ()):
+            deploy.add_command(cmd)
+
+
+_register_commands()
+
+
 if __name__ == "__main__":
     main()
