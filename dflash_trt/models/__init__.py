@@ -1,0 +1,1 @@
+"""Real models the project ships support for (the embedded default target)."""

@@ -1,0 +1,1 @@
+"""Training DFlash drafters: self-distilled data generation and the DFlash block objective."""
