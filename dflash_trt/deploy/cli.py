@@ -1,0 +1,136 @@
+"""CLI of the Slurm / MPI area: `dflash-trt deploy slurm`, `dflash-trt deploy wait-ready`, `dflash-trt launch`.
+
+Heavy imports (mpi4py, tritonclient, the server) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from dflash_trt.cli import friendly_errors
+
+
+@click.command("slurm")
+@click.argument("engine", type=click.Path(file_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), default="slurm", show_default=True,
+              help="Folder for serve.sbatch, build.sbatch, bench.sbatch, build_spec.yaml and logs/.")
+@click.option("--backend", type=click.Choice(["trtllm", "reference"]), default="trtllm", show_default=True,
+              help="trtllm: TensorRT-LLM ranks (TP x PP tasks, one per GPU). reference: the project's own "
+                   "server, independent replicas, no GPU request unless --gpus-per-node.")
+@click.option("--server", type=click.Choice(["tritonserver", "trtllm-serve"]), default="tritonserver",
+              show_default=True, help="trtllm backend: what rank 0 runs behind trtllm-llmapi-launch.")
+@click.option("--job-name", help="Slurm job name prefix (default: the engine name); jobs get -serve/-build/-bench.")
+@click.option("--partition", help="sbatch --partition.")
+@click.option("--account", help="sbatch --account.")
+@click.option("--time", "time_limit", help="sbatch --time, e.g. 04:00:00.")
+@click.option("--nodes", type=click.IntRange(min=1), help="Nodes (default: from the engine's mapping).")
+@click.option("--gpus-per-node", type=click.IntRange(min=0),
+              help="GPUs per node (default: the engine's mapping; none for --backend reference).")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--backend reference: independent servers, one per task.")
+@click.option("--container-image", help="pyxis/enroot image for the srun steps (srun --container-image).")
+@click.option("--container-mounts", help="srun --container-mounts SRC:DST[,...]; the engine and --out are "
+                                         "always mounted at their own paths.")
+@click.option("--container-dflash-bin", default="dflash-trt", show_default=True,
+              help="The dflash-trt command inside --container-image.")
+@click.option("--model-repository", type=click.Path(file_okay=False),
+              help="tritonserver model repository (default: OUT/triton_repo, from `dflash-trt deploy triton`).")
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True,
+              help="gRPC port (reference: of rank 0; rank r uses grpc-port + r x port-stride).")
+@click.option("--http-port", type=click.IntRange(1, 65535), default=8000, show_default=True,
+              help="HTTP port (tritonserver, trtllm-serve).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True,
+              help="Prometheus metrics port (reference: of rank 0, + r x port-stride).")
+@click.option("--port-stride", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Port offset between reference replicas.")
+@click.option("--mpi", default="pmix", show_default=True,
+              help="srun --mpi plugin (`srun --mpi=list`); pmi2 for an MPICH-only environment.")
+@click.option("--ready-timeout", type=click.IntRange(min=1), default=1800, show_default=True,
+              help="Seconds the serve job waits for the server to answer ServerReady before failing.")
+@click.option("--dflash-bin", type=click.Path(dir_okay=False),
+              help="Absolute path of dflash-trt for the job (default: the one running now; jobs do not "
+                   "inherit an activated venv).")
+@click.option("--bench-args", default="", help="Extra arguments for `dflash-trt bench` in bench.sbatch.")
+@click.option("--submit", is_flag=True, help="sbatch the serve job (and the bench job after it) and print the ids.")
+@friendly_errors
+def slurm(engine: str, out: str, backend: str, server: str, job_name: str | None, partition: str | None,
+          account: str | None, time_limit: str | None, nodes: int | None, gpus_per_node: int | None,
+          replicas: int, container_image: str | None, container_mounts: str | None, container_dflash_bin: str,
+          model_repository: str | None, grpc_port: int, http_port: int, metrics_port: int, port_stride: int,
+          mpi: str, ready_timeout: int, dflash_bin: str | None, bench_args: str, submit: bool) -> None:
+    """Write sbatch scripts (serve, build, bench) for the engine directory ENGINE."""
+    from dflash_trt.deploy.slurm import SlurmOptions, describe, sbatch, write_jobs
+
+    kw = dict(out=Path(out), backend=backend, server=server, job_name=job_name, partition=partition,
+              account=account, time=time_limit, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
+              container_image=container_image, container_mounts=container_mounts,
+              container_dflash_bin=container_dflash_bin,
+              model_repository=Path(model_repository) if model_repository else None, grpc_port=grpc_port,
+              http_port=http_port, metrics_port=metrics_port, port_stride=port_stride, mpi=mpi,
+              ready_timeout=ready_timeout, bench_args=bench_args)
+    if dflash_bin:
+        kw["dflash_bin"] = str(Path(dflash_bin).resolve())
+    opts = SlurmOptions(**kw)
+    click.echo(f"[deploy slurm] resolved options:\n{describe(opts)}", err=True)
+    paths = write_jobs(engine, opts)
+    for job, path in paths.items():
+        click.echo(f"{job}: {path}")
+    if submit:
+        serve_id = sbatch(paths["serve"])
+        click.echo(f"submitted serve job {serve_id}")
+        bench_id = sbatch(paths["bench"], serve_id, dependency=f"after:{serve_id}")
+        click.echo(f"submitted bench job {bench_id} (starts after {serve_id}, waits for its endpoints)")
+
+
+@click.command("wait-ready")
+@click.argument("urls", nargs=-1, required=True)
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=600, show_default=True,
+              help="Seconds to wait for every URL.")
+@click.option("--pid", type=int, help="Fail at once when this process (the server step) exits.")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds between polls.")
+@friendly_errors
+def wait_ready_cmd(urls: tuple[str, ...], timeout_s: float, pid: int | None, interval: float) -> None:
+    """Wait until every server in URLS is ready (HOST:PORT = KServe gRPC ServerReady; http://... = HTTP 200)."""
+    from dflash_trt.deploy.ready import wait_ready
+
+    waited = wait_ready(urls, timeout_s, pid=pid, interval_s=interval,
+                        on_ready=lambda url, t: click.echo(f"[wait-ready] {url} ready after {t:.1f}s", err=True))
+    click.echo(f"[wait-ready] all {len(urls)} endpoint(s) ready after {waited:.1f}s", err=True)
+
+
+@click.command("launch", context_settings={"ignore_unknown_options": False})
+@click.argument("engine", type=click.Path(file_okay=False))
+@click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
+@click.option("--backend", type=click.Choice(["trtllm", "reference"]), default="trtllm", show_default=True,
+              help="trtllm: world size must equal TP x PP; rank 0 serves, other ranks are TensorRT-LLM workers. "
+                   "reference: every rank is an independent replica on its own ports.")
+@click.option("--check", "check_only", is_flag=True,
+              help="Only check (world size vs TP x PP, tensorrt_llm importable) on every rank, then exit.")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address the reference server binds.")
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True,
+              help="Reference backend: gRPC port of rank 0; rank r uses grpc-port + r x port-stride.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True,
+              help="Reference backend: metrics port of rank 0; rank r uses metrics-port + r x port-stride.")
+@click.option("--port-stride", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Reference backend: port offset between ranks.")
+@friendly_errors
+def launch_cmd(engine: str, server_cmd: tuple[str, ...], backend: str, check_only: bool, host: str,
+               grpc_port: int, metrics_port: int, port_stride: int) -> None:
+    """Run ENGINE on this MPI rank (srun --mpi=pmix, mpiexec, or standalone).
+
+    With --backend trtllm, the server command for rank 0 follows `--`, e.g.
+    `dflash-trt launch ENGINE -- tritonserver --model-repository=REPO`.
+    """
+    from dflash_trt.deploy.launch import launch
+
+    code = launch(engine, backend=backend, check_only=check_only, host=host, grpc_port=grpc_port,
+                  metrics_port=metrics_port, port_stride=port_stride, server_cmd=list(server_cmd))
+    sys.exit(code)
+
+
+DEPLOY_COMMANDS = [slurm, wait_ready_cmd]
+COMMANDS = [launch_cmd]
