@@ -1,0 +1,182 @@
+"""`dflash-trt deploy triton`, `dflash-trt serve`, `dflash-trt client`. Heavy imports stay inside."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from dflash_trt.cli import friendly_errors
+from dflash_trt.errors import DFlashError
+
+_BACKEND_HELP = ("Runtime inside the model: auto = TensorRT-LLM when it is importable and has DFlash, else the "
+                 "reference runtime; tensorrt_llm = require it; reference = dflash-trt's PyTorch runtime.")
+
+
+def _settings(**kw):
+    from dflash_trt.serving.repository import TritonRepoSettings
+
+    try:
+        return TritonRepoSettings(**{k: v for k, v in kw.items() if v is not None})
+    except Exception as e:  # pydantic ValidationError -> one line
+        errors = getattr(e, "errors", None)
+        if errors:
+            err = errors()[0]
+            raise DFlashError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
+        raise
+
+
+def _repo_options(fn):
+    for opt in reversed([
+        click.option("--model-name", default="dflash", show_default=True, help="Triton model name (folder name)."),
+        click.option("--backend", type=click.Choice(["auto", "tensorrt_llm", "reference"]), default="auto",
+                     show_default=True, help=_BACKEND_HELP),
+        click.option("--default-max-tokens", type=click.IntRange(min=1), default=None,
+                     help="max_tokens when a request sends none [default: min(256, max_seq_len / 2)]."),
+        click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
+                     help="Requests that may wait for the runtime before new ones get UNAVAILABLE."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+                     show_default=True, help="Weights dtype for the reference runtime."),
+        click.option("--device", default="cpu", show_default=True, help="Device for the reference runtime (cpu, cuda)."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+@click.command("triton")
+@click.argument("engine", type=click.Path(file_okay=False))
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Model repository to write.")
+@_repo_options
+@click.option("--engine-path", default=None,
+              help="The engine directory as the server will see it (e.g. its path inside a container) "
+                   "[default: ENGINE, resolved].")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@friendly_errors
+def triton(engine: str, out: str, model_name: str, backend: str, default_max_tokens: int | None, max_queue: int,
+           dtype: str, device: str, engine_path: str | None, force: bool) -> None:
+    """Write a Triton model repository (Python backend, decoupled streaming) for ENGINE.
+
+    Serve it with `tritonserver --model-repository OUT` (TensorRT-LLM container) or `dflash-trt serve
+    --model-repository OUT` anywhere else.
+    """
+    from dflash_trt.serving.repository import generate_repository
+
+    settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
+                         max_queue=max_queue, dtype=dtype, device=device, engine_path=engine_path)
+    click.echo(f"[deploy triton] engine={Path(engine).resolve()} out={out} "
+               + " ".join(f"{k}={v}" for k, v in settings.model_dump().items()), err=True)
+    repo = generate_repository(engine, out, settings, overwrite=force)
+    click.echo(str(repo / settings.model_name / "config.pbtxt"))
+
+
+def _default_engine() -> Path:
+    try:
+        from dflash_trt.embedded import default_engine_dir  # type: ignore[attr-defined]
+    except ImportError:
+        raise DFlashError("no engine given and no embedded default engine; pass an ENGINE directory or "
+                          "--model-repository") from None
+    return Path(default_engine_dir())
+
+
+@click.command()
+@click.argument("source", required=False, type=click.Path(file_okay=False))
+@click.option("--model-repository", type=click.Path(file_okay=False), default=None,
+              help="Model repository to serve (from `dflash-trt deploy triton`). Or give an engine directory as "
+                   "SOURCE: it is turned into a temporary repository.")
+@click.option("--grpc-address", default="127.0.0.1", show_default=True,
+              help="Address to bind (0.0.0.0 to accept remote clients).")
+@click.option("--grpc-port", type=click.IntRange(0, 65535), default=8001, show_default=True,
+              help="gRPC port (KServe v2 protocol); 0 picks a free one.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=8002, show_default=True,
+              help="Prometheus /metrics port; 0 picks a free one.")
+@click.option("--allow-metrics/--no-allow-metrics", default=True, show_default=True, help="Serve Prometheus metrics.")
+@click.option("--load-model", "load_models", multiple=True, help="Load only this model (repeatable).")
+@click.option("--exit-timeout-secs", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM/SIGINT, time in-flight requests get to finish before they are cancelled.")
+@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
+              help="Write 'host:grpc_port metrics_port' here once serving (for launchers and scripts).")
+@_repo_options
+@friendly_errors
+def serve(source: str | None, model_repository: str | None, grpc_address: str, grpc_port: int, metrics_port: int,
+          allow_metrics: bool, load_models: tuple[str, ...], exit_timeout_secs: float, ready_file: str | None,
+          model_name: str, backend: str, default_max_tokens: int | None, max_queue: int, dtype: str,
+          device: str) -> None:
+    """Serve a model repository (or an engine directory) over Triton's gRPC protocol, with metrics.
+
+    The repository's model.py runs through the Triton Python-backend interface, exactly as in
+    tritonserver; the real tritonclient talks to it unchanged. The options --model-name, --backend,
+    --default-max-tokens, --max-queue, --dtype and --device apply when SOURCE is an engine directory.
+    """
+    import logging
+    import shutil
+    import tempfile
+
+    from dflash_trt.serving.server import run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if source and model_repository:
+        raise DFlashError("give either SOURCE or --model-repository, not both")
+    tmp = None
+    if model_repository is None:
+        from dflash_trt.engine.manifest import MANIFEST_NAME
+        from dflash_trt.serving.repository import generate_repository
+
+        engine = Path(source) if source else _default_engine()
+        if not (engine / MANIFEST_NAME).is_file() and any(engine.glob("*/config.pbtxt")):
+            model_repository = str(engine)  # SOURCE was a repository after all
+        else:
+            settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
+                                 max_queue=max_queue, dtype=dtype, device=device)
+            tmp = Path(tempfile.mkdtemp(prefix="dflash-trt-repo-"))
+            model_repository = str(generate_repository(engine, tmp / "repo", settings))
+    click.echo(json.dumps({"model_repository": model_repository, "grpc": f"{grpc_address}:{grpc_port}",
+                           "metrics_port": metrics_port if allow_metrics else None,
+                           "load_model": list(load_models) or "all", "exit_timeout_secs": exit_timeout_secs}),
+               err=True)
+    try:
+        run_server(model_repository, grpc_port=grpc_port, metrics_port=metrics_port if allow_metrics else None,
+                   host=grpc_address, models=list(load_models) or None, grace_s=exit_timeout_secs,
+                   ready_file=ready_file)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@click.command()
+@click.argument("prompt")
+@click.option("--url", default="localhost:8001", show_default=True, help="Server gRPC address host:port.")
+@click.option("--model", "model", default="dflash", show_default=True, help="Model name in the repository.")
+@click.option("--stream/--no-stream", default=False, show_default=True, help="Print text as it is accepted.")
+@click.option("--max-tokens", type=int, default=None, help="Tokens to generate [default: the model's].")
+@click.option("--temperature", type=float, default=None, help="Sampling temperature (0 = greedy) [default: 0].")
+@click.option("--top-p", type=float, default=None, help="Nucleus sampling mass [default: 1].")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); the output ends before it.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="Seconds to wait for the final response.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, finish_reason, statistics).")
+@friendly_errors
+def client(prompt: str, url: str, model: str, stream: bool, max_tokens: int | None, temperature: float | None,
+           top_p: float | None, seed: int | None, stop: tuple[str, ...], timeout_s: float, as_json: bool) -> None:
+    """Send PROMPT to a Triton-protocol server and print the answer and its DFlash statistics."""
+    from dflash_trt.serving.client import generate
+
+    printer = (lambda t: click.echo(t, nl=False)) if stream and not as_json else None
+    result = generate(url, prompt, model=model, stream=stream, on_text=printer, timeout_s=timeout_s,
+                      max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+    if as_json:
+        click.echo(json.dumps({"text": result.text, "finish_reason": result.finish_reason, **result.stats,
+                               "ttft_s": result.ttft_s, "latency_s": result.latency_s}))
+        return
+    click.echo("" if stream else result.text)
+    s = result.stats
+    click.echo(
+        f"\n[triton] finish={result.finish_reason} tokens={s.get('num_output_tokens', '?')} "
+        f"tau={s.get('acceptance_length', 0.0):.2f} acceptance_rate={s.get('acceptance_rate', 0.0):.2f} "
+        f"drafted={s.get('total_draft_tokens', '?')} accepted={s.get('total_accepted_draft_tokens', '?')} "
+        f"ttft={result.ttft_s * 1e3:.0f}ms latency={result.latency_s * 1e3:.0f}ms", err=True)
+
+
+DEPLOY_COMMANDS = [triton]
+COMMANDS = [serve, client]

@@ -1,0 +1,84 @@
+"""Prometheus metrics of the gRPC server, on their own registry (one per server instance).
+
+Where Triton has a metric, the name, labels (`model`, `version`) and unit are Triton's, so the
+same dashboards work against `tritonserver` and `dflash-trt serve`. Triton exposes its counters
+WITHOUT the `_total` suffix that prometheus-client's Counter adds, so those are Gauges that only
+ever go up (the exposition says gauge; the series names match Triton's exactly).
+DFlash-specific metrics are proper counters/histograms named in the project's vocabulary
+(dflash_trt.metrics): acceptance_length is tau, bonus token included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LABELS = ("model", "version")
+TAU_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        # -- Triton's names ----------------------------------------------------------------------
+        self.success = Gauge("nv_inference_request_success", "Number of successful inference requests", LABELS, registry=r)
+        self.failure = Gauge("nv_inference_request_failure", "Number of failed inference requests",
+                             (*LABELS, "reason"), registry=r)
+        self.count = Gauge("nv_inference_count", "Number of inferences performed", LABELS, registry=r)
+        self.exec_count = Gauge("nv_inference_exec_count", "Number of model executions performed", LABELS, registry=r)
+        self.pending = Gauge("nv_inference_pending_request_count", "Instantaneous number of pending requests",
+                             LABELS, registry=r)
+        self.request_us = Gauge("nv_inference_request_duration_us", "Cumulative inference request duration in us",
+                                LABELS, registry=r)
+        self.queue_us = Gauge("nv_inference_queue_duration_us", "Cumulative inference queuing duration in us",
+                              LABELS, registry=r)
+        self.compute_us = Gauge("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in us",
+                                LABELS, registry=r)
+        self.first_response = Histogram("nv_inference_first_response_histogram_ms",
+                                        "Duration from request to first response in milliseconds", LABELS,
+                                        buckets=tuple(b * 1e3 for b in LATENCY_BUCKETS), registry=r)
+        # -- DFlash -------------------------------------------------------------------------------
+        self.latency = Histogram("dflash_request_latency_seconds", "Request latency, arrival to final response",
+                                 LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.output_tokens = Counter("dflash_output_tokens", "Generated tokens", LABELS, registry=r)
+        self.draft_tokens = Counter("dflash_draft_tokens", "Draft tokens proposed for verification", LABELS, registry=r)
+        self.accepted_tokens = Counter("dflash_accepted_draft_tokens", "Draft tokens the target accepted", LABELS,
+                                       registry=r)
+        self.tau = Histogram("dflash_acceptance_length", "Per-request mean acceptance length tau (bonus token included)",
+                             LABELS, buckets=TAU_BUCKETS, registry=r)
+
+    def request_started(self, model: str, version: str) -> None:
+        self.pending.labels(model, version).inc()
+
+    def request_finished(self, model: str, version: str, ok: bool, reason: str, total_s: float, queue_s: float,
+                         first_response_s: float | None, outputs: dict[str, Any], was_pending: bool = True) -> None:
+        lv = (model, version)
+        if was_pending:  # requests rejected before reaching the model were never pending
+            self.pending.labels(*lv).dec()
+        if not ok:
+            self.failure.labels(*lv, reason).inc()
+            return
+        self.success.labels(*lv).inc()
+        self.count.labels(*lv).inc()
+        self.exec_count.labels(*lv).inc()
+        self.request_us.labels(*lv).inc(total_s * 1e6)
+        self.queue_us.labels(*lv).inc(queue_s * 1e6)
+        self.compute_us.labels(*lv).inc(max(0.0, total_s - queue_s) * 1e6)
+        self.latency.labels(*lv).observe(total_s)
+        if first_response_s is not None:
+            self.first_response.labels(*lv).observe(first_response_s * 1e3)
+        if "num_output_tokens" in outputs:
+            self.output_tokens.labels(*lv).inc(int(outputs["num_output_tokens"]))
+        if "total_draft_tokens" in outputs:
+            self.draft_tokens.labels(*lv).inc(int(outputs["total_draft_tokens"]))
+            self.accepted_tokens.labels(*lv).inc(int(outputs.get("total_accepted_draft_tokens", 0)))
+        if outputs.get("acceptance_length"):
+            self.tau.labels(*lv).observe(float(outputs["acceptance_length"]))
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        """Start the /metrics HTTP endpoint; returns (http_server, thread)."""
+        from prometheus_client import start_http_server
+
+        return start_http_server(port, addr=host, registry=self.registry)

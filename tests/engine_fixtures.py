@@ -1,0 +1,103 @@
+"""A tiny but complete engine directory for the serving tests, written without `dflash-trt build`.
+
+It has everything a real engine directory has (see dflash_trt/engine/manifest.py): a tiny random
+Llama target saved as a HF checkpoint WITH a real byte-level BPE tokenizer and chat template
+(trained in-process on a few sentences, so the full text path runs), a random DFlash drafter in
+z-lab format, an llm_api_options.yaml, and a validated dflash_trt.json with sha256 of every file.
+When the real builder lands this helper can be swapped for it without touching the tests.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+
+try:
+    from tests.conftest import save_tiny_pair
+except ImportError:  # tests/ is not a package
+    from conftest import save_tiny_pair
+
+VOCAB_SIZE = 320  # 256 byte symbols + 3 specials + a few merges
+EOS = "<|im_end|>"  # id 2 == LlamaConfig's default eos_token_id
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TRAIN_TEXT = [
+    "The capital of France is Paris.",
+    "Hello world, how are you today?",
+    "Speculative decoding drafts a block of tokens and the target verifies them.",
+]
+
+
+def save_tiny_tokenizer(directory: Path) -> None:
+    """A real byte-level BPE tokenizer (the SmolLM2 kind), small enough for a 320-token vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=["<|endoftext|>", "<|im_start|>", EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(TRAIN_TEXT * 3, trainer)
+    assert tok.get_vocab_size() <= VOCAB_SIZE
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(directory)
+
+
+def make_tiny_engine(root: Path, max_seq_len: int = 256, block_size: int = 8, seed: int = 0) -> Path:
+    """Write `root/engine` (target + tokenizer, draft, llm_api_options.yaml, dflash_trt.json)."""
+    import json
+
+    import yaml
+
+    from dflash_trt.engine.llm_api import check_llm_api_options
+    from dflash_trt.engine.manifest import MANIFEST_NAME, EngineManifest
+    from dflash_trt.engine.verify import hash_tree
+    from dflash_trt.runtime.checkpoint import read_json
+
+    engine = root / "engine"
+    engine.mkdir(parents=True)
+    tdir, ddir = save_tiny_pair(engine, block_size=block_size, seed=seed, vocab_size=VOCAB_SIZE)
+    save_tiny_tokenizer(tdir)
+    tcfg = read_json(tdir / "config.json", what="target config")
+    dcfg = read_json(ddir / "config.json", what="drafter config")
+    dflash = dcfg.get("dflash_config", {})
+    options = {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "max_batch_size": 8,
+        "max_seq_len": max_seq_len,
+        "speculative_config": {
+            "decoding_type": "DFlash",
+            "max_draft_len": block_size - 1,
+            "speculative_model": "./draft",
+            "mask_token_id": dflash["mask_token_id"],
+            "target_layer_ids": list(dflash["target_layer_ids"]),
+        },
+    }
+    check_llm_api_options(options)
+    (engine / "llm_api_options.yaml").write_text(yaml.safe_dump(options, sort_keys=False))
+    files = hash_tree(engine)
+    manifest = EngineManifest(
+        name="tiny-llama-dflash",
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        gpu="cpu",
+        mapping={"tp": 1, "pp": 1, "ep": 1, "gpus_per_node": 1},
+        quantization={"weights": "none", "kv_cache": "none"},
+        limits={"max_batch_size": 8, "max_seq_len": max_seq_len, "max_draft_len": block_size - 1},
+        target={"architecture": tcfg["architectures"][0], "num_layers": tcfg["num_hidden_layers"],
+                "hidden_size": tcfg["hidden_size"], "vocab_size": tcfg["vocab_size"]},
+        draft={"block_size": dcfg.get("block_size", block_size),
+               "mask_token_id": dflash["mask_token_id"], "target_layer_ids": dflash["target_layer_ids"]},
+        min_tensorrt_llm_version="1.3.0",
+        versions={},
+        spec={"fixture": "tests/engine_fixtures.py"},
+        files=files,
+    )
+    (engine / MANIFEST_NAME).write_text(json.dumps(manifest.model_dump(), indent=2))
+    return engine
