@@ -101,3 +101,30 @@ def make_tiny_engine(root: Path, max_seq_len: int = 256, block_size: int = 8, se
     )
     (engine / MANIFEST_NAME).write_text(json.dumps(manifest.model_dump(), indent=2))
     return engine
+
+
+_ENGINES: dict[str, Path] = {}
+
+
+def shared_tiny_engine(tmp_path_factory) -> Path:
+    """One tiny engine per test session, whichever test module asks first (it takes seconds)."""
+    if "tiny" not in _ENGINES:
+        _ENGINES["tiny"] = make_tiny_engine(tmp_path_factory.mktemp("tiny_engine"))
+    return _ENGINES["tiny"]
+
+
+def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> str:
+    """The text the reference runtime gives for `prompt`, computed without the serving code."""
+    from dflash_trt.engine.loader import load_engine
+    from dflash_trt.generation_cli import encode_prompt, stop_ids_of
+    from dflash_trt.runtime.generate import dflash_generate
+    from dflash_trt.runtime.target import TargetAdapter
+
+    if "pair" not in _ENGINES or _ENGINES.get("pair_of") != engine:
+        pair = load_engine(engine)
+        _ENGINES["pair"], _ENGINES["pair_of"] = (pair, TargetAdapter(pair.target)), engine  # type: ignore[assignment]
+    pair, target = _ENGINES["pair"]  # type: ignore[misc]
+    ids = encode_prompt(pair.tokenizer, prompt, False, target.vocab_size)
+    result = dflash_generate(pair.draft, target, ids, max_new_tokens=max_tokens, temperature=temperature, seed=seed,
+                             stop_token_ids=stop_ids_of(pair.tokenizer, pair.target.config))
+    return pair.tokenizer.decode(result.output_ids, skip_special_tokens=True)

@@ -1,0 +1,149 @@
+"""`dflash-trt deploy triton`: the generated model repository, checked against Triton's real schema.
+
+No Triton server binary can run here, so config.pbtxt is parsed strictly with protobuf's text
+format into `tritonclient.grpc.model_config_pb2.ModelConfig` (the schema tritonserver itself
+uses) and compared with what model.py reads. The same repository is served by the tests in
+test_triton_server.py through the Python-backend interface.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+try:
+    from tests.engine_fixtures import shared_tiny_engine
+except ImportError:  # tests/ is not a package
+    from engine_fixtures import shared_tiny_engine
+
+from dflash_trt.cli import main
+from dflash_trt.engine.manifest import load_manifest
+from dflash_trt.errors import DFlashError
+from dflash_trt.resources import resource_dir
+from dflash_trt.serving.engine_runtime import IncrementalDetokenizer
+from dflash_trt.serving.repository import TritonRepoSettings, generate_repository, parse_config, render_config
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Path:
+    return shared_tiny_engine(tmp_path_factory)
+
+
+def _model_py_names(path: Path) -> dict[str, tuple[str, ...]]:
+    """INPUTS / OUTPUTS / PARAMETERS as declared in model.py (read without importing it)."""
+    tree = ast.parse(path.read_text())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("INPUTS", "OUTPUTS", "PARAMETERS"):
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+    return out
+
+
+def test_generated_config_parses_strictly_and_matches_model_py(engine, tmp_path):
+    repo = generate_repository(engine, tmp_path / "repo")
+    cfg = parse_config((repo / "dflash" / "config.pbtxt").read_text())
+    manifest = load_manifest(engine)
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    assert cfg.name == "dflash" and cfg.backend == "python" and cfg.max_batch_size == 0
+    assert cfg.model_transaction_policy.decoupled is True
+    types = {i.name: mc.DataType.Name(i.data_type) for i in cfg.input}
+    assert types["text_input"] == "TYPE_STRING" and types["stream"] == "TYPE_BOOL"
+    assert types["max_tokens"] == "TYPE_INT32" and types["temperature"] == "TYPE_FP32"
+    optional = {i.name for i in cfg.input if i.optional}
+    assert "text_input" not in optional and {"max_tokens", "stop", "stream", "seed"} <= optional
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert params["engine_dir"] == str(engine.resolve())
+    assert int(params["max_seq_len"]) == manifest.limits.max_seq_len
+    assert params["llm_api_options"] == manifest.llm_api_options
+    assert 1 <= int(params["default_max_tokens"]) <= manifest.limits.max_seq_len
+
+    names = _model_py_names(repo / "dflash" / "1" / "model.py")
+    assert set(names["INPUTS"]) == {i.name for i in cfg.input}
+    assert set(names["OUTPUTS"]) == {o.name for o in cfg.output}
+    assert set(names["PARAMETERS"]) <= set(params)
+    out_types = {o.name: mc.DataType.Name(o.data_type) for o in cfg.output}
+    assert out_types["text_output"] == "TYPE_STRING" and out_types["acceptance_length"] == "TYPE_FP32"
+    assert out_types["total_draft_tokens"] == out_types["total_accepted_draft_tokens"] == "TYPE_INT32"
+    # model.py is the template, unchanged; the record names the engine and the settings
+    assert (repo / "dflash" / "1" / "model.py").read_bytes() == (resource_dir("triton_repo") / "dflash" / "1" / "model.py").read_bytes()
+    record = json.loads((repo / "dflash_trt_repo.json").read_text())
+    assert record["engine_dir"] == str(engine.resolve()) and record["settings"]["model_name"] == "dflash"
+
+
+def test_flags_reach_the_config_and_paths_are_escaped(engine):
+    odd = '/data/engines/my "quoted" dir\\x'
+    settings = TritonRepoSettings(model_name="smol", backend="reference", default_max_tokens=17, max_queue=3,
+                                  device="cuda", engine_path=odd)
+    cfg = parse_config(render_config(engine, settings))
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert cfg.name == "smol"
+    assert params["engine_dir"] == odd  # round-trips through text-format escaping
+    assert (params["backend"], params["default_max_tokens"], params["max_queue"], params["device"]) == \
+        ("reference", "17", "3", "cuda")
+
+
+def test_default_max_tokens_above_engine_limit_is_refused(engine):
+    limit = load_manifest(engine).limits.max_seq_len
+    with pytest.raises(DFlashError, match="max_seq_len"):
+        render_config(engine, TritonRepoSettings(default_max_tokens=limit + 1))
+
+
+def test_strict_parse_rejects_unknown_fields():
+    with pytest.raises(DFlashError, match="not a valid Triton ModelConfig"):
+        parse_config('name: "x"\nbackend: "python"\nmax_batch_sise: 0\n')
+
+
+def test_cli_writes_repo_and_refuses_bad_input_with_one_line(engine, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "repo"
+    ok = runner.invoke(main, ["deploy", "triton", str(engine), "--out", str(out), "--model-name", "m1"])
+    assert ok.exit_code == 0, ok.output
+    assert (out / "m1" / "config.pbtxt").is_file()
+
+    again = runner.invoke(main, ["deploy", "triton", str(engine), "--out", str(out)])
+    assert again.exit_code == 2 and "already exists" in again.output and "Traceback" not in again.output
+    forced = runner.invoke(main, ["deploy", "triton", str(engine), "--out", str(out), "--force"])
+    assert forced.exit_code == 0 and (out / "dflash" / "config.pbtxt").is_file() and not (out / "m1").exists()
+
+    missing = runner.invoke(main, ["deploy", "triton", str(tmp_path / "nope"), "--out", str(tmp_path / "r2")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    assert not (tmp_path / "r2").exists()
+
+    bad_name = runner.invoke(main, ["deploy", "triton", str(engine), "--out", str(tmp_path / "r3"),
+                                    "--model-name", "a/b"])
+    assert bad_name.exit_code == 2 and "--model-name" in bad_name.output and not (tmp_path / "r3").exists()
+
+    inside = runner.invoke(main, ["deploy", "triton", str(engine), "--out", str(engine / "repo")])
+    assert inside.exit_code == 2 and "inside the engine" in inside.output
+
+
+def test_not_an_engine_leaves_nothing_behind(tmp_path):
+    (tmp_path / "half").mkdir()  # an interrupted build: no manifest
+    with pytest.raises(DFlashError, match="dflash_trt.json missing"):
+        generate_repository(tmp_path / "half", tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".repo")]
+
+
+class _CharTokenizer:
+    """decode() of a toy vocabulary: id -> one character, 0 -> half of a UTF-8 character."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        raw = b"".join(b"\xc3" if i == 0 else bytes([i]) for i in ids)
+        return raw.decode("utf-8", errors="replace")
+
+
+def test_detokenizer_holds_back_partial_characters_and_stop_prefixes():
+    d = IncrementalDetokenizer(_CharTokenizer(), stop=["END"])
+    parts = [d.add([ord("a")]), d.add([0]), d.add([0xA9]), d.add([ord("E")]), d.add([ord("N")])]
+    assert parts[:3] == ["a", "", "\u00e9"]  # \xc3\xa9 = é, never a replacement char
+    assert parts[3:] == ["", ""]  # "EN" could still become "END"
+    assert d.add([ord("X")]) == "ENX" and not d.stopped
+    assert d.add([ord("E"), ord("N"), ord("D"), ord("z")]) == "" and d.stopped
+    assert d.flush() == "" and d.emitted == "a\u00e9ENX"
