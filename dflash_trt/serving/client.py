@@ -112,7 +112,16 @@ def generate(url: str, prompt: str | bytes, model: str = "dflash", stream: bool 
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break
     except InferenceServerException as e:
-        raise DFlashError(f"cannot reach the server at {url}: {e.message()}; start it with `dflash-trt serve`")
+        # A stream that could not start reports the real cause (e.g. connection refused) through the
+        # callback; the exception raised by async_stream_infer only says the stream is broken.
+        cause = e.message()
+        try:
+            _, error = responses.get(timeout=1.0)
+            cause = error.message() if error is not None else cause
+        except queue.Empty:
+            pass
+        raise DFlashError(f"cannot reach the server at {url}: {' '.join(str(cause).split())}; is `dflash-trt serve` "
+                          f"running there?") from None
     finally:
         try:
             client.stop_stream(cancel_requests=True)
