@@ -92,6 +92,10 @@ class EngineManifest(Strict):
     versions: dict[str, str]  # library -> version used by the build
     spec: dict[str, Any]  # the resolved build spec, as printed
     files: dict[str, str]  # relative path -> sha256 of every other file in the directory
+    # Optional build reports (added by the build area; absent in older manifests):
+    plan: dict[str, Any] | None = None  # memory plan per GPU (dflash_trt.engine.plan.MemoryPlan)
+    acceptance: dict[str, Any] | None = None  # tau before/after quantization (acceptance gate)
+    timings_s: dict[str, float] = Field(default_factory=dict)  # seconds per build phase
 
 
 def load_manifest(engine_dir: str | Path) -> EngineManifest:

@@ -1,0 +1,176 @@
+"""Commands of the build area: `dflash-trt build`, `plan`, `verify`.
+
+Heavy libraries (torch, transformers, modelopt) are imported inside the commands only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dflash_trt.cli import friendly_errors
+
+# Flag name -> dotted build-spec key. Flags left unset (None) do not override the YAML.
+FLAG_TO_KEY = {
+    "target": "target", "draft": "draft", "out": "out", "name": "name", "tp": "tp", "pp": "pp", "ep": "ep",
+    "gpu": "gpu", "gpus_per_node": "gpus_per_node", "nodes": "nodes", "quant": "quant",
+    "kv_cache_quant": "kv_cache_quant", "dtype": "dtype", "max_batch_size": "max_batch_size",
+    "max_seq_len": "max_seq_len", "max_draft_len": "max_draft_len", "max_num_tokens": "max_num_tokens",
+    "free_gpu_memory_fraction": "free_gpu_memory_fraction", "draft_num_layers": "draft_num_layers",
+    "calib_prompts": "calibration.prompts", "calib_size": "calibration.num_samples",
+    "calib_max_length": "calibration.max_length", "max_tau_drop": "gate.max_tau_drop",
+    "accept_tau_drop": "gate.accept_tau_drop", "gate": "gate.enabled", "gate_prompts": "gate.num_prompts",
+}
+
+
+def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The build-spec flags shared by `build` and `plan` (each overrides the YAML key it names)."""
+    opts = [
+        click.option("--spec", "spec_file", metavar="YAML",
+                     help="Build spec YAML, or the name of a recipe under build/ (e.g. qwen3-8b-h100-fp8)."),
+        click.option("--target", help="Target checkpoint dir (HF). `plan` also takes a known architecture name."),
+        click.option("--draft", help="DFlash drafter dir (z-lab format)."),
+        click.option("--tp", type=click.IntRange(min=1), help="Tensor parallel size."),
+        click.option("--pp", type=click.IntRange(min=1), help="Pipeline parallel size."),
+        click.option("--ep", type=click.IntRange(min=1), help="MoE expert parallel size (divides --tp)."),
+        click.option("--quant", type=click.Choice(["none", "fp8", "nvfp4"]), help="Target weight quantization."),
+        click.option("--kv-cache-quant", type=click.Choice(["none", "fp8"]), help="KV-cache quantization."),
+        click.option("--gpu", type=click.Choice(["b300", "b200", "h200", "h100", "cpu"]),
+                     help="GPU the engine is for (cpu: the reference runtime)."),
+        click.option("--gpus-per-node", type=click.IntRange(min=1), help="GPUs per node (default 8)."),
+        click.option("--nodes", type=click.IntRange(min=1), help="Nodes available (default 1)."),
+        click.option("--max-batch-size", type=click.IntRange(min=1), help="Largest batch the engine serves."),
+        click.option("--max-seq-len", type=click.IntRange(min=2), help="Prompt + output tokens per request."),
+        click.option("--max-draft-len", type=click.IntRange(min=1), help="Draft tokens per step (< block_size)."),
+        click.option("--max-num-tokens", type=click.IntRange(min=1), help="Tokens per scheduler iteration."),
+        click.option("--free-gpu-memory-fraction", type=click.FloatRange(0, 1, min_open=True),
+                     help="Share of free HBM given to the KV cache (default 0.9)."),
+        click.option("--draft-num-layers", type=click.IntRange(min=1),
+                     help="Drafter depth `plan` assumes when no --draft is given (default 5)."),
+        click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _spec_path(spec_file: str | None) -> str | None:
+    if spec_file is None or Path(spec_file).exists():
+        return spec_file
+    from dflash_trt.resources import resource_dir
+
+    try:
+        recipe = resource_dir("build") / f"{spec_file}.yaml"
+    except FileNotFoundError:
+        return spec_file
+    return str(recipe) if recipe.is_file() else spec_file
+
+
+def _resolve(spec_file: str | None, flags: dict[str, Any]):
+    from dflash_trt.engine.spec import resolve_spec
+
+    overrides = {FLAG_TO_KEY[k]: v for k, v in flags.items() if k in FLAG_TO_KEY and v is not None}
+    return resolve_spec(_spec_path(spec_file), overrides)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@click.command("plan")
+@spec_options
+@friendly_errors
+def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
+    """Validate a build and print the memory plan per GPU, without loading weights.
+
+    Works with no checkpoint on disk for the architectures shipped under build/archs/, e.g.
+    `dflash-trt plan --target gpt-oss-120b --tp 8 --ep 8 --quant nvfp4 --gpu b300`.
+    """
+    from dflash_trt.engine.builder import prepare, print_spec, show_plan
+
+    spec = _resolve(spec_file, flags)
+    console = _console()
+    p = prepare(spec, need_checkpoints=False)
+    print_spec(spec, console)
+    show_plan(p, console)
+    if as_json:
+        click.echo(json.dumps({"arch": p.arch.to_dict(), "plan": p.plan.to_dict(),
+                               "max_draft_len": p.max_draft_len, "max_num_tokens": p.max_num_tokens}))
+    if not p.plan.fits:
+        raise SystemExit(3)
+
+
+@click.command("build")
+@spec_options
+@click.option("--out", type=click.Path(file_okay=False), help="Engine directory to write (default engines/NAME).")
+@click.option("--name", help="Engine name recorded in the manifest.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="dtype of unquantized tensors (auto: the checkpoint's).")
+@click.option("--calib-prompts", type=click.Path(dir_okay=False), help="Calibration prompts (.jsonl/.json/.txt).")
+@click.option("--calib-size", type=click.IntRange(min=1), help="Number of calibration prompts (default 16).")
+@click.option("--calib-max-length", type=click.IntRange(min=8), help="Tokens per calibration prompt (default 256).")
+@click.option("--max-tau-drop", type=click.FloatRange(0, 1, max_open=True),
+              help="Largest relative tau drop the acceptance gate allows (default 0.10).")
+@click.option("--accept-tau-drop", is_flag=True, default=None, help="Keep the engine even if tau drops more.")
+@click.option("--gate/--no-gate", default=None, help="Run the acceptance gate after quantizing (default on).")
+@click.option("--gate-prompts", type=click.IntRange(min=1), help="Prompts the acceptance gate decodes (default 4).")
+@click.option("--dry-run", is_flag=True, help="Stop after validation and planning.")
+@click.option("--force", is_flag=True, help="Replace an existing --out directory (atomically).")
+@click.option("--profile", is_flag=True, help="Print the time and peak RSS of each build phase.")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@friendly_errors
+def build(spec_file: str | None, as_json: bool, dry_run: bool, force: bool, profile: bool, no_progress: bool,
+          **flags: Any) -> None:
+    """Build an engine directory: validate, plan, quantize (ModelOpt), gate on tau, write atomically.
+
+    With no --target/--draft the embedded default pair is used. Flags override --spec keys.
+    """
+    from dflash_trt.engine.builder import Profile, build_engine, default_name, prepare, print_spec, render_profile, show_plan
+
+    spec = _resolve(spec_file, flags)
+    console = _console()
+    prof = Profile()
+    with prof.phase("validate_plan"):
+        p = prepare(spec, need_checkpoints=True)
+    print_spec(spec, console)
+    show_plan(p, console)
+    if not p.plan.fits:
+        from dflash_trt.errors import DFlashError
+
+        raise DFlashError(f"memory plan: {p.plan.verdict}")
+    if dry_run:
+        console.print("dry run: validation and planning passed; nothing written")
+        if as_json:
+            click.echo(json.dumps({"dry_run": True, "plan": p.plan.to_dict()}))
+        return
+    out = Path(spec.out) if spec.out else Path("engines") / default_name(p)
+    build_engine(p, out, overwrite=force, progress=not no_progress, console=console, profile=prof)
+    console.print(f"[green]engine written:[/green] {out}")
+    if profile:
+        render_profile(prof, console)
+    if as_json:
+        from dflash_trt.engine.manifest import load_manifest
+
+        m = load_manifest(out)
+        click.echo(json.dumps({"engine": str(out), "acceptance": m.acceptance, "timings_s": m.timings_s,
+                               "peak_rss_mib": max(prof.peak_rss_mib.values(), default=0.0)}))
+
+
+@click.command("verify")
+@click.argument("engine", type=click.Path())
+@friendly_errors
+def verify(engine: str) -> None:
+    """Re-check an engine directory: manifest schema, sha256 of every file, LLM-API YAML keys."""
+    from dflash_trt.engine.verify import verify_engine
+
+    m = verify_engine(engine)
+    click.echo(f"ok: {engine} ({m.name}): {len(m.files)} files match {len(m.files)} sha256 in the manifest")
+
+
+COMMANDS = [build, plan, verify]

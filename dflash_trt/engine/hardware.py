@@ -1,0 +1,77 @@
+"""GPUs and weight formats as data: every capability check in `build`/`plan` reads these tables.
+
+Numbers are per GPU, from NVIDIA's product pages (see shared/design/upstream.md). HBM is the
+marketed capacity in decimal GB; the driver reports a few percent less, which the planner's
+runtime reserve absorbs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+GpuName = Literal["b300", "b200", "h200", "h100", "cpu"]
+QuantName = Literal["none", "fp8", "nvfp4"]
+KvQuantName = Literal["none", "fp8"]
+
+GB = 1e9
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    family: str  # "blackwell" | "hopper" | "cpu"
+    hbm_bytes: float | None  # None: host memory, not planned (the reference runtime)
+    bandwidth_tb_s: float | None
+    fp8: bool  # native FP8 tensor cores (weights and KV cache)
+    fp4: bool  # native NVFP4 tensor cores
+    emulated: bool  # True: the reference runtime dequantizes, nothing runs natively
+    moe_backend: str | None  # TensorRT-LLM moe_config.backend for this family
+    dflash_attention_backend: str  # DFlashDecodingConfig.attention_backend
+    runtime_reserve_bytes: float  # CUDA context, NCCL/cuBLAS workspaces, CUDA graphs
+
+
+# MoE backends (TensorRT-LLM PyTorch backend): Blackwell uses TRTLLM; on Hopper CUTLASS does
+# both TP and EP for the expert weights (TRITON supports EP only, so it is not a safe default).
+# DFlash attention: TRTLLM needs Blackwell SM100/SM103; VANILLA (FlashAttention) elsewhere.
+GPUS: dict[str, Gpu] = {
+    "b300": Gpu("b300", "blackwell", 288 * GB, 8.0, True, True, False, "TRTLLM", "TRTLLM", 4 * GIB),
+    "b200": Gpu("b200", "blackwell", 180 * GB, 8.0, True, True, False, "TRTLLM", "TRTLLM", 4 * GIB),
+    "h200": Gpu("h200", "hopper", 141 * GB, 4.8, True, False, False, "CUTLASS", "VANILLA", 4 * GIB),
+    "h100": Gpu("h100", "hopper", 80 * GB, 3.35, True, False, False, "CUTLASS", "VANILLA", 4 * GIB),
+    # The CPU "GPU" is the reference runtime: every format is dequantized to float in torch.
+    "cpu": Gpu("cpu", "cpu", None, None, True, True, True, None, "VANILLA", 0.0),
+}
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """Bytes of one quantized weight matrix: `bytes_per_param * numel + per_tensor_bytes`."""
+
+    name: str
+    bytes_per_param: float
+    per_tensor_bytes: int
+    needs: str | None  # Gpu capability flag it needs natively ("fp8" / "fp4"), None for bf16
+    hf_quant_algo: str | None  # hf_quant_config.json quantization.quant_algo
+
+
+# - bf16: 2 B/param.
+# - FP8 (E4M3): 1 B/param + per-tensor FP32 weight_scale and input_scale (8 B).
+# - NVFP4: E2M1 = 0.5 B/param + one FP8-E4M3 scale per 16 elements (1/16 B/param) + per-tensor
+#   FP32 weight_scale_2 and input_scale (8 B).
+# - MXFP4 (gpt-oss's released experts): 0.5 B/param + one E8M0 scale per 32 elements.
+WEIGHT_FORMATS: dict[str, WeightFormat] = {
+    "bf16": WeightFormat("bf16", 2.0, 0, None, None),
+    "fp8": WeightFormat("fp8", 1.0, 8, "fp8", "FP8"),
+    "nvfp4": WeightFormat("nvfp4", 0.5 + 1 / 16, 8, "fp4", "NVFP4"),
+    "mxfp4": WeightFormat("mxfp4", 0.5 + 1 / 32, 0, None, None),
+}
+
+# --quant -> format of the quantized linear layers ("none" keeps the checkpoint's own format).
+QUANT_TO_FORMAT: dict[str, str] = {"none": "bf16", "fp8": "fp8", "nvfp4": "nvfp4"}
+KV_BYTES: dict[str, float] = {"none": 2.0, "fp8": 1.0}  # KV-cache element size (bf16 or FP8)
+
+# The first TensorRT-LLM release line whose LLM API has DFlashDecodingConfig (PR 12794 landed
+# after the 1.2.x branch; 1.3 is the PyTorch-only line that carries it).
+MIN_TENSORRT_LLM_VERSION = "1.3.0"

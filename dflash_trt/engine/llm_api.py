@@ -1,0 +1,141 @@
+"""`llm_api_options.yaml` (TensorRT-LLM LLM-API args) and the launch commands of an engine.
+
+Field names and placement follow tensorrt_llm/llmapi/llm_args.py (TorchLlmArgs, KvCacheConfig,
+CudaGraphConfig, MoeConfig, DFlashDecodingConfig) as of NVIDIA/TensorRT-LLM commit 0004396 (1.3
+line). Those models are pydantic with extra="forbid": one unknown or misplaced key and
+`trtllm-serve --config` refuses the file, so `verify` re-checks the file against the tables below.
+
+Paths inside the file are relative to the engine directory; the launch scripts `cd` there first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_trt.engine.hardware import GPUS
+from dflash_trt.errors import DFlashError
+
+# The keys this project writes or accepts, per section (a subset of upstream's fields).
+TOP_LEVEL_KEYS = frozenset({
+    "tensor_parallel_size", "pipeline_parallel_size", "moe_expert_parallel_size", "moe_tensor_parallel_size",
+    "gpus_per_node", "max_batch_size", "max_seq_len", "max_num_tokens", "max_input_len", "dtype",
+    "kv_cache_config", "cuda_graph_config", "moe_config", "speculative_config", "attn_backend",
+    "enable_chunked_prefill", "disable_overlap_scheduler", "trust_remote_code",
+})
+SECTION_KEYS: dict[str, frozenset[str]] = {
+    "kv_cache_config": frozenset({"dtype", "free_gpu_memory_fraction", "enable_block_reuse", "max_tokens",
+                                  "tokens_per_block", "max_attention_window"}),
+    "cuda_graph_config": frozenset({"batch_sizes", "max_batch_size", "enable_padding"}),
+    "moe_config": frozenset({"backend", "max_num_tokens"}),
+    "speculative_config": frozenset({"decoding_type", "max_draft_len", "speculative_model", "mask_token_id",
+                                     "target_layer_ids", "attention_backend", "max_concurrency",
+                                     "acceptance_rate_window_size", "acceptance_rate_threshold"}),
+}
+ENUMS: dict[tuple[str, str], frozenset[str]] = {
+    ("speculative_config", "decoding_type"): frozenset({"DFlash"}),
+    ("speculative_config", "attention_backend"): frozenset({"VANILLA", "TRTLLM"}),
+    ("kv_cache_config", "dtype"): frozenset({"auto", "fp8", "float16", "bfloat16", "nvfp4"}),
+    ("moe_config", "backend"): frozenset({"AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "VANILLA", "TRITON"}),
+}
+
+
+def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_tokens: int, mask_token_id: int,
+                    target_layer_ids: list[int], draft_path: str = "./draft") -> dict[str, Any]:
+    """The LLM-API kwargs (minus `model`, given on the command line) for this build."""
+    gpu = GPUS[spec.gpu]
+    opts: dict[str, Any] = {
+        "tensor_parallel_size": spec.tp,
+        "pipeline_parallel_size": spec.pp,
+    }
+    if is_moe:
+        opts["moe_expert_parallel_size"] = spec.ep
+    opts.update({
+        "max_batch_size": spec.max_batch_size,
+        "max_seq_len": spec.max_seq_len,
+        "max_num_tokens": max_num_tokens,
+        # 'auto' keeps the checkpoint's kv_cache_quant_algo (hf_quant_config.json); fp8 forces it.
+        "kv_cache_config": {
+            "dtype": "fp8" if spec.kv_cache_quant == "fp8" else "auto",
+            "free_gpu_memory_fraction": spec.free_gpu_memory_fraction,
+        },
+        # Decode-only CUDA graphs up to the batch size; padding rounds odd batches up to a graph.
+        "cuda_graph_config": {"enable_padding": True, "max_batch_size": spec.max_batch_size},
+    })
+    if is_moe and gpu.moe_backend:
+        opts["moe_config"] = {"backend": gpu.moe_backend}
+    opts["speculative_config"] = {
+        "decoding_type": "DFlash",
+        "max_draft_len": max_draft_len,
+        "speculative_model": draft_path,
+        # Written explicitly (upstream would read them from draft/config.json) so the engine
+        # directory states what runs, and a swapped drafter is caught by verify's hashes.
+        "mask_token_id": mask_token_id,
+        "target_layer_ids": list(target_layer_ids),
+        "attention_backend": gpu.dflash_attention_backend,
+    }
+    return opts
+
+
+def render_yaml(opts: dict[str, Any], header: str) -> str:
+    import yaml
+
+    body = yaml.safe_dump(opts, sort_keys=False, default_flow_style=None)
+    return "".join(f"# {line}\n" for line in header.splitlines()) + body
+
+
+def check_llm_api_options(opts: Any, where: str = "llm_api_options.yaml") -> None:
+    """DFlashError naming the first key TensorRT-LLM would refuse (unknown, misplaced, bad enum)."""
+    if not isinstance(opts, dict):
+        raise DFlashError(f"{where}: must be a YAML mapping; rebuild the engine")
+    for key, value in opts.items():
+        if key in ("model", "backend"):
+            raise DFlashError(f"{where}: {key!r} belongs on the trtllm-serve command line, not in the options file")
+        if key not in TOP_LEVEL_KEYS:
+            owner = next((s for s, keys in SECTION_KEYS.items() if key in keys), None)
+            hint = f"; it belongs under {owner}" if owner else ""
+            raise DFlashError(f"{where}: unknown top-level key {key!r}{hint} (TensorRT-LLM rejects unknown keys)")
+        if key in SECTION_KEYS:
+            if not isinstance(value, dict):
+                raise DFlashError(f"{where}: {key} must be a mapping, got {type(value).__name__}")
+            for sub, subval in value.items():
+                if sub not in SECTION_KEYS[key]:
+                    owner = "top level" if sub in TOP_LEVEL_KEYS else None
+                    hint = f"; it belongs at the {owner}" if owner else ""
+                    raise DFlashError(f"{where}: unknown key {key}.{sub}{hint} (TensorRT-LLM rejects unknown keys)")
+                allowed = ENUMS.get((key, sub))
+                if allowed is not None and subval not in allowed:
+                    raise DFlashError(f"{where}: {key}.{sub}={subval!r} is not one of {sorted(allowed)}")
+    spec = opts.get("speculative_config")
+    if not spec or spec.get("decoding_type") != "DFlash" or not spec.get("speculative_model"):
+        raise DFlashError(f"{where}: speculative_config needs decoding_type: DFlash and speculative_model; rebuild")
+
+
+def launch_scripts(spec: Any, *, is_moe: bool, max_draft_len: int, block_size: int) -> dict[str, str]:
+    """The same engine as trtllm-serve, vLLM and SGLang commands (bash, run from anywhere)."""
+    head = "#!/usr/bin/env bash\n# Generated by dflash-trt build. Paths are relative to the engine directory.\nset -euo pipefail\ncd \"$(dirname \"$0\")/..\"\n"
+    multi = spec.tp * spec.pp > spec.gpus_per_node
+    trt = head
+    if multi:
+        trt += "# Multi-node: run under `srun --mpi=pmix` with one task per GPU (see dflash-trt deploy slurm).\n"
+        trt += "exec trtllm-llmapi-launch trtllm-serve ./target --config ./llm_api_options.yaml --host 0.0.0.0 --port \"${PORT:-8000}\" \"$@\"\n"
+    else:
+        trt += "exec trtllm-serve ./target --config ./llm_api_options.yaml --host 0.0.0.0 --port \"${PORT:-8000}\" \"$@\"\n"
+    import json
+
+    vcfg = json.dumps({"method": "dflash", "model": "./draft", "num_speculative_tokens": max_draft_len})
+    vllm = head + (
+        f"exec vllm serve ./target --speculative-config '{vcfg}' --tensor-parallel-size {spec.tp} "
+        f"--pipeline-parallel-size {spec.pp} --max-model-len {spec.max_seq_len} --max-num-seqs {spec.max_batch_size} "
+        + ("--enable-expert-parallel " if is_moe and spec.ep > 1 else "")
+        + ("--kv-cache-dtype fp8 " if spec.kv_cache_quant == "fp8" else "")
+        + "--attention-backend flash_attn --port \"${PORT:-8000}\" \"$@\"\n"
+    )
+    sgl = head + (
+        "exec python -m sglang.launch_server --model-path ./target --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path ./draft --speculative-num-draft-tokens {min(block_size, max_draft_len + 1)} "
+        f"--tp-size {spec.tp} --pp-size {spec.pp} "
+        + (f"--ep-size {spec.ep} " if is_moe and spec.ep > 1 else "")
+        + ("--kv-cache-dtype fp8_e4m3 " if spec.kv_cache_quant == "fp8" else "")
+        + f"--context-length {spec.max_seq_len} --port \"${{PORT:-30000}}\" \"$@\"\n"
+    )
+    return {"launch/trtllm-serve.sh": trt, "launch/vllm.sh": vllm, "launch/sglang.sh": sgl}
