@@ -117,9 +117,12 @@ def wait_ready_cmd(urls: tuple[str, ...], timeout_s: float, pid: int | None, int
               help="Reference backend: metrics port of rank 0; rank r uses metrics-port + r x port-stride.")
 @click.option("--port-stride", type=click.IntRange(min=1), default=10, show_default=True,
               help="Reference backend: port offset between ranks.")
+@click.option("--model-repository", type=click.Path(file_okay=False),
+              help="Reference backend: serve this repository (`dflash-trt deploy triton`) instead of a "
+                   "temporary one written per rank for ENGINE.")
 @friendly_errors
 def launch_cmd(engine: str, server_cmd: tuple[str, ...], backend: str, check_only: bool, host: str,
-               grpc_port: int, metrics_port: int, port_stride: int) -> None:
+               grpc_port: int, metrics_port: int, port_stride: int, model_repository: str | None) -> None:
     """Run ENGINE on this MPI rank (srun --mpi=pmix, mpiexec, or standalone).
 
     With --backend trtllm, the server command for rank 0 follows `--`, e.g.
@@ -128,7 +131,8 @@ def launch_cmd(engine: str, server_cmd: tuple[str, ...], backend: str, check_onl
     from dflash_trt.deploy.launch import launch
 
     code = launch(engine, backend=backend, check_only=check_only, host=host, grpc_port=grpc_port,
-                  metrics_port=metrics_port, port_stride=port_stride, server_cmd=list(server_cmd))
+                  metrics_port=metrics_port, port_stride=port_stride, server_cmd=list(server_cmd),
+                  model_repository=model_repository)
     sys.exit(code)
 
 

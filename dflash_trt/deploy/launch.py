@@ -15,7 +15,8 @@ Backends:
       metrics port = --metrics-port + rank * --port-stride
   e.g. defaults 8001/8002, stride 10: rank 0 -> 8001/8002, rank 1 -> 8011/8012.
 
-SIGTERM (scancel, srun forwarding it) stops every rank gracefully and it exits 0.
+SIGTERM (scancel, `scancel --signal=TERM`, mpiexec forwarding it) stops every rank gracefully and
+it exits 0. (srun itself answers its own SIGTERM by SIGKILLing the tasks: signal through Slurm.)
 No collective operation can block forever: the only one, a barrier before exit so that every
 rank has printed its verdict, is non-blocking with a timeout.
 """
@@ -76,7 +77,7 @@ def mpi_rank_info() -> tuple[Any, RankInfo]:
                 if abi == "openmpi" else "pip install 'dflash-trt[mpi]'")
         raise DFlashError(f"mpi4py cannot load an MPI library ({str(e).splitlines()[0]}); {hint}")
     comm = MPI.COMM_WORLD
-    library = MPI.Get_library_version().strip().splitlines()[0]
+    library = MPI.Get_library_version().strip().splitlines()[0].strip()
     return comm, RankInfo(comm.Get_rank(), comm.Get_size(), library)
 
 
@@ -189,18 +190,35 @@ def check_port_plan(world_size: int, grpc_port: int, metrics_port: int, stride: 
 
 
 def run_reference_replica(engine_dir: Path, info: RankInfo, host: str, grpc_port: int, metrics_port: int,
-                          stride: int) -> int:
-    """Serve the engine with the project's Triton-protocol server on this rank's ports."""
+                          stride: int, model_repository: Path | None = None) -> int:
+    """Serve the engine with the project's Triton-protocol server on this rank's ports.
+
+    Without `model_repository`, each rank writes its own temporary repository for the engine
+    (reference runtime), as `dflash-trt serve ENGINE` does, and removes it on exit.
+    """
     import importlib.util
+    import shutil
+    import tempfile
 
     if importlib.util.find_spec("dflash_trt.serving") is None:
         raise DFlashError("the reference server (dflash_trt.serving) is not part of this installation; "
                           "reinstall dflash-trt or use --backend trtllm")
-    from dflash_trt.serving import run_server  # lazy: grpc, torch and the model load here
+    # lazy: grpc, torch and the model load here
+    from dflash_trt.serving.repository import TritonRepoSettings, generate_repository
+    from dflash_trt.serving.server import run_server
 
     grpc, metrics = replica_ports(info.rank, grpc_port, metrics_port, stride)
-    log(info, f"reference replica serving {engine_dir} on {host}:{grpc} (gRPC), metrics :{metrics}")
-    run_server(engine_dir, host=host, grpc_port=grpc, metrics_port=metrics)
+    tmp = None
+    try:
+        if model_repository is None:
+            tmp = Path(tempfile.mkdtemp(prefix=f"dflash-trt-rank{info.rank}-"))
+            model_repository = generate_repository(engine_dir, tmp / "repo", TritonRepoSettings(backend="reference"))
+        log(info, f"reference replica: {model_repository} on {host}:{grpc} (gRPC), metrics :{metrics}")
+        # run_server handles SIGTERM itself once serving: in-flight requests finish, then it returns.
+        run_server(model_repository, grpc_port=grpc, metrics_port=metrics, host=host)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
@@ -214,7 +232,7 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 def launch(engine_dir: str | Path, backend: Backend = "trtllm", check_only: bool = False, host: str = "0.0.0.0",
            grpc_port: int = 8001, metrics_port: int = 8002, port_stride: int = 10,
-           server_cmd: list[str] | None = None) -> int:
+           server_cmd: list[str] | None = None, model_repository: str | Path | None = None) -> int:
     """Run this rank's part; return the process exit code. Every refusal is printed by every rank."""
     from dflash_trt.engine.manifest import load_manifest
 
@@ -256,10 +274,13 @@ def launch(engine_dir: str | Path, backend: Backend = "trtllm", check_only: bool
                                   "`-- tritonserver --model-repository=REPO`")
             code = run_trtllm_roles(info, server_cmd)
         else:
-            code = run_reference_replica(engine_dir, info, host, grpc_port, metrics_port, port_stride)
+            repo = Path(model_repository).resolve() if model_repository else None
+            code = run_reference_replica(engine_dir, info, host, grpc_port, metrics_port, port_stride, repo)
     except KeyboardInterrupt as e:  # SIGTERM (scancel) or Ctrl-C: a requested, clean shutdown
         log(info, f"stopped ({e or 'interrupt'})")
         code = 0
+    else:
+        log(info, f"stopped (exit code {code})")
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not converge(comm):

@@ -1,0 +1,245 @@
+"""On a REAL one-node Slurm cluster (Debian slurm-wlm + munge, started by the fixture with
+scripts/slurm_cluster.sh): the generated reference-backend serve job, and `dflash-trt launch`
+under `srun --mpi=pmix -n 2`.
+
+MPI under srun: Slurm's pmix plugin + Debian Open MPI (libopenmpi3), which mpi4py's wheel loads
+with MPI4PY_MPIABI=openmpi (the launcher selects it when it sees PMIx); the pip `mpich` only
+speaks PMI-1/2 (`srun --mpi=pmi2`). scripts/install_slurm.sh installs all of it.
+
+Without Slurm these tests are skipped with the reason, except in CI (CI=true), where a missing
+Slurm is a failure: run `scripts/install_slurm.sh` (as root) before the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.deploy_engines import served_engine, with_mapping
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+DFLASH = str(BIN / "dflash-trt")
+PROMPT = "The capital of France is"
+MAX_TOKENS = 16
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{reason}; CI must run the Slurm tests: run scripts/install_slurm.sh as root first")
+    pytest.skip(reason)
+
+
+def _free_port_block(n: int) -> int:
+    """A base port with n consecutive free ports after it."""
+    for base in range(20000 + os.getpid() % 5000 * 4, 60000, 97):
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
+class Cluster:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.env = {**os.environ, "SLURM_CONF": str(directory / "slurm.conf"), "DFLASH_SLURM_DIR": str(directory),
+                    "OMP_NUM_THREADS": "1"}
+        for key in [k for k in self.env if k.startswith(("SLURM_JOB", "SLURM_STEP", "PMI", "OMPI_", "MPI4PY_"))]:
+            del self.env[key]  # never inherit an enclosing job's identity
+
+    def run(self, *cmd: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=self.env)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} -> {proc.returncode}: {proc.stdout}{proc.stderr}")
+        return proc
+
+    def job_state(self, job_id: str) -> str:
+        out = self.run("scontrol", "-o", "show", "job", job_id, check=False).stdout
+        for field in out.split():
+            if field.startswith("JobState="):
+                return field.split("=", 1)[1]
+        return "GONE"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    missing = [b for b in ("slurmctld", "slurmd", "sbatch", "srun", "munged") if not shutil.which(b)]
+    if missing:
+        _unavailable(f"Slurm is not installed ({', '.join(missing)} missing)")
+    if os.geteuid() != 0:
+        _unavailable("the one-node Slurm cluster needs root (slurmd starts job steps as the submitting user)")
+    directory = tmp_path_factory.mktemp("slurm")
+    cluster = Cluster(directory)
+    ctld = _free_port_block(2)
+    cluster.env.update(DFLASH_SLURMCTLD_PORT=str(ctld), DFLASH_SLURMD_PORT=str(ctld + 1))
+    script = str(ROOT / "scripts" / "slurm_cluster.sh")
+    start = cluster.run(script, "start", timeout=60, check=False)
+    if start.returncode != 0:
+        cluster.run(script, "stop", timeout=60, check=False)
+        _unavailable(f"the one-node Slurm cluster did not start: {start.stderr.strip().splitlines()[-1:]}")
+    try:
+        yield cluster
+    finally:
+        cluster.run(script, "stop", timeout=60, check=False)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Path:
+    return served_engine(tmp_path_factory.mktemp("engine"))
+
+
+@pytest.fixture(scope="module")
+def expected_text(engine) -> str:
+    """The reference runtime's greedy output for PROMPT (what every server must answer)."""
+    from dflash_trt.generation_cli import decode, encode_prompt, stop_ids_of
+    from dflash_trt.runtime.generate import dflash_generate
+    from dflash_trt.runtime.loading import load_pair
+
+    pair = load_pair(engine / "target", engine / "draft")
+    ids = encode_prompt(pair.tokenizer, PROMPT, False, int(pair.target.config.vocab_size))
+    result = dflash_generate(pair.draft, pair.target, ids, max_new_tokens=MAX_TOKENS, temperature=0.0,
+                             stop_token_ids=stop_ids_of(pair.tokenizer, pair.target.config))
+    text = decode(pair.tokenizer, result.output_ids)
+    assert text.strip(), "the fixture's prompt should produce visible text"
+    return text
+
+
+def ask(url: str) -> str:
+    from dflash_trt.serving.client import generate
+
+    return generate(url, PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, timeout_s=60).text
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(f"{pid}: {cmdline.strip()}")
+    return found
+
+
+def needs_server() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("dflash_trt.serving") is None:
+        pytest.skip("dflash_trt.serving (the reference server) is missing from this checkout")
+
+
+def test_reference_serve_job_answers_and_cancels_cleanly(cluster, engine, expected_text, tmp_path):
+    """sbatch the generated serve job, wait for readiness, ask with tritonclient, scancel."""
+    needs_server()
+    port = _free_port_block(2)
+    out = tmp_path / "jobs"
+    cluster.run(DFLASH, "deploy", "slurm", str(engine), "--out", str(out), "--backend", "reference",
+                "--grpc-port", str(port), "--metrics-port", str(port + 1), "--ready-timeout", "120",
+                "--job-name", "dflash-test")
+    job = cluster.run("sbatch", "--parsable", str(out / "serve.sbatch")).stdout.strip().split(";")[0]
+    endpoints = out / "logs" / f"endpoints-{job}.txt"
+    log = out / "logs" / f"dflash-test-serve-{job}.out"
+    try:
+        deadline = time.monotonic() + 150
+        while not endpoints.exists():
+            state = cluster.job_state(job)
+            assert state in ("PENDING", "RUNNING", "CONFIGURING"), \
+                f"job {job} is {state}: {log.read_text() if log.exists() else 'no log'}"
+            assert time.monotonic() < deadline, f"job {job} never became ready: {log.read_text() if log.exists() else ''}"
+            time.sleep(0.5)
+        urls = endpoints.read_text().split()
+        assert urls == [f"localhost:{port}"]
+        assert ask(urls[0]) == expected_text
+        rank_log = out / "logs" / f"dflash-test-serve-{job}-rank0.log"
+        assert "reference replica" in rank_log.read_text()  # per-rank log file (%t)
+    finally:
+        cluster.run("scancel", job, check=False)
+    deadline = time.monotonic() + 40
+    while cluster.job_state(job) not in ("CANCELLED", "COMPLETED", "GONE"):
+        assert time.monotonic() < deadline, f"job {job} still {cluster.job_state(job)} after scancel"
+        time.sleep(0.5)
+    while processes_mentioning(str(engine)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(str(engine)) == []
+    assert "[serve] ready" in log.read_text()
+    assert "stopped" in rank_log.read_text()  # SIGTERM -> graceful shutdown, not a kill
+
+
+def test_srun_pmix_trtllm_world_size_mismatch_fails_fast(cluster, engine, tmp_path):
+    """TP x PP = 1 but 2 ranks: every rank refuses with one line, the step fails in seconds."""
+    assert "pmix" in cluster.run("srun", "--mpi=list").stdout + cluster.run("srun", "--mpi=list").stderr
+    t0 = time.monotonic()
+    proc = cluster.run("srun", "--mpi=pmix", "-n", "2", "--label", DFLASH, "launch", str(engine),
+                       "--backend", "trtllm", timeout=90, check=False)
+    elapsed = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    for rank in (0, 1):
+        assert f"error: rank {rank}/2: MPI world size 2 != TP x PP = 1 x 1 = 1" in out, out
+        assert f"error: rank {rank}/2: tensorrt_llm is not importable" in out, out
+    assert "Open MPI" in out  # MPI over PMIx, not two singletons
+    assert elapsed < 45, f"the refusal took {elapsed:.0f}s"
+
+
+def test_srun_pmix_reference_replicas_answer_on_their_ports(cluster, engine, expected_text):
+    needs_server()
+    base = _free_port_block(4)
+    name = f"replicas-{os.getpid()}"
+    cmd = ["srun", "--mpi=pmix", "-n", "2", "--label", f"--job-name={name}", DFLASH, "launch", str(engine), "--backend", "reference",
+           "--host", "127.0.0.1", "--grpc-port", str(base), "--metrics-port", str(base + 1), "--port-stride", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cluster.env,
+                            start_new_session=True)
+    try:
+        from dflash_trt.deploy.ready import wait_ready
+
+        urls = [f"127.0.0.1:{base}", f"127.0.0.1:{base + 2}"]  # grpc-port + rank x stride
+        wait_ready(urls, timeout_s=120, pid=proc.pid, interval_s=0.5)
+        assert [ask(u) for u in urls] == [expected_text, expected_text]
+        # SIGTERM to the ranks through Slurm (SIGTERM to srun itself makes srun SIGKILL them)
+        job = cluster.run("squeue", "-h", "-o", "%i", f"--name={name}").stdout.split()
+        assert len(job) == 1, job
+        cluster.run("scancel", "--signal=TERM", job[0])
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "rank 0/2: stopped" in out and "rank 1/2: stopped" in out, out
+    assert processes_mentioning(str(engine)) == []
+
+
+def test_engine_mapping_helper_roundtrip(engine, tmp_path):
+    """The fixture helper rewrites only the mapping (used for the mismatch test above)."""
+    from dflash_trt.engine.manifest import load_manifest
+
+    copy = tmp_path / "e"
+    shutil.copytree(engine, copy)
+    with_mapping(copy, tp=4, pp=2)
+    m = load_manifest(copy)
+    assert (m.mapping.tp, m.mapping.pp, m.mapping.world_size) == (4, 2, 8)
+    assert m.name == load_manifest(engine).name
