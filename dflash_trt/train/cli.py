@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from dflash_trt.cli import friendly_errors
@@ -23,4 +25,75 @@ def setup_default(rebuild: bool) -> None:
     click.echo(f"draft:  {DRAFT_DIR}" + ("" if (DRAFT_DIR / "config.json").is_file() else " (missing)"))
 
 
-COMMANDS = [setup_default]
+@click.command("train-draft")
+@click.option("--target", "target", type=click.Path(file_okay=False),
+              help="Target HF checkpoint directory. Default: the embedded SmolLM2-135M-Instruct.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Where to write the drafter (z-lab format).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
+              help="YAML/JSON file with TrainConfig fields; flags given on the command line override it.")
+@click.option("--data-dir", type=click.Path(file_okay=False), help="Cache for responses and target features [<out>.data].")
+@click.option("--max-prompts", type=click.IntRange(min=1), help="Use at most N train prompts (all by default).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), help="Response length cap when generating data [256].")
+@click.option("--block-size", type=click.IntRange(min=2), help="Drafter block size B [16].")
+@click.option("--num-layers", type=click.IntRange(min=1), help="Drafter decoder layers [1].")
+@click.option("--intermediate-size", type=click.IntRange(min=1), help="Drafter MLP width [768].")
+@click.option("--target-layer-ids", help="Comma-separated target layers feeding the drafter [z-lab default for 3].")
+@click.option("--mask-token-id", type=int, help="Mask token id [a reserved special token of the tokenizer].")
+@click.option("--steps", type=click.IntRange(min=1), help="Optimizer steps (one sequence, many blocks each) [1000].")
+@click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=1), help="Stop training after this many seconds (still saves).")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), help="Peak learning rate [1e-3].")
+@click.option("--anchors-per-seq", type=click.IntRange(min=1), help="Blocks trained per sequence per step [32].")
+@click.option("--seed", type=int, help="Random seed [0].")
+@click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: torch's choice).")
+@click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype on disk [bfloat16].")
+@friendly_errors
+def train_draft(target: str | None, out: str, config_file: str | None, **flags) -> None:
+    """Train a DFlash drafter for TARGET on its own greedy answers to the project's train prompts."""
+    from dflash_trt.train.trainer import TrainConfig, train_draft as run
+
+    cfg = _resolve_config(target, out, config_file, flags)
+    click.echo("resolved config: " + cfg.model_dump_json(), err=True)
+    manifest = run(cfg)
+    click.echo(f"drafter: {cfg.out}  steps={manifest['steps']}  final_loss={manifest['final_loss']}  "
+               f"params={manifest['num_parameters']}  time={manifest['total_time_s']}s")
+    del TrainConfig
+
+
+def _resolve_config(target: str | None, out: str, config_file: str | None, flags: dict):
+    from pydantic import ValidationError
+
+    from dflash_trt.errors import DFlashError
+    from dflash_trt.train.trainer import TrainConfig
+
+    base: dict = {}
+    if config_file:
+        import yaml
+
+        try:
+            base = yaml.safe_load(Path(config_file).read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as e:
+            raise DFlashError(f"{config_file}: not valid YAML/JSON ({str(e).splitlines()[0]})")
+        if not isinstance(base, dict):
+            raise DFlashError(f"{config_file}: must hold a mapping of TrainConfig fields")
+    ids = flags.pop("target_layer_ids", None)
+    if ids:
+        try:
+            flags["target_layer_ids"] = [int(x) for x in ids.split(",")]
+        except ValueError:
+            raise DFlashError(f"--target-layer-ids {ids!r}: give comma-separated integers, e.g. 1,14,27")
+    base.update({k: v for k, v in flags.items() if v is not None})
+    if target is None and "target" not in base:
+        from dflash_trt.embedded import ensure_default_target
+
+        target = str(ensure_default_target())
+    if target is not None:
+        base["target"] = target
+    base["out"] = out
+    try:
+        return TrainConfig(**base)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise DFlashError(f"train-draft config: {'.'.join(map(str, err['loc']))}: {err['msg']}")
+
+
+COMMANDS = [setup_default, train_draft]

@@ -1,0 +1,192 @@
+"""Writes the prompt sets (code.jsonl, math.jsonl, chat.jsonl) beside this file.
+
+All prompts are written by this project (no data set is copied). TRAIN prompts are templated
+combinations of the lists below; EVAL prompts are hand-written separately, on subjects that no
+train prompt uses, so the benchmark measures a drafter on prompts it never saw.
+
+Run ``python -m dflash_trt.prompts.build`` after editing; the jsonl files are committed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# ---------------------------------------------------------------------------------------------
+# code
+# ---------------------------------------------------------------------------------------------
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "returns the factorial of n",
+    "computes the n-th Fibonacci number", "counts the vowels in a string", "removes duplicates from a list",
+    "finds the largest element in a list", "sorts a list of integers with bubble sort",
+    "checks whether a string is a palindrome", "merges two sorted lists",
+    "converts Celsius to Fahrenheit", "returns the sum of the digits of an integer",
+    "flattens a nested list", "counts how often each word appears in a sentence",
+    "returns the greatest common divisor of two numbers", "checks whether a year is a leap year",
+    "finds the second smallest number in a list", "capitalizes the first letter of every word",
+    "computes the average of a list of numbers", "returns all even numbers from a list",
+    "implements binary search on a sorted list", "transposes a matrix given as a list of lists",
+    "checks whether two strings are anagrams", "converts a decimal number to binary",
+    "returns the length of the longest word in a sentence", "rotates a list by k positions",
+    "computes the dot product of two vectors", "counts the lines in a text file",
+    "returns the intersection of two lists", "splits a list into chunks of size n",
+    "checks whether parentheses in a string are balanced", "returns the median of a list",
+    "computes the power set of a small list", "converts a Roman numeral to an integer",
+    "validates a simple email address", "finds the most common element in a list",
+    "reads a CSV file and returns its rows", "computes compound interest",
+    "generates the first n prime numbers", "implements a stack class with push and pop",
+]
+CODE_TEMPLATES = [
+    "Write a Python function that {t}.",
+    "Write a short Python function that {t}, and explain it briefly.",
+    "Show me Python code that {t}.",
+    "Implement a function in Python that {t}. Include a docstring.",
+    "How would I write a JavaScript function that {t}?",
+]
+
+CODE_EVAL = [
+    "Write a Python function that returns the number of uppercase letters in a string.",
+    "Write a Python function that checks whether a list is sorted in ascending order.",
+    "Write a Python function that computes the least common multiple of two integers.",
+    "Write a Python function that swaps the keys and values of a dictionary.",
+    "Write a Python function that returns the product of all numbers in a list.",
+    "Write a Python function that removes all whitespace from a string.",
+    "Write a Python class for a queue with enqueue and dequeue methods.",
+    "Write a Python function that converts a list of strings to uppercase.",
+    "Write a Python function that returns the cumulative sum of a list.",
+    "Write a JavaScript function that returns the maximum of three numbers.",
+    "Write a Python function that counts the digits in a string.",
+    "Write a Python function that checks whether a number is a perfect square.",
+    "Write a Python function that returns the last n elements of a list.",
+]
+
+# ---------------------------------------------------------------------------------------------
+# math
+# ---------------------------------------------------------------------------------------------
+NAMES = ["Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Kira", "Leo"]
+ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "cards"]
+MATH_TEMPLATES = [
+    "{n} has {a} {i}. {n} buys {b} more {i}. How many {i} does {n} have now? Explain step by step.",
+    "{n} has {a} {i} and gives {b} of them to a friend. How many {i} are left? Show your work.",
+    "A box holds {a} {i}. How many {i} are in {b} boxes? Solve step by step.",
+    "{n} shares {c} {i} equally among {d} friends. How many {i} does each friend get?",
+    "What is {a} times {b}? Show the calculation.",
+    "What is {a} plus {b} minus {d}? Explain each step.",
+    "A rectangle is {a} cm long and {b} cm wide. What is its area and its perimeter?",
+    "A train travels at {a} km per hour for {d} hours. How far does it go?",
+    "Solve for x: {d}x + {a} = {e}. Show each step.",
+    "What is {p} percent of {c}? Explain how you computed it.",
+    "{n} reads {a} pages a day. How many pages does {n} read in {d} weeks?",
+    "A shirt costs {a} dollars and is on sale for {p} percent off. What is the sale price?",
+]
+MATH_EVAL = [
+    "A farmer has 48 cows and sells 15 of them. Then he buys 9 more. How many cows does he have? Explain step by step.",
+    "What is the perimeter of a square with side length 13 meters?",
+    "A bakery makes 36 muffins per hour. How many muffins does it make in 7 hours? Show your work.",
+    "Solve for y: 5y - 12 = 38. Show each step.",
+    "A bike costs 240 dollars. The price drops by 25 percent. What is the new price?",
+    "What is the average of 14, 22, 30 and 38? Explain how you computed it.",
+    "A car uses 6 liters of fuel per 100 km. How much fuel does it need for 350 km?",
+    "If a pizza is cut into 8 slices and 3 people each eat 2 slices, how many slices are left?",
+    "What is 125 divided by 5, plus 17? Show the calculation.",
+    "A swimming pool is 25 meters long. How many lengths does a swimmer need to swim 1.5 km?",
+    "The sum of two consecutive integers is 57. What are the integers? Explain step by step.",
+    "A recipe needs 3 eggs for 12 pancakes. How many eggs are needed for 36 pancakes?",
+    "What is the area of a triangle with base 10 cm and height 7 cm?",
+]
+
+# ---------------------------------------------------------------------------------------------
+# chat / instructions
+# ---------------------------------------------------------------------------------------------
+CHAT_TOPICS = [
+    "photosynthesis", "the water cycle", "how vaccines work", "the causes of the seasons",
+    "why the sky is blue", "how a rainbow forms", "what gravity is", "how the internet works",
+    "what a black hole is", "how bees make honey", "the history of the printing press",
+    "how a bicycle stays upright", "what inflation is", "how volcanoes erupt", "the life cycle of a butterfly",
+    "how the heart pumps blood", "what machine learning is", "why we need sleep", "how tides work",
+    "what a democracy is", "how plants grow from seeds", "what renewable energy is",
+    "how a refrigerator keeps food cold", "what DNA is", "how clouds form",
+]
+CHAT_TEMPLATES = [
+    "Explain {t} in simple terms.",
+    "Can you explain {t} to a ten-year-old?",
+    "Give me three key facts about {t}.",
+    "Write a short paragraph about {t}.",
+    "What should a beginner know about {t}?",
+]
+CHAT_TASKS = [
+    "Give me five tips for staying focused while studying.", "Suggest a healthy breakfast for a busy morning.",
+    "Write a polite email asking a colleague for a meeting next week.", "List some ways to save money on groceries.",
+    "How can I improve my sleep habits?", "Write a haiku about the ocean.", "Give me ideas for a rainy weekend.",
+    "How do I start learning to play the guitar?", "Write a short thank-you note to a teacher.",
+    "What are some good habits for staying healthy?", "Suggest a name for a small coffee shop.",
+    "Write a short story about a lost cat that finds its way home.", "How can I be more productive at work?",
+    "Give me tips for a job interview.", "What are the benefits of reading every day?",
+    "Write a limerick about a forgetful robot.", "How do I make a simple tomato pasta sauce?",
+    "Give me a packing list for a weekend camping trip.", "How can I reduce stress before an exam?",
+    "Write a short poem about autumn leaves.", "What are some fun activities for a family picnic?",
+    "How do I take care of a houseplant?", "Give me advice for running my first 5 km race.",
+    "Write a friendly message inviting neighbours to a barbecue.", "How can I learn a new language faster?",
+]
+CHAT_EVAL = [
+    "Explain how a compass works in simple terms.",
+    "Give me three key facts about the Moon.",
+    "Write a short paragraph about the importance of trees.",
+    "Suggest five ways to make a small apartment feel bigger.",
+    "Write a haiku about winter mornings.",
+    "How do I prepare for a long flight?",
+    "Write a short apology email for missing a meeting.",
+    "What are some tips for taking better photos with a phone?",
+    "Explain what an earthquake is to a child.",
+    "Give me ideas for a birthday party for an eight-year-old.",
+    "How can I keep my computer secure?",
+    "Write a short story about a dragon who is afraid of the dark.",
+    "What should a beginner know about gardening?",
+]
+
+
+def _code_train() -> list[str]:
+    return [tpl.format(t=t) for t, tpl in itertools.product(CODE_TASKS, CODE_TEMPLATES)]
+
+
+def _math_train(rng: random.Random, n: int) -> list[str]:
+    out: set[str] = set()
+    while len(out) < n:
+        tpl = MATH_TEMPLATES[len(out) % len(MATH_TEMPLATES)]
+        d = rng.randint(2, 9)
+        out.add(tpl.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=rng.randint(3, 60), b=rng.randint(2, 40),
+                           c=d * rng.randint(3, 25), d=d, e=rng.randint(61, 200), p=rng.choice([10, 15, 20, 25, 30, 40, 50])))
+    return sorted(out)
+
+
+def _chat_train() -> list[str]:
+    return [tpl.format(t=t) for t, tpl in itertools.product(CHAT_TOPICS, CHAT_TEMPLATES)] + CHAT_TASKS
+
+
+def build(seed: int = 0) -> dict[str, list[dict]]:
+    rng = random.Random(seed)
+    sets = {"code": (_code_train(), CODE_EVAL), "math": (_math_train(rng, 200), MATH_EVAL),
+            "chat": (_chat_train(), CHAT_EVAL)}
+    out: dict[str, list[dict]] = {}
+    for cat, (train, evals) in sets.items():
+        assert not set(train) & set(evals), cat
+        rows = [{"id": f"{cat}-train-{i:03d}", "category": cat, "split": "train", "prompt": p} for i, p in enumerate(train)]
+        rows += [{"id": f"{cat}-eval-{i:03d}", "category": cat, "split": "eval", "prompt": p} for i, p in enumerate(evals)]
+        out[cat] = rows
+    return out
+
+
+def main() -> None:
+    from dflash_trt.fsutil import write_text_atomic
+
+    for cat, rows in build().items():
+        write_text_atomic(HERE / f"{cat}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        print(cat, sum(r["split"] == "train" for r in rows), "train", sum(r["split"] == "eval" for r in rows), "eval")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The DFlash training objective on ONE sequence, many blocks in one drafter forward.
+
+For a sequence of T tokens with precomputed target features ``feats [T, n*H]`` and anchors
+``a_1..a_A`` inside the response:
+
+    block i   = [ids[a_i], MASK x (B-1)]           at positions a_i .. a_i+B-1
+    queries   = the A*B block tokens, concatenated
+    keys      = the T context positions, then the A*B block tokens
+    visible   = (key is context AND key position < a_i)  OR  (key is in block i)
+    label     = slot k of block i predicts ids[a_i + k]  (k = 1..B-1; no shift, as at inference)
+    loss      = sum_k w_k CE_k / sum_k w_k,   w_k = exp(-(k-1)/gamma)
+
+This reproduces exactly what a block sees at inference: the draft KV cache holds the context
+K/V of every committed position before the block's first token, and the block attends to
+itself bidirectionally. Early slots get more weight because a block is only accepted up to its
+first miss, so slot 1 matters in every step and slot 15 only in the best ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.runtime.draft_model import DFlashDraftModel
+
+
+def default_gamma(block_size: int) -> float:
+    """The DFlash paper's loss decay: 7 for B=16, 4 for B=8 (in between: interpolated)."""
+    return {16: 7.0, 8: 4.0}.get(block_size, max(1.0, 4.0 + (block_size - 8) * 3.0 / 8.0))
+
+
+def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to `num_anchors` distinct anchor positions in [prompt_len, seq_len-2], sorted. [A]
+
+    An anchor at p means: the token at p is known (the last committed token, not yet verified),
+    context is positions < p. p = prompt_len is the first step after prefill.
+    """
+    lo, hi = prompt_len, seq_len - 2  # the last anchor still has one label at seq_len-1
+    n = hi - lo + 1
+    if n <= 0:
+        return torch.empty(0, dtype=torch.long)
+    pick = torch.randperm(n, generator=generator)[: min(num_anchors, n)]
+    return (pick + lo).sort().values
+
+
+def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
+    """Block tokens, positions, labels and label validity for anchors. Shapes: [A, B] each."""
+    T = ids.shape[0]
+    offs = torch.arange(block_size)
+    pos = anchors[:, None] + offs[None]  # [A, B]
+    tokens = torch.full_like(pos, mask_token_id)
+    tokens[:, 0] = ids[anchors]
+    valid = pos < T
+    labels = torch.where(valid, ids[pos.clamp(max=T - 1)], torch.zeros_like(pos))
+    valid[:, 0] = False  # slot 0 is the given anchor, not a prediction
+    return tokens, pos, labels, valid
+
+
+def attention_mask(seq_len: int, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Bool [1, 1, A*B, T + A*B]: context strictly before the anchor, plus the query's own block."""
+    A = anchors.shape[0]
+    q_anchor = anchors.repeat_interleave(block_size)  # [A*B]
+    ctx_vis = torch.arange(seq_len)[None, :] < q_anchor[:, None]  # [A*B, T]
+    q_block = torch.arange(A).repeat_interleave(block_size)  # [A*B]
+    blk_vis = q_block[:, None] == q_block[None, :]  # [A*B, A*B]
+    return torch.cat([ctx_vis, blk_vis], dim=1)[None, None]
+
+
+def dflash_loss(
+    draft: DFlashDraftModel,
+    embed: torch.nn.Module,  # target's token embedding (frozen)
+    lm_head: torch.nn.Module,  # target's output head (frozen)
+    ids: torch.Tensor,  # [T] prompt + response
+    feats: torch.Tensor,  # [T, n*H] target features of every position
+    anchors: torch.Tensor,  # [A]
+    gamma: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted CE of one sequence's blocks, plus per-slot accuracy figures for logging."""
+    B, T = draft.block_size, ids.shape[0]
+    tokens, pos, labels, valid = block_inputs(ids, anchors, B, draft.mask_token_id)
+    position_ids = torch.cat([torch.arange(T), pos.reshape(-1)])[None]  # [1, T + A*B]
+    mask = attention_mask(T, anchors, B)
+    with torch.no_grad():
+        noise = embed(tokens.reshape(1, -1))  # [1, A*B, H]
+    hidden = draft(feats[None].float(), noise, position_ids, None, mask)[0]  # [A*B, H]
+    sel = valid.reshape(-1)
+    logits = lm_head(hidden[sel])  # [N, V]: only masked slots pay for the big head
+    target = labels.reshape(-1)[sel]
+    k = (torch.arange(B)[None].expand_as(valid)).reshape(-1)[sel]  # slot index 1..B-1
+    w = torch.exp(-(k - 1).float() / gamma)
+    ce = F.cross_entropy(logits.float(), target, reduction="none")
+    loss = (w * ce).sum() / w.sum()
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == target).float()
+        # expected accepted length under "accept until first miss" for these blocks
+        hits = torch.zeros_like(valid, dtype=torch.float)
+        hits[valid] = hit
+        run = torch.cumprod(torch.where(valid, hits, torch.zeros_like(hits))[:, 1:], dim=1).sum(1)
+        stats = {"acc1": float(hit[k == 1].mean()) if (k == 1).any() else math.nan,
+                 "tau_est": float(1 + run.mean())}
+    return loss, stats

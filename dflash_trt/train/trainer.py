@@ -1,0 +1,300 @@
+"""`dflash-trt train-draft`: self-distilled data -> cached target features -> DFlash drafter.
+
+Pipeline (each stage cached under ``data_dir`` so a re-run only does what is missing):
+1. responses.pt: the target's own greedy answers to the project's TRAIN prompts
+   (:mod:`dflash_trt.train.data`; eval prompts are never used);
+2. features-<layers>.pt: the frozen target's features at ``target_layer_ids`` for every position
+   of every sequence (the target runs ONCE per sequence, not once per step);
+3. training: each step draws one sequence and up to ``anchors_per_seq`` random anchors in its
+   response, all trained in one drafter forward (:mod:`dflash_trt.train.objective`);
+4. the drafter is saved in z-lab format (bf16 by default) with MANIFEST.json, atomically.
+
+The target is frozen; its embedding and lm_head are shared with the drafter (which has none).
+
+Why not ModelOpt's DFlash trainer (``modelopt.torch.speculative``, mode "dflash")? It runs on
+this CPU and exports the same z-lab format (checked: its export loads in our runtime), but its
+online mode runs the full target in every training step, its offline mode expects its own
+dumped-hidden-state format and sequence padding to a multiple of the block size, and it trains
+its own draft class rather than the :class:`DFlashDraftModel` our runtime decodes with. On a
+shared 2-core CPU the precomputed-feature loop below, on the very class used at inference, is
+the cheaper and more direct choice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dflash_trt.errors import DFlashError
+
+
+class TrainConfig(BaseModel):
+    """Every knob of a drafter training run (recorded in MANIFEST.json)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str
+    out: str
+    data_dir: str | None = None  # default: <out>.data (cached responses and features)
+    max_new_tokens: int = Field(256, ge=1)
+    max_prompts: int | None = Field(None, ge=1)  # use at most this many train prompts
+    gen_batch_size: int = Field(16, ge=1)
+    block_size: int = Field(16, ge=2)
+    num_layers: int = Field(1, ge=1)
+    intermediate_size: int = Field(768, ge=1)
+    target_layer_ids: list[int] | None = None  # default: build_target_layer_ids(L, 3)
+    num_target_features: int = Field(3, ge=1)
+    mask_token_id: int | None = None  # default: chosen from the tokenizer (see choose_mask_token)
+    steps: int = Field(1000, ge=1)
+    time_limit_s: float | None = Field(None, gt=0)  # stop early (and still save) after this long
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.01, ge=0)
+    anchors_per_seq: int = Field(32, ge=1)
+    gamma: float | None = Field(None, gt=0)  # loss decay; default 7 for B=16, 4 for B=8
+    seed: int = 0
+    threads: int | None = Field(None, ge=1)
+    save_dtype: str = "bfloat16"
+    log_every: int = Field(25, ge=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask token
+# ---------------------------------------------------------------------------------------------
+
+MASK_TOKEN_NOTE = (
+    "The target has no spare embedding row, so the DFlash mask is a reserved special token of its tokenizer "
+    "that the instruct model never emits (the first added special token that is not bos/eos/pad/unk or a chat "
+    "token, and never occurs in the target's own responses; SmolLM2: a StarCoder-style code-metadata token). "
+    "It is an ordinary row of the target's embedding, so TensorRT-LLM, vLLM and SGLang load it as-is."
+)
+
+
+def choose_mask_token(tokenizer: Any | None, vocab_size: int, never_seen: set[int] | None = None) -> int:
+    """A token id the target never emits, usable by every runtime (an existing embedding row).
+
+    SmolLM2 (like most targets) has no spare embedding row, so the mask is a RESERVED special
+    token: the first added special token that is not a chat/control token (bos/eos/pad/unk,
+    <|im_start|>, <|im_end|>) and never occurs in the training data. For SmolLM2 this is id 3,
+    ``<repo_name>``, one of the StarCoder-style code-metadata tokens (ids 3..16) an instruct
+    model never writes. Without a tokenizer (tiny random pairs) the last vocabulary id is used.
+    """
+    never_seen = never_seen or set()
+    if tokenizer is None:
+        return vocab_size - 1
+    control = {getattr(tokenizer, a, None) for a in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}
+    control |= {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    for tid in sorted(decoder):
+        tok = decoder[tid]
+        if getattr(tok, "special", False) and tid not in control and tid not in never_seen and tid < vocab_size:
+            return int(tid)
+    raise DFlashError("the tokenizer has no reserved special token to use as the DFlash mask; pass --mask-token-id")
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------
+
+def _log(msg: str) -> None:
+    print(f"[train-draft] {msg}", file=sys.stderr, flush=True)
+
+
+def load_or_generate_data(cfg: TrainConfig, model: Any, tokenizer: Any, data_dir: Path) -> list[dict[str, Any]]:
+    import torch
+
+    from dflash_trt.prompts import interleave, load_prompts
+    from dflash_trt.train.data import generate_responses, save_data
+
+    path = data_dir / "responses.pt"
+    prompts = load_prompts("train")
+    random.Random(0).shuffle(prompts)
+    prompts = interleave(prompts)[: cfg.max_prompts]
+    if path.is_file():
+        blob = torch.load(path, weights_only=False)
+        seqs = blob["sequences"]
+        _log(f"reusing {len(seqs)} generated responses from {path}")
+        want = {p.id for p in prompts}
+        return [s for s in seqs if s["id"] in want]
+    _log(f"generating the target's greedy answers to {len(prompts)} train prompts (batch {cfg.gen_batch_size})")
+    t0 = time.time()
+    meta = {"max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.gen_batch_size}
+    seqs = generate_responses(model, tokenizer, prompts, cfg.max_new_tokens, cfg.gen_batch_size)
+    save_data(path, seqs, {**meta, "seconds": time.time() - t0})
+    return seqs
+
+
+def load_or_compute_features(model: Any, seqs: list[dict[str, Any]], layer_ids: list[int], data_dir: Path):
+    import torch
+
+    from dflash_trt.train.data import compute_features, save_data
+
+    path = data_dir / f"features-{'-'.join(map(str, layer_ids))}.pt"
+    cached: dict[str, Any] = {}
+    if path.is_file():
+        cached = torch.load(path, weights_only=False)["features"]
+    todo = [s for s in seqs if s["id"] not in cached or cached[s["id"]].shape[0] != len(s["ids"])]
+    if todo:
+        _log(f"computing target features at layers {layer_ids} for {len(todo)} sequences")
+        for s, f in zip(todo, compute_features(model, todo, layer_ids)):
+            cached[s["id"]] = f
+        blob_path = path
+        blob_path.parent.mkdir(parents=True, exist_ok=True)
+        import os
+        import tempfile
+
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+        try:
+            torch.save({"features": cached}, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    del save_data
+    return [cached[s["id"]] for s in seqs]
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+def train_draft(cfg: TrainConfig) -> dict[str, Any]:
+    """Run the whole pipeline; returns the manifest written beside the drafter."""
+    import torch
+
+    from dflash_trt.fsutil import atomic_directory, write_json_atomic
+    from dflash_trt.runtime.draft_model import DFlashDraftModel, build_target_layer_ids, make_draft_config
+    from dflash_trt.runtime.loading import load_target, load_tokenizer, parse_dtype
+    from dflash_trt.runtime.validate import validate_pair
+    from dflash_trt.train.objective import default_gamma, dflash_loss, sample_anchors
+
+    t_start = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    save_dtype = parse_dtype(cfg.save_dtype)
+    out = Path(cfg.out)
+    data_dir = Path(cfg.data_dir) if cfg.data_dir else out.with_name(out.name + ".data")
+    target = load_target(cfg.target)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tokenizer = load_tokenizer(cfg.target)
+    tcfg = target.config
+    n_layers = int(tcfg.num_hidden_layers)
+    # z-lab's spread over the depth (30 layers, 3 features -> [1, 14, 27]); shallow targets dedupe
+    layer_ids = cfg.target_layer_ids or sorted(set(build_target_layer_ids(n_layers, cfg.num_target_features)))
+
+    seqs = load_or_generate_data(cfg, target, tokenizer, data_dir)
+    seqs = [s for s in seqs if len(s["ids"]) - s["prompt_len"] >= 2]
+    if not seqs:
+        raise DFlashError(f"no usable training sequences in {data_dir} (every response is shorter than 2 tokens)")
+    seen = {t for s in seqs for t in s["ids"][s["prompt_len"]:]}
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else choose_mask_token(
+        tokenizer, int(tcfg.vocab_size), seen)
+    if mask_id in seen:
+        _log(f"warning: mask token {mask_id} occurs in the target's responses; acceptance may suffer")
+
+    dcfg = make_draft_config(tcfg, num_layers=cfg.num_layers, block_size=cfg.block_size, mask_token_id=mask_id,
+                             target_layer_ids=layer_ids, intermediate_size=cfg.intermediate_size)
+    validate_pair(dcfg, tcfg, where="train-draft")  # the same checks every loader applies
+    torch.manual_seed(cfg.seed)
+    draft = DFlashDraftModel(dcfg)
+    draft.reset_parameters(seed=cfg.seed)
+    draft.train()
+
+    feats = load_or_compute_features(target, seqs, layer_ids, data_dir)
+    gamma = cfg.gamma or default_gamma(cfg.block_size)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:  # linear warmup, cosine decay to 10%
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    from tqdm import tqdm
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order = torch.randperm(len(seqs), generator=gen).tolist()
+    history: list[dict[str, float]] = []
+    window: list[tuple[float, float, float]] = []
+    t_train = time.time()
+    done = 0
+    bar = tqdm(total=cfg.steps, desc="training drafter", unit="step", file=sys.stderr)
+    for step in range(cfg.steps):
+        if cfg.time_limit_s and time.time() - t_train > cfg.time_limit_s:
+            _log(f"time limit {cfg.time_limit_s:.0f} s reached after {done} steps")
+            break
+        i = order[step % len(order)]
+        if step % len(order) == len(order) - 1:
+            order = torch.randperm(len(seqs), generator=gen).tolist()
+        s = seqs[i]
+        ids = torch.tensor(s["ids"])
+        anchors = sample_anchors(s["prompt_len"], len(s["ids"]), cfg.anchors_per_seq, gen)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss, st = dflash_loss(draft, embed, lm_head, ids, feats[i], anchors, gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        window.append((float(loss), st["acc1"], st["tau_est"]))
+        done += 1
+        bar.update(1)
+        if (step + 1) % cfg.log_every == 0 or step == cfg.steps - 1:
+            l, a, t = (sum(x[j] for x in window if not math.isnan(x[j])) / max(1, sum(not math.isnan(x[j]) for x in window))
+                       for j in range(3))
+            history.append({"step": step + 1, "loss": round(l, 4), "acc1": round(a, 4), "tau_est": round(t, 3),
+                            "elapsed_s": round(time.time() - t_train, 1)})
+            bar.set_postfix(loss=f"{l:.3f}", acc1=f"{a:.2f}", tau_est=f"{t:.2f}")
+            window = []
+    bar.close()
+    if window:
+        l = sum(x[0] for x in window) / len(window)
+        history.append({"step": done, "loss": round(l, 4), "elapsed_s": round(time.time() - t_train, 1)})
+
+    draft.eval()
+    manifest = {
+        "what": "DFlash drafter (z-lab format) trained by dflash-trt train-draft",
+        "target": {"path": str(cfg.target), "architectures": list(getattr(tcfg, "architectures", None) or []),
+                   "num_hidden_layers": n_layers, "hidden_size": int(tcfg.hidden_size),
+                   "vocab_size": int(tcfg.vocab_size)},
+        "mask_token": {"id": mask_id,
+                       "token": tokenizer.convert_ids_to_tokens(mask_id) if tokenizer is not None else None,
+                       "why": MASK_TOKEN_NOTE if tokenizer is not None else "last vocabulary id (no tokenizer)"},
+        "block_size": cfg.block_size,
+        "target_layer_ids": layer_ids,
+        "command": "dflash-trt " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("dflash-trt") else " ".join(sys.argv),
+        "config": cfg.model_dump(),
+        "data": {"sequences": len(seqs), "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
+                 "prompts": "dflash_trt/prompts/*.jsonl split=train",
+                 "responses": f"target greedy, chat template, max_new_tokens={cfg.max_new_tokens}"},
+        "steps": done,
+        "final_loss": history[-1]["loss"] if history else None,
+        "history": history,
+        "num_parameters": draft.num_parameters(),
+        "save_dtype": cfg.save_dtype,
+        "train_time_s": round(time.time() - t_train, 1),
+        "total_time_s": round(time.time() - t_start, 1),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()},
+        "seed": cfg.seed,
+    }
+    with atomic_directory(out, overwrite=True) as tmp:
+        draft.save_pretrained(tmp, dtype=save_dtype)
+        write_json_atomic(tmp / "MANIFEST.json", manifest)
+    _log(f"wrote {out} ({draft.num_parameters() / 1e6:.2f}M params, final loss {manifest['final_loss']})")
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "MANIFEST.json").read_text(encoding="utf-8"))
