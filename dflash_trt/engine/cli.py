@@ -80,7 +80,9 @@ def _resolve(spec_file: str | None, flags: dict[str, Any]):
 def _console():
     from rich.console import Console
 
-    return Console(stderr=True)
+    console = Console(stderr=True)
+    # Logs and CI are not terminals: rich would wrap the plan table at 80 columns.
+    return console if console.is_terminal else Console(stderr=True, width=120)
 
 
 @click.command("plan")
