@@ -109,8 +109,12 @@ def test_health_metadata_config_and_index(url, engine):
 
 
 def test_unary_answer_equals_reference_with_consistent_stats(url, engine):
+    t0 = time.perf_counter()
     r = _infer(url, prompt=PROMPTS[1], max_tokens=MAX_TOKENS)
+    latency_ms = (time.perf_counter() - t0) * 1e3
     text, extra = read_result(r)
+    assert 0 <= extra["queue_time_ms"] and 0 < extra["decode_time_ms"]
+    assert extra["queue_time_ms"] + extra["decode_time_ms"] <= latency_ms
     assert text == reference_answer(engine, PROMPTS[1], MAX_TOKENS)
     assert extra["finish_reason"] in ("stop", "length")
     assert 1 <= extra["num_output_tokens"] <= MAX_TOKENS

@@ -18,7 +18,7 @@ import numpy as np
 from dflash_trt.errors import DFlashError
 
 STAT_OUTPUTS = ("acceptance_length", "acceptance_rate", "total_draft_tokens", "total_accepted_draft_tokens",
-                "num_output_tokens")
+                "num_output_tokens", "queue_time_ms", "decode_time_ms")
 
 
 @dataclass

@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 # What this model reads and writes; config.pbtxt must declare exactly these (checked at load).
 INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "seed", "stop", "stream")
 OUTPUTS = ("text_output", "finish_reason", "acceptance_length", "acceptance_rate", "total_draft_tokens",
-           "total_accepted_draft_tokens", "num_output_tokens")
+           "total_accepted_draft_tokens", "num_output_tokens", "queue_time_ms", "decode_time_ms")
 PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "dtype", "device")
 
 
@@ -109,6 +109,8 @@ class TritonPythonModel:
                 pb_utils.Tensor("total_draft_tokens", np.array([s.total_draft_tokens], dtype=np.int32)),
                 pb_utils.Tensor("total_accepted_draft_tokens", np.array([s.total_accepted_draft_tokens], dtype=np.int32)),
                 pb_utils.Tensor("num_output_tokens", np.array([s.num_output_tokens], dtype=np.int32)),
+                pb_utils.Tensor("queue_time_ms", np.array([s.queue_s * 1e3], dtype=np.float32)),
+                pb_utils.Tensor("decode_time_ms", np.array([s.decode_s * 1e3], dtype=np.float32)),
             ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
