@@ -157,10 +157,10 @@ def test_reference_serve_job_answers_and_cancels_cleanly(cluster, engine, expect
     needs_server()
     port = _free_port_block(2)
     out = tmp_path / "jobs"
-    cluster.run(DFLASH, "deploy", "slurm", str(engine), "--out", str(out), "--backend", "reference",
-                "--grpc-port", str(port), "--metrics-port", str(port + 1), "--ready-timeout", "120",
-                "--job-name", "dflash-test")
-    job = cluster.run("sbatch", "--parsable", str(out / "serve.sbatch")).stdout.strip().split(";")[0]
+    submitted = cluster.run(DFLASH, "deploy", "slurm", str(engine), "--out", str(out), "--backend", "reference",
+                            "--grpc-port", str(port), "--metrics-port", str(port + 1), "--ready-timeout", "120",
+                            "--job-name", "dflash-test", "--submit").stdout
+    job = submitted.split("submitted serve job ")[1].split()[0]
     endpoints = out / "logs" / f"endpoints-{job}.txt"
     log = out / "logs" / f"dflash-test-serve-{job}.out"
     try:
@@ -187,6 +187,28 @@ def test_reference_serve_job_answers_and_cancels_cleanly(cluster, engine, expect
     assert processes_mentioning(str(engine)) == []
     assert "[serve] ready" in log.read_text()
     assert "stopped" in rank_log.read_text()  # SIGTERM -> graceful shutdown, not a kill
+
+
+def test_serve_job_fails_fast_when_the_server_dies(cluster, tmp_path):
+    """A server that cannot start (an engine without weights) fails the job with the reason, at once."""
+    needs_server()
+    from tests.deploy_engines import manifest_engine
+
+    broken = manifest_engine(tmp_path / "broken", tp=1, pp=1)
+    out = tmp_path / "jobs"
+    port = _free_port_block(2)
+    submitted = cluster.run(DFLASH, "deploy", "slurm", str(broken), "--out", str(out), "--backend", "reference",
+                            "--grpc-port", str(port), "--metrics-port", str(port + 1), "--ready-timeout", "300",
+                            "--job-name", "broken", "--submit").stdout
+    job = submitted.split("submitted serve job ")[1].split()[0]
+    deadline = time.monotonic() + 90  # far below --ready-timeout: the wait notices the dead step
+    while cluster.job_state(job) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+        assert time.monotonic() < deadline, f"job {job} still {cluster.job_state(job)}"
+        time.sleep(0.5)
+    assert cluster.job_state(job) == "FAILED"
+    log = (out / "logs" / f"broken-serve-{job}.out").read_text()
+    assert "exited before" in log and "[serve] FAILED" in log
+    assert not (out / "logs" / f"endpoints-{job}.txt").exists()
 
 
 def test_srun_pmix_trtllm_world_size_mismatch_fails_fast(cluster, engine, tmp_path):

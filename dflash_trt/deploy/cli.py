@@ -54,7 +54,7 @@ from dflash_trt.cli import friendly_errors
               help="Absolute path of dflash-trt for the job (default: the one running now; jobs do not "
                    "inherit an activated venv).")
 @click.option("--bench-args", default="", help="Extra arguments for `dflash-trt bench` in bench.sbatch.")
-@click.option("--submit", is_flag=True, help="sbatch the serve job (and the bench job after it) and print the ids.")
+@click.option("--submit", is_flag=True, help="Submit serve.sbatch with sbatch and print its job id.")
 @friendly_errors
 def slurm(engine: str, out: str, backend: str, server: str, job_name: str | None, partition: str | None,
           account: str | None, time_limit: str | None, nodes: int | None, gpus_per_node: int | None,
@@ -81,8 +81,8 @@ def slurm(engine: str, out: str, backend: str, server: str, job_name: str | None
     if submit:
         serve_id = sbatch(paths["serve"])
         click.echo(f"submitted serve job {serve_id}")
-        bench_id = sbatch(paths["bench"], serve_id, dependency=f"after:{serve_id}")
-        click.echo(f"submitted bench job {bench_id} (starts after {serve_id}, waits for its endpoints)")
+        click.echo(f"[deploy slurm] benchmark it with: sbatch --dependency=after:{serve_id} {paths['bench']} {serve_id}",
+                   err=True)
 
 
 @click.command("wait-ready")
