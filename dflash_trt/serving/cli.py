@@ -71,12 +71,19 @@ def triton(engine: str, out: str, model_name: str, backend: str, default_max_tok
 
 
 def _default_engine() -> Path:
-    try:
-        from dflash_trt.embedded import default_engine_dir  # type: ignore[attr-defined]
-    except ImportError:
-        raise DFlashError("no engine given and no embedded default engine; pass an ENGINE directory or "
-                          "--model-repository") from None
-    return Path(default_engine_dir())
+    """With no SOURCE: the one engine `dflash-trt build` (no arguments) wrote under ./engines."""
+    from dflash_trt.engine.manifest import MANIFEST_NAME
+
+    root = Path("engines")
+    found = sorted(p for p in root.iterdir() if (p / MANIFEST_NAME).is_file()) if root.is_dir() else []
+    if len(found) == 1:
+        click.echo(f"[serve] no SOURCE given: serving {found[0]}", err=True)
+        return found[0]
+    if not found:
+        raise DFlashError("no SOURCE given and no engine under ./engines; run `dflash-trt build` first or pass an "
+                          "engine directory / --model-repository")
+    raise DFlashError(f"no SOURCE given and several engines under ./engines ({', '.join(p.name for p in found)}); "
+                      f"pass one of them")
 
 
 @click.command()

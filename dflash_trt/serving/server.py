@@ -119,7 +119,12 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         context.add_callback(sender.cancel)  # client gone or deadline: stop generating for it
         data = []
         while True:
-            d = responses.get()
+            try:
+                d = responses.get(timeout=1.0)
+            except queue.Empty:
+                if not context.is_active():  # client gone: the callback cancelled the request
+                    return service_pb2.ModelInferResponse()
+                continue
             if d.error is not None:
                 context.abort(d.error.code, _error_text(request.id, str(d.error)))
             if d.response is not None:
@@ -383,7 +388,8 @@ def run_server(model_repository: str | Path, grpc_port: int = 8001, metrics_port
     server = TritonGrpcServer(model_repository, host=host, grpc_port=grpc_port, metrics_port=metrics_port,
                               models=models)
     server.start()
-    if install_signal_handlers:
+    # signal.signal only works in the main thread; an embedding caller handles signals itself.
+    if install_signal_handlers and threading.current_thread() is threading.main_thread():
         def handle(signum, frame):  # noqa: ARG001
             if server._stopped.is_set():
                 log.info("signal %s again: cancelling in-flight requests now", signum)
