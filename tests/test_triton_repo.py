@@ -147,3 +147,42 @@ def test_detokenizer_holds_back_partial_characters_and_stop_prefixes():
     assert d.add([ord("X")]) == "ENX" and not d.stopped
     assert d.add([ord("E"), ord("N"), ord("D"), ord("z")]) == "" and d.stopped
     assert d.flush() == "" and d.emitted == "a\u00e9ENX"
+
+
+def test_model_py_refuses_a_config_that_lacks_what_it_reads(engine, tmp_path):
+    """The host runs model.py's initialize(): a hand-edited config is caught before the engine loads."""
+    from dflash_trt.serving.server import TritonGrpcServer
+
+    repo = generate_repository(engine, tmp_path / "repo")
+    cfg = repo / "dflash" / "config.pbtxt"
+    text = cfg.read_text()
+    start = text.index('  {\n    name: "decode_time_ms"')
+    cfg.write_text(text[:start].rstrip().rstrip(",") + text[text.index("\n]", start):])
+    parse_config(cfg.read_text())  # still a valid ModelConfig...
+    with pytest.raises(DFlashError, match="decode_time_ms"):  # ...but not the one model.py needs
+        TritonGrpcServer(repo, grpc_port=0, metrics_port=None).load_models()
+
+    (repo / "dflash").rename(repo / "other")
+    with pytest.raises(DFlashError, match="requires them to match"):
+        TritonGrpcServer(repo, grpc_port=0, metrics_port=None).load_models()
+
+
+def test_tensorrt_llm_is_used_only_with_native_dflash(monkeypatch, engine):
+    """TensorRT-LLM cannot be installed here: a stand-in module without DFlashDecodingConfig (an
+    older release) must be detected and refused when explicitly requested."""
+    import sys
+    import types
+
+    from dflash_trt.serving.engine_runtime import load_engine_runtime, tensorrt_llm_status
+
+    usable, why = tensorrt_llm_status()
+    assert not usable and "tensorrt_llm" in why
+    old = types.ModuleType("tensorrt_llm")
+    old.__version__ = "1.2.1"
+    old.llmapi = types.ModuleType("tensorrt_llm.llmapi")
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", old)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", old.llmapi)
+    usable, why = tensorrt_llm_status()
+    assert not usable and "1.2.1" in why and "DFlashDecodingConfig" in why
+    with pytest.raises(DFlashError, match="backend tensorrt_llm requested"):
+        load_engine_runtime(engine, backend="tensorrt_llm")
