@@ -186,3 +186,31 @@ def test_tensorrt_llm_is_used_only_with_native_dflash(monkeypatch, engine):
     assert not usable and "1.2.1" in why and "DFlashDecodingConfig" in why
     with pytest.raises(DFlashError, match="backend tensorrt_llm requested"):
         load_engine_runtime(engine, backend="tensorrt_llm")
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_BYTES = st.sampled_from([0x20, 0x41, 0x42, 0x61, 0x62, 0x2E, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0x00])
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=st.lists(_BYTES, max_size=40), cuts=st.lists(st.integers(1, 5), max_size=40),
+       stop=st.lists(st.text(alphabet="ABab. \u00e9", min_size=1, max_size=3), max_size=2))
+def test_detokenizer_stream_equals_whole_decode(ids, cuts, stop):
+    """However the ids arrive, the streamed text is the whole decode cut before the first stop
+    string, and no piece is ever taken back (pieces only append)."""
+    tok = _CharTokenizer()
+    d = IncrementalDetokenizer(tok, stop=stop)
+    pieces, i = [], 0
+    for n in cuts + [len(ids)]:
+        if i >= len(ids) or d.stopped:
+            break
+        pieces.append(d.add(ids[i:i + n]))
+        i += n
+    pieces.append(d.flush())
+    fed = ids[:i]
+    full = tok.decode(fed)
+    hits = [full.find(s) for s in stop if s in full]
+    expected = full[: min(hits)] if hits else full
+    assert "".join(pieces) == expected
