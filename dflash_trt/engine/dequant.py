@@ -82,7 +82,8 @@ def dequant_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, scale_2: torc
     blocks = vals.view(*vals.shape[:-1], -1, NVFP4_BLOCK)  # [..., n/16, 16]
     if blocks.shape[:-1] != s.shape:
         raise ValueError(f"block scales {tuple(block_scale.shape)} do not match {tuple(packed.shape)} packed weights")
-    w = (blocks * s.unsqueeze(-1)).view(vals.shape) * scale_2.float()
+    # Combine the two scales first (ModelOpt's order, so results match it bit for bit).
+    w = (blocks * (s * scale_2.float()).unsqueeze(-1)).view(vals.shape)
     return w.movedim(-1, axis)
 
 
