@@ -16,6 +16,7 @@ end of the current step and frees the worker for the next request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -151,8 +152,9 @@ class IncrementalDetokenizer:
     they are settled, so a streamed answer never has to take text back.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), lock: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.lock = lock if lock is not None else contextlib.nullcontext()
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.emitted = ""
@@ -161,7 +163,8 @@ class IncrementalDetokenizer:
     def _decode(self) -> str:
         # Whole-sequence decode each step: O(n^2) chars over a request, negligible next to a
         # forward pass at these lengths, and immune to tokenizers' context-dependent spacing.
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        with self.lock:
+            return self.tokenizer.decode(self.ids, skip_special_tokens=True)
 
     def _delta(self, text: str, upto: int) -> str:
         if not text.startswith(self.emitted):  # decoder rewrote already-sent text: never retract
@@ -232,6 +235,9 @@ class ReferenceRuntime:
     _queue: queue.Queue[_Job | None] = field(init=False)
     _worker: threading.Thread = field(init=False)
     _closing: threading.Event = field(init=False)
+    # HF fast tokenizers are Rust objects that can raise "Already borrowed" when two threads use
+    # one at once; requests are encoded on server threads while the worker decodes.
+    _tok_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self._queue = queue.Queue()
@@ -243,7 +249,8 @@ class ReferenceRuntime:
     def encode(self, request: GenerateRequest) -> list[int]:
         from dflash_trt.generation_cli import encode_prompt
 
-        return encode_prompt(self.tokenizer, request.prompt, request.raw, int(self.target.vocab_size))
+        with self._tok_lock:
+            return encode_prompt(self.tokenizer, request.prompt, request.raw, int(self.target.vocab_size))
 
     def validate(self, request: GenerateRequest) -> tuple[list[int], int]:
         if not request.prompt:
@@ -296,7 +303,7 @@ class ReferenceRuntime:
 
         g, req = job.generation, job.generation.request
         queue_s = time.perf_counter() - g.submitted_at
-        detok = IncrementalDetokenizer(self.tokenizer, req.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, req.stop, lock=self._tok_lock)
 
         def on_step(new_ids: list[int]) -> bool:
             delta = detok.add(new_ids)
