@@ -186,7 +186,9 @@ def test_reference_serve_job_answers_and_cancels_cleanly(cluster, engine, expect
         time.sleep(0.5)
     assert processes_mentioning(str(engine)) == []
     assert "[serve] ready" in log.read_text()
-    assert "stopped" in rank_log.read_text()  # SIGTERM -> graceful shutdown, not a kill
+    assert cluster.job_state(job) in ("CANCELLED", "GONE")
+    # (Whether the ranks log their graceful stop here races with srun SIGKILLing them on its own
+    # SIGTERM; the graceful path is asserted with `scancel --signal=TERM` in the srun test.)
 
 
 def test_serve_job_fails_fast_when_the_server_dies(cluster, tmp_path):
