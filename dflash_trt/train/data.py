@@ -30,36 +30,70 @@ def chat_prompt_ids(tokenizer: Any | None, prompt: str, vocab_size: int) -> list
 
 @torch.inference_mode()
 def generate_responses(model: Any, tokenizer: Any, prompts: list[Any], max_new_tokens: int = 256,
-                       batch_size: int = 16, on_batch=None) -> list[dict[str, Any]]:
+                       batch_size: int = 16, on_batch=None,
+                       capture_layer_ids: list[int] | None = None) -> list[dict[str, Any]]:
     """Greedy answers of `model` for `prompts` (objects with .id/.category/.prompt), batched.
 
-    `on_batch(done_so_far)` is called after every batch (to save partial results: on a busy CPU
-    this runs for a long time, and a prefix of an interleaved prompt list is still usable)."""
+    With `capture_layer_ids`, each row also gets ``"feats"`` [T-1, n*H] (bfloat16): the target's
+    features at those layers for every position it was FED (all but the last token), captured
+    by hooks during generation itself, so no second target pass over the data is needed (on a
+    busy 2-core CPU that pass costs as much as the generation). `on_batch(done_so_far)` is
+    called after every batch (to save partial results: a prefix of an interleaved prompt list
+    is still a usable training set).
+    """
     from tqdm import tqdm
+
+    from dflash_trt.runtime.target import _find_decoder_layers
 
     eos_cfg = model.config.eos_token_id
     eos = int(eos_cfg if isinstance(eos_cfg, int) else (eos_cfg or [0])[0])
     pad = eos
     vocab = int(model.config.vocab_size)
     encoded = [(p, chat_prompt_ids(tokenizer, p.prompt, vocab)) for p in prompts]
+    captured: list[dict[int, torch.Tensor]] = []
+    handles = []
+    if capture_layer_ids:
+        layers = _find_decoder_layers(model)
+
+        def hook_for(idx: int):
+            def hook(_m, _i, output):
+                h = output[0] if isinstance(output, (tuple, list)) else output
+                if idx == capture_layer_ids[0]:
+                    captured.append({})
+                captured[-1][idx] = h.to(torch.bfloat16)  # [b, new positions, H]
+            return hook
+
+        handles = [layers[i].register_forward_hook(hook_for(i)) for i in capture_layer_ids]
     out: list[dict[str, Any]] = []
-    for i in tqdm(range(0, len(encoded), batch_size), desc="generating responses", unit="batch"):
-        chunk = encoded[i : i + batch_size]
-        width = max(len(ids) for _, ids in chunk)
-        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(chunk), width), dtype=torch.long)
-        for r, (_, ids) in enumerate(chunk):  # left padding: every prompt ends at column width-1
-            input_ids[r, width - len(ids) :] = torch.tensor(ids)
-            attention[r, width - len(ids) :] = 1
-        gen = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=eos, pad_token_id=pad)
-        for r, (p, ids) in enumerate(chunk):
-            resp = gen[r, width:].tolist()
-            if eos in resp:
-                resp = resp[: resp.index(eos) + 1]
-            out.append({"id": p.id, "category": p.category, "prompt_len": len(ids), "ids": ids + resp})
-        if on_batch is not None:
-            on_batch(out)
+    try:
+        for i in tqdm(range(0, len(encoded), batch_size), desc="generating responses", unit="batch"):
+            chunk = encoded[i : i + batch_size]
+            width = max(len(ids) for _, ids in chunk)
+            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            attention = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, (_, ids) in enumerate(chunk):  # left padding: every prompt ends at column width-1
+                input_ids[r, width - len(ids) :] = torch.tensor(ids)
+                attention[r, width - len(ids) :] = 1
+            captured.clear()
+            gen = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=pad)
+            feats = None
+            if capture_layer_ids:  # [b, width + fed steps, n*H], left-padded like input_ids
+                feats = torch.cat([torch.cat([c[j] for j in capture_layer_ids], dim=-1) for c in captured], dim=1)
+            for r, (p, ids) in enumerate(chunk):
+                resp = gen[r, width:].tolist()
+                if eos in resp:
+                    resp = resp[: resp.index(eos) + 1]
+                row = {"id": p.id, "category": p.category, "prompt_len": len(ids), "ids": ids + resp}
+                if feats is not None:
+                    n_fed = len(ids) + len(resp) - 1
+                    row["feats"] = feats[r, width - len(ids) : width - len(ids) + n_fed].clone()
+                out.append(row)
+            if on_batch is not None:
+                on_batch(out)
+    finally:
+        for h in handles:
+            h.remove()
     return out
 
 
@@ -93,7 +127,7 @@ def compute_features(target: Any, sequences: list[dict[str, Any]], layer_ids: li
 
 
 def main() -> None:
-    """python -m dflash_trt.train.data TARGET_DIR OUT_FILE [MAX_NEW_TOKENS] [BATCH]: responses only."""
+    """python -m dflash_trt.train.data TARGET_DIR OUT_FILE [MAX_NEW_TOKENS] [BATCH] [LAYER_IDS]."""
     import sys
 
     import random
@@ -104,13 +138,14 @@ def main() -> None:
     target_dir, out_file = Path(sys.argv[1]), Path(sys.argv[2])
     max_new = int(sys.argv[3]) if len(sys.argv) > 3 else 256
     bs = int(sys.argv[4]) if len(sys.argv) > 4 else 16
+    layer_ids = [int(x) for x in sys.argv[5].split(",")] if len(sys.argv) > 5 else None
     torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
     t0 = time.time()
     model, tok = load_target(target_dir), load_tokenizer(target_dir)
     prompts = load_prompts("train")
     random.Random(0).shuffle(prompts)
-    meta = {"max_new_tokens": max_new, "batch_size": bs}
-    seqs = generate_responses(model, tok, interleave(prompts), max_new, bs,
+    meta = {"max_new_tokens": max_new, "batch_size": bs, "capture_layer_ids": layer_ids}
+    seqs = generate_responses(model, tok, interleave(prompts), max_new, bs, capture_layer_ids=layer_ids,
                               on_batch=lambda done: save_data(out_file, done, {**meta, "seconds": time.time() - t0}))
     print(f"wrote {len(seqs)} sequences to {out_file} in {time.time() - t0:.0f} s")
 

@@ -73,15 +73,15 @@ def dflash_loss(
     embed: torch.nn.Module,  # target's token embedding (frozen)
     lm_head: torch.nn.Module,  # target's output head (frozen)
     ids: torch.Tensor,  # [T] prompt + response
-    feats: torch.Tensor,  # [T, n*H] target features of every position
+    feats: torch.Tensor,  # [C, n*H] target features of positions 0..C-1 (C >= T-1: the last token is never context)
     anchors: torch.Tensor,  # [A]
     gamma: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted CE of one sequence's blocks, plus per-slot accuracy figures for logging."""
-    B, T = draft.block_size, ids.shape[0]
+    B, C = draft.block_size, feats.shape[0]
     tokens, pos, labels, valid = block_inputs(ids, anchors, B, draft.mask_token_id)
-    position_ids = torch.cat([torch.arange(T), pos.reshape(-1)])[None]  # [1, T + A*B]
-    mask = attention_mask(T, anchors, B)
+    position_ids = torch.cat([torch.arange(C), pos.reshape(-1)])[None]  # [1, C + A*B]
+    mask = attention_mask(C, anchors, B)
     with torch.no_grad():
         noise = embed(tokens.reshape(1, -1))  # [1, A*B, H]
     hidden = draft(feats[None].float(), noise, position_ids, None, mask)[0]  # [A*B, H]

@@ -108,7 +108,9 @@ def _log(msg: str) -> None:
     print(f"[train-draft] {msg}", file=sys.stderr, flush=True)
 
 
-def load_or_generate_data(cfg: TrainConfig, model: Any, tokenizer: Any, data_dir: Path) -> list[dict[str, Any]]:
+def load_or_generate_data(cfg: TrainConfig, model: Any, tokenizer: Any, data_dir: Path,
+                          layer_ids: list[int]) -> list[dict[str, Any]]:
+    """Sequences (and, when captured during generation, their features) for the train prompts."""
     import torch
 
     from dflash_trt.prompts import interleave, load_prompts
@@ -116,51 +118,36 @@ def load_or_generate_data(cfg: TrainConfig, model: Any, tokenizer: Any, data_dir
 
     path = data_dir / "responses.pt"
     prompts = load_prompts("train")
-    random.Random(0).shuffle(prompts)
+    random.Random(0).shuffle(prompts)  # interleaved categories: any prefix covers all three
     prompts = interleave(prompts)[: cfg.max_prompts]
+    want = {p.id for p in prompts}
     if path.is_file():
         blob = torch.load(path, weights_only=False)
-        seqs = blob["sequences"]
+        seqs = [s for s in blob["sequences"] if s["id"] in want]
+        if blob.get("meta", {}).get("capture_layer_ids") != layer_ids:
+            for s in seqs:
+                s.pop("feats", None)
         _log(f"reusing {len(seqs)} generated responses from {path}")
-        want = {p.id for p in prompts}
-        return [s for s in seqs if s["id"] in want]
+        return seqs
     _log(f"generating the target's greedy answers to {len(prompts)} train prompts (batch {cfg.gen_batch_size})")
     t0 = time.time()
-    meta = {"max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.gen_batch_size}
-    seqs = generate_responses(model, tokenizer, prompts, cfg.max_new_tokens, cfg.gen_batch_size)
+    meta = {"max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.gen_batch_size, "capture_layer_ids": layer_ids}
+    seqs = generate_responses(model, tokenizer, prompts, cfg.max_new_tokens, cfg.gen_batch_size,
+                              capture_layer_ids=layer_ids)
     save_data(path, seqs, {**meta, "seconds": time.time() - t0})
     return seqs
 
 
-def load_or_compute_features(model: Any, seqs: list[dict[str, Any]], layer_ids: list[int], data_dir: Path):
-    import torch
+def features_of(model: Any, seqs: list[dict[str, Any]], layer_ids: list[int]) -> list[Any]:
+    """Per-sequence target features [>= T-1, n*H]: captured during generation, else computed now."""
+    from dflash_trt.train.data import compute_features
 
-    from dflash_trt.train.data import compute_features, save_data
-
-    path = data_dir / f"features-{'-'.join(map(str, layer_ids))}.pt"
-    cached: dict[str, Any] = {}
-    if path.is_file():
-        cached = torch.load(path, weights_only=False)["features"]
-    todo = [s for s in seqs if s["id"] not in cached or cached[s["id"]].shape[0] != len(s["ids"])]
+    todo = [s for s in seqs if "feats" not in s]
     if todo:
         _log(f"computing target features at layers {layer_ids} for {len(todo)} sequences")
         for s, f in zip(todo, compute_features(model, todo, layer_ids)):
-            cached[s["id"]] = f
-        blob_path = path
-        blob_path.parent.mkdir(parents=True, exist_ok=True)
-        import os
-        import tempfile
-
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.close(fd)
-        try:
-            torch.save({"features": cached}, tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    del save_data
-    return [cached[s["id"]] for s in seqs]
+            s["feats"] = f
+    return [s.pop("feats") for s in seqs]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +179,13 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     # z-lab's spread over the depth (30 layers, 3 features -> [1, 14, 27]); shallow targets dedupe
     layer_ids = cfg.target_layer_ids or sorted(set(build_target_layer_ids(n_layers, cfg.num_target_features)))
 
-    seqs = load_or_generate_data(cfg, target, tokenizer, data_dir)
+    shape = dict(num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=layer_ids,
+                 intermediate_size=cfg.intermediate_size)
+    # fail on a bad layer id / mask id BEFORE the long data generation, with the loader's own checks
+    validate_pair(make_draft_config(tcfg, mask_token_id=cfg.mask_token_id if cfg.mask_token_id is not None
+                                    else int(tcfg.vocab_size) - 1, **shape), tcfg, where="train-draft")
+
+    seqs = load_or_generate_data(cfg, target, tokenizer, data_dir, layer_ids)
     seqs = [s for s in seqs if len(s["ids"]) - s["prompt_len"] >= 2]
     if not seqs:
         raise DFlashError(f"no usable training sequences in {data_dir} (every response is shorter than 2 tokens)")
@@ -202,15 +195,14 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     if mask_id in seen:
         _log(f"warning: mask token {mask_id} occurs in the target's responses; acceptance may suffer")
 
-    dcfg = make_draft_config(tcfg, num_layers=cfg.num_layers, block_size=cfg.block_size, mask_token_id=mask_id,
-                             target_layer_ids=layer_ids, intermediate_size=cfg.intermediate_size)
-    validate_pair(dcfg, tcfg, where="train-draft")  # the same checks every loader applies
+    dcfg = make_draft_config(tcfg, mask_token_id=mask_id, **shape)
+    validate_pair(dcfg, tcfg, where="train-draft")
     torch.manual_seed(cfg.seed)
     draft = DFlashDraftModel(dcfg)
     draft.reset_parameters(seed=cfg.seed)
     draft.train()
 
-    feats = load_or_compute_features(target, seqs, layer_ids, data_dir)
+    feats = features_of(target, seqs, layer_ids)
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))

@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Benchmark the embedded pair on the held-out (eval) prompts: DFlash vs plain decoding.
+
+Both use the same reference runtime (dflash_trt.runtime.generate), greedy, batch 1, on this CPU,
+interleaved prompt by prompt so both see the same machine load. Prints mean tau, per-category tau,
+per-position acceptance, decode speedup (plain TPOT / DFlash TPOT, token-weighted over all
+prompts) and whether every output is identical to plain greedy decoding.
+
+    .venv/bin/python scripts/bench_embedded.py                    # all eval prompts
+    .venv/bin/python scripts/bench_embedded.py --num-prompts 6    # a quick subset (all categories)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.option("--target", "target_dir", type=click.Path(file_okay=False), help="Target dir [embedded SmolLM2].")
+@click.option("--draft", "draft_dir", type=click.Path(file_okay=False), help="Drafter dir [embedded drafter].")
+@click.option("--num-prompts", type=click.IntRange(min=1), help="Only the first N eval prompts (round-robin over categories).")
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--block-size", type=click.IntRange(min=2), help="Decode with a smaller block than the drafter's.")
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="torch threads.")
+@click.option("--split", default="eval", show_default=True, type=click.Choice(["eval", "train"]))
+@click.option("--json-out", type=click.Path(dir_okay=False), help="Also write every figure as JSON here.")
+def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads, split, json_out) -> None:
+    """DFlash vs plain greedy decoding of the embedded pair on held-out prompts."""
+    import torch
+
+    from dflash_trt.cli import friendly_errors
+    from dflash_trt.embedded import default_pair_dirs
+    from dflash_trt.generation_cli import encode_prompt, stop_ids_of
+    from dflash_trt.metrics import GenerationStats
+    from dflash_trt.prompts import CATEGORIES, interleave, load_prompts
+    from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+    from dflash_trt.runtime.loading import load_pair
+
+    @friendly_errors
+    def run() -> None:
+        torch.set_num_threads(threads)
+        t_dir, d_dir = (target_dir, draft_dir) if target_dir else default_pair_dirs()
+        pair = load_pair(t_dir, d_dir)
+        prompts = interleave(load_prompts(split))[:num_prompts]
+        stop = stop_ids_of(pair.tokenizer, pair.target.config)
+        vocab = int(pair.target.config.vocab_size)
+        kw = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop)
+        # warm-up: first calls pay for lazy initialisation in torch and transformers
+        warm = encode_prompt(pair.tokenizer, "Hello", False, vocab)
+        dflash_generate(pair.draft, pair.target, warm, max_new_tokens=8, stop_token_ids=stop)
+        autoregressive_generate(pair.target, warm, max_new_tokens=8, stop_token_ids=stop)
+
+        total = GenerationStats()
+        per_cat = {c: GenerationStats() for c in CATEGORIES}
+        dec = {"dflash": [0.0, 0], "plain": [0.0, 0]}  # decode seconds, decode tokens
+        rows = []
+        t0 = time.time()
+        for n, p in enumerate(prompts, 1):
+            ids = encode_prompt(pair.tokenizer, p.prompt, False, vocab)
+            d = dflash_generate(pair.draft, pair.target, ids, block_size=block_size, **kw)
+            a = autoregressive_generate(pair.target, ids, **kw)
+            same = d.output_ids == a.output_ids
+            for acc in (total, per_cat[p.category]):
+                _merge(acc, d.stats)
+            for name, r in (("dflash", d), ("plain", a)):
+                dec[name][0] += r.stats.total_time_s - r.stats.ttft_s
+                dec[name][1] += r.stats.num_output_tokens - 1
+            rows.append({"id": p.id, "category": p.category, "tokens": d.stats.num_output_tokens,
+                         "tau": round(d.stats.tau, 3), "dflash_tpot_ms": round(d.stats.tpot_s * 1e3, 1),
+                         "plain_tpot_ms": round(a.stats.tpot_s * 1e3, 1), "identical": same})
+            print(f"[{n}/{len(prompts)}] {p.id:14s} tokens={d.stats.num_output_tokens:3d} tau={d.stats.tau:5.2f} "
+                  f"tpot dflash={d.stats.tpot_s * 1e3:6.1f}ms plain={a.stats.tpot_s * 1e3:6.1f}ms identical={same}",
+                  file=sys.stderr, flush=True)
+        tpot = {k: (s / t if t else 0.0) for k, (s, t) in dec.items()}
+        result = {
+            "prompts": len(prompts), "split": split, "max_new_tokens": max_new_tokens, "threads": threads,
+            "block_size": block_size or pair.draft.block_size,
+            "tau": round(total.tau, 3),
+            "tau_per_category": {c: round(s.tau, 3) for c, s in per_cat.items() if s.num_steps},
+            "acceptance_rate": round(total.acceptance_rate, 4),
+            "per_position_acceptance": [round(x, 3) for x in total.per_position_acceptance],
+            "dflash_tpot_ms": round(tpot["dflash"] * 1e3, 2), "plain_tpot_ms": round(tpot["plain"] * 1e3, 2),
+            "speedup": round(tpot["plain"] / tpot["dflash"], 3) if tpot["dflash"] else 0.0,
+            "identical_all": all(r["identical"] for r in rows),
+            "wall_s": round(time.time() - t0, 1),
+            "rows": rows,
+        }
+        print(f"\nDFlash vs plain greedy, {len(prompts)} {split} prompts, max_new_tokens={max_new_tokens}, "
+              f"batch 1, {threads} CPU threads, block {result['block_size']}")
+        print(f"  mean tau            {result['tau']:.2f}   (acceptance_rate {result['acceptance_rate']:.3f})")
+        print("  tau per category    " + "  ".join(f"{c}={t:.2f}" for c, t in result["tau_per_category"].items()))
+        print("  per-position accept " + " ".join(f"{x:.2f}" for x in result["per_position_acceptance"]))
+        print(f"  TPOT                dflash={result['dflash_tpot_ms']:.1f} ms  plain={result['plain_tpot_ms']:.1f} ms"
+              f"  -> decode speedup {result['speedup']:.2f}x")
+        print(f"  identical to plain greedy on every prompt: {result['identical_all']}")
+        if json_out:
+            from dflash_trt.fsutil import write_json_atomic
+
+            write_json_atomic(Path(json_out), result)
+
+    run()
+
+
+def _merge(acc, s) -> None:
+    acc.acceptance_lengths.extend(s.acceptance_lengths)
+    acc.total_draft_tokens += s.total_draft_tokens
+    acc.total_accepted_draft_tokens += s.total_accepted_draft_tokens
+    for j in range(len(s.position_drafted)):
+        if j >= len(acc.position_drafted):
+            acc.position_drafted.append(0)
+            acc.position_accepted.append(0)
+        acc.position_drafted[j] += s.position_drafted[j]
+        acc.position_accepted[j] += s.position_accepted[j]
+
+
+if __name__ == "__main__":
+    main()
