@@ -74,13 +74,20 @@ def test_singleton_refuses_world_size_mismatch(tmp_path):
 
 def test_every_rank_refuses_fast_under_mpiexec(tmp_path):
     engine = manifest_engine(tmp_path / "engine", tp=4, pp=1)
-    rc, out, elapsed = run([*mpiexec(2), DFLASH, "launch", str(engine), "--backend", "trtllm"], timeout=60)
+    rc, out, elapsed = run([*mpiexec(2), DFLASH, "launch", str(engine), "--backend", "trtllm", "--",
+                            "tritonserver", f"--model-repository={tmp_path / 'repo'}"], timeout=60)
     assert rc != 0
     for rank in (0, 1):
         assert f"error: rank {rank}/2: MPI world size 2 != TP x PP = 4 x 1 = 4" in out, out
         assert f"error: rank {rank}/2: tensorrt_llm is not importable" in out, out
     assert elapsed < 30, f"refusal took {elapsed:.1f}s: something blocked"
     assert "Traceback" not in out
+
+
+def test_trtllm_needs_a_server_command(tmp_path):
+    engine = manifest_engine(tmp_path / "engine", tp=1, pp=1)
+    rc, out, _ = run([DFLASH, "launch", str(engine), "--backend", "trtllm"])
+    assert rc == 2 and out.strip().splitlines()[-1].startswith("error: --backend trtllm needs the server command")
 
 
 def test_world_size_match_leaves_only_the_missing_tensorrt_llm(tmp_path):

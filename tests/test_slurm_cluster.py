@@ -218,7 +218,8 @@ def test_srun_pmix_trtllm_world_size_mismatch_fails_fast(cluster, engine, tmp_pa
     assert "pmix" in cluster.run("srun", "--mpi=list").stdout + cluster.run("srun", "--mpi=list").stderr
     t0 = time.monotonic()
     proc = cluster.run("srun", "--mpi=pmix", "-n", "2", "--label", DFLASH, "launch", str(engine),
-                       "--backend", "trtllm", timeout=90, check=False)
+                       "--backend", "trtllm", "--", "tritonserver", f"--model-repository={tmp_path}",
+                       timeout=90, check=False)
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out

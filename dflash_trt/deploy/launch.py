@@ -237,9 +237,13 @@ def launch(engine_dir: str | Path, backend: Backend = "trtllm", check_only: bool
     from dflash_trt.engine.manifest import load_manifest
 
     engine_dir = Path(engine_dir).resolve()
-    manifest = load_manifest(engine_dir)  # same file on every rank: all ranks agree on errors here
+    # Errors every rank finds alike, raised before MPI starts (a plain one-line error per rank).
+    manifest = load_manifest(engine_dir)
     if backend == "reference":
         check_port_plan(1, grpc_port, metrics_port, port_stride)
+    elif not check_only and not server_cmd:
+        raise DFlashError("--backend trtllm needs the server command for rank 0 after `--`, e.g. "
+                          "`dflash-trt launch ENGINE -- tritonserver --model-repository=REPO`")
     comm, info = mpi_rank_info()
     log(info, f"{info.library}; backend {backend}; engine {manifest.name!r} "
               f"(TP {manifest.mapping.tp} x PP {manifest.mapping.pp})")
@@ -261,7 +265,8 @@ def launch(engine_dir: str | Path, backend: Backend = "trtllm", check_only: bool
         # No MPI_Finalize: it synchronizes, and a rank that passed the checks may be serving.
         os._exit(EXIT_REFUSED)
     if check_only:
-        log(info, "ok: world size matches TP x PP" + (" and tensorrt_llm imports" if backend == "trtllm" else ""))
+        log(info, "ok: world size matches TP x PP and tensorrt_llm imports" if backend == "trtllm"
+            else f"ok: replica ports {replica_ports(info.rank, grpc_port, metrics_port, port_stride)}")
         converge(comm)
         return 0
 
@@ -269,16 +274,24 @@ def launch(engine_dir: str | Path, backend: Backend = "trtllm", check_only: bool
     code = 0
     try:
         if backend == "trtllm":
-            if not server_cmd:
-                raise DFlashError("--backend trtllm needs the server command after `--`, e.g. "
-                                  "`-- tritonserver --model-repository=REPO`")
-            code = run_trtllm_roles(info, server_cmd)
+            code = run_trtllm_roles(info, server_cmd or [])
         else:
             repo = Path(model_repository).resolve() if model_repository else None
             code = run_reference_replica(engine_dir, info, host, grpc_port, metrics_port, port_stride, repo)
     except KeyboardInterrupt as e:  # SIGTERM (scancel) or Ctrl-C: a requested, clean shutdown
         log(info, f"stopped ({e or 'interrupt'})")
         code = 0
+    except Exception as e:  # noqa: BLE001
+        # This rank cannot serve. Leave NOW without MPI_Finalize: it would wait for the ranks that
+        # are serving, so the job would hang half-up; exiting makes srun/mpiexec end the step.
+        if isinstance(e, DFlashError):
+            print(f"error: {info.tag}: {e}", file=sys.stderr, flush=True)
+        else:
+            import traceback
+
+            traceback.print_exc()
+            print(f"error: {info.tag}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(e.exit_code if isinstance(e, DFlashError) else 1)
     else:
         log(info, f"stopped (exit code {code})")
     finally:
