@@ -123,8 +123,8 @@ stop() {
   if [ -f "$CONF" ] && pid_alive "$DIR/slurmctld.pid"; then
     scancel --user="$(id -un)" 2>/dev/null || true  # leave no job processes behind
   fi
-  stop_daemon slurmd "$DIR/slurmd.pid"
   stop_daemon slurmctld "$DIR/slurmctld.pid"
+  stop_daemon slurmd "$DIR/slurmd.pid"
   if [ -f "$DIR/munged.started" ]; then
     munged --stop >/dev/null 2>&1 || true
     rm -f "$DIR/munged.started"
