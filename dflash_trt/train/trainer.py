@@ -204,7 +204,15 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
 
     feats = features_of(target, seqs, layer_ids)
     gamma = cfg.gamma or default_gamma(cfg.block_size)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    embed = target.get_input_embeddings()
+    # The frozen 49152-row head dominates a step's cost (its matmul runs forward, and backward
+    # into the hidden states). bf16 makes it ~2.5x faster on AVX512-BF16 CPUs; the loss itself
+    # is still computed in float32 from those logits.
+    head_w = target.get_output_embeddings().weight.detach().to(torch.bfloat16)  # [V, H]
+
+    def lm_head(h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        return torch.nn.functional.linear(h.to(torch.bfloat16), head_w)
+
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
     def lr_at(step: int) -> float:  # linear warmup, cosine decay to 10%

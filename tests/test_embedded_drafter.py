@@ -1,0 +1,87 @@
+"""The committed DFlash drafter for SmolLM2-135M-Instruct: format, fit, mask token, real acceptance."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dflash_trt.embedded import DRAFT_DIR, default_pair_dirs
+from dflash_trt.errors import DFlashError
+from dflash_trt.runtime.checkpoint import read_json
+from dflash_trt.runtime.validate import validate_pair
+
+MASK_TOKEN = "<repo_name>"  # documented choice: a StarCoder code-metadata special the instruct model never writes
+
+
+@pytest.fixture(scope="module")
+def pair_dirs():
+    return default_pair_dirs()
+
+
+@pytest.fixture(scope="module")
+def pair(pair_dirs):
+    from dflash_trt.runtime.loading import load_pair
+
+    return load_pair(*pair_dirs)
+
+
+def test_committed_drafter_is_small_zlab_with_manifest():
+    cfg = read_json(DRAFT_DIR / "config.json")
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["hidden_size"] == 576 and cfg["num_target_layers"] == 30
+    assert (DRAFT_DIR / "model.safetensors").stat().st_size < 10e6  # a few MB, bf16
+    manifest = json.loads((DRAFT_DIR / "MANIFEST.json").read_text())
+    for key in ("command", "data", "steps", "seed", "final_loss", "train_time_s", "machine", "mask_token"):
+        assert key in manifest, key
+    assert manifest["mask_token"]["id"] == cfg["dflash_config"]["mask_token_id"]
+    assert manifest["final_loss"] < manifest["history"][0]["loss"]
+
+
+def test_drafter_fits_target_and_mask_token_is_the_documented_reserved_special(pair, pair_dirs):
+    target_dir, draft_dir = pair_dirs
+    s = validate_pair(read_json(draft_dir / "config.json"), pair.target.config)
+    tok = pair.tokenizer
+    assert tok.convert_ids_to_tokens(s.mask_token_id) == MASK_TOKEN
+    assert s.mask_token_id in tok.all_special_ids or s.mask_token_id in tok.added_tokens_decoder
+    assert s.mask_token_id not in (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id)
+    assert pair.draft.mask_token_id == s.mask_token_id and all(0 <= i < 30 for i in s.target_layer_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dflash_equals_plain_greedy_on_eval_prompts_with_real_acceptance(pair):
+    from dflash_trt.generation_cli import encode_prompt, stop_ids_of
+    from dflash_trt.prompts import interleave, load_prompts
+    from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+
+    stop = stop_ids_of(pair.tokenizer, pair.target.config)
+    steps = accepted = 0
+    for p in interleave(load_prompts("eval"))[:3]:  # one code, one math, one chat prompt
+        ids = encode_prompt(pair.tokenizer, p.prompt, False, 49152)
+        d = dflash_generate(pair.draft, pair.target, ids, max_new_tokens=64, stop_token_ids=stop)
+        a = autoregressive_generate(pair.target, ids, max_new_tokens=64, stop_token_ids=stop)
+        assert d.output_ids == a.output_ids, p.id
+        steps += d.stats.num_steps
+        accepted += sum(d.stats.acceptance_lengths)
+    assert accepted / steps > 2.0  # a trained drafter, not a random one (random: tau ~ 1.0)
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"hidden_size": 512}, "hidden_size=512"),
+    ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 14, 30]}}, r"outside the target's layers 0\.\.29"),
+    ({"num_target_layers": 24}, "num_target_layers=24"),
+])
+def test_mismatched_drafter_is_refused_with_one_line(pair_dirs, tmp_path, edit, match):
+    from dflash_trt.runtime.loading import load_pair
+
+    target_dir, draft_dir = pair_dirs
+    bad = tmp_path / "draft"
+    shutil.copytree(draft_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(edit)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match=match) as e:
+        load_pair(target_dir, bad)
+    assert "\n" not in str(e.value)
