@@ -214,3 +214,42 @@ def test_cli_build_verify_and_refuse_to_overwrite(tiny_pair_dirs, tmp_path):
     assert ok.exit_code == 0 and ok.stdout.startswith("ok:")
     again = CliRunner().invoke(main, args)
     assert again.exit_code != 0 and "already exists" in again.stderr and "--force" in again.stderr
+
+
+def test_sigterm_during_a_build_removes_the_temporary_directory(tmp_path):
+    """`timeout`, `scancel` and `kill` send SIGTERM, which by default skips all cleanup."""
+    import os
+    import signal
+
+    from dflash_trt.engine.builder import sigterm_as_interrupt
+    from dflash_trt.fsutil import atomic_directory
+
+    out = tmp_path / "engine"
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with sigterm_as_interrupt(), atomic_directory(out) as tmp:
+            (tmp / "target").mkdir()
+            (tmp / "target" / "model.safetensors").write_bytes(b"half")
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is restored
+
+
+@pytest.mark.slow
+def test_embedded_pair_builds_with_nvfp4_and_generates(tmp_path):
+    """The one embedded build test: SmolLM2-135M + the project's drafter, NVFP4, on CPU."""
+    from dflash_trt.embedded import default_pair_dirs
+
+    try:
+        target, draft = default_pair_dirs()
+    except DFlashError as e:
+        pytest.skip(f"embedded pair not available in this checkout: {e}")
+    eng = _build(tmp_path / "smol", target, draft, quant="nvfp4", max_seq_len=512, **{"gate.accept_tau_drop": True})
+    m = verify_engine(eng)
+    assert m.acceptance["before"]["tau"] >= 1.0 and m.acceptance["after"]["tau"] >= 1.0
+    print(f"embedded nvfp4: tau {m.acceptance['before']['tau']:.2f} -> {m.acceptance['after']['tau']:.2f}")
+    pair = load_engine(eng)
+    assert pair.tokenizer is not None
+    ids = pair.tokenizer("The capital of France is")["input_ids"]
+    got = dflash_generate(pair.draft, pair.target, ids, max_new_tokens=12)
+    assert got.output_ids == autoregressive_generate(pair.target, ids, max_new_tokens=12).output_ids

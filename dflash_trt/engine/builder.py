@@ -50,6 +50,27 @@ class Profile:
             self.peak_rss_mib[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM (timeout, scancel, kill) into KeyboardInterrupt so the temporary engine
+    directory is removed; by default SIGTERM kills Python without running any cleanup."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def versions(quantized: bool) -> dict[str, str]:
     import platform
     from importlib.metadata import PackageNotFoundError, version
@@ -247,7 +268,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     dtype = _resolve_dtype(spec, tcfg.get("dtype") or tcfg.get("torch_dtype"))
     quantized = spec.quant != "none"
 
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with sigterm_as_interrupt(), atomic_directory(out, overwrite=overwrite) as tmp:
         with prof.phase("load"):
             say(f"loading target {p.target_dir} ({str(dtype).removeprefix('torch.')}) and drafter {p.draft_dir}")
             target = load_target(p.target_dir, dtype)
