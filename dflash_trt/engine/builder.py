@@ -289,6 +289,9 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
 
                 quantize_and_export(target, spec.quant, spec.kv_cache_quant, ids, tmp / "target", dtype, progress)
             del target
+            import gc
+
+            gc.collect()  # the calibrated model is large; free it before loading the exported one
             if spec.gate.enabled:
                 with prof.phase("tau_after"):
                     qtarget = load_quantized_target(tmp / "target", dtype)

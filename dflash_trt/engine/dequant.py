@@ -126,6 +126,16 @@ def dequantize_state(state: dict[str, torch.Tensor], expected: dict[str, torch.T
     return out
 
 
+def _no_init():
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: random init, only slower
+        import contextlib
+
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def load_quantized_target(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """A HF causal LM with dequantized weights; plain load_target for float checkpoints."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -147,16 +157,19 @@ def load_quantized_target(directory: str | Path, dtype: torch.dtype = torch.floa
         cfg = AutoConfig.for_model(model_type, **raw)
     except (ValueError, KeyError) as e:
         raise DFlashError(f"{directory}: cannot build a {model_type!r} config ({str(e).splitlines()[0]})")
-    with _quiet_transformers(), torch.device("cpu"):
+    with _quiet_transformers(), torch.device("cpu"), _no_init():
+        # Every weight is overwritten below: skipping the random init saves time and memory.
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     expected = model.state_dict()
-    state = dequantize_state(load_state_dict(directory), expected, algo, directory)
+    exported = load_state_dict(directory)
+    state = dequantize_state(exported, expected, algo, directory)
+    del exported
     missing = [k for k in expected if k not in state]
     tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
     if [k for k in missing if k not in tied]:
         first = [k for k in missing if k not in tied][0]
         raise DFlashError(f"{directory}: weights missing {first}; the export is incomplete, rebuild the engine")
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state, strict=False, assign=True)  # assign: no second copy of the weights
     if tied:
         model.tie_weights()
     return model.to(device=device, dtype=dtype).eval()
