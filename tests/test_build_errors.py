@@ -146,3 +146,25 @@ def test_flags_override_the_yaml(tmp_path: Path):
     f.write_text("tp: 4\nquant: fp8\ngate:\n  max_tau_drop: 0.2\n")
     s = resolve_spec(f, {"tp": 2, "gate.max_tau_drop": None, "calibration.num_samples": 3})
     assert (s.tp, s.quant, s.gate.max_tau_drop, s.calibration.num_samples) == (2, "fp8", 0.2, 3)
+
+
+def test_calibration_prompts_from_files_lists_and_the_project_sets(tmp_path: Path):
+    from dflash_trt.engine.calibration import load_calibration_prompts
+    from dflash_trt.errors import DFlashError
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"text": "b"}\n\n"c"\n{"turns": ["d", "e"]}\n')
+    assert load_calibration_prompts(str(f), 10) == ["a", "b", "c", "d"]
+    assert load_calibration_prompts(str(f), 2) == ["a", "b"]
+    t = tmp_path / "p.txt"
+    t.write_text("one\n\ntwo\n")
+    assert load_calibration_prompts(str(t), 10) == ["one", "two"]
+    assert load_calibration_prompts(["x", " ", "y"], 10) == ["x", "y"]
+    default = load_calibration_prompts(None, 5)
+    assert len(default) == 5 and all(isinstance(p, str) and p for p in default)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(DFlashError, match="invalid JSON .* line 1"):
+        load_calibration_prompts(str(bad), 10)
+    with pytest.raises(DFlashError, match="no calibration prompts"):
+        load_calibration_prompts([" "], 10)
