@@ -113,7 +113,7 @@ def dflash_generate(
     # 2. Draft -> verify -> accept until a stop token or max_new_tokens.
     while not done and len(out) < max_new_tokens:
         start = len(prompt) + len(out) - 1  # positions in the target KV cache
-        k = min(B - 1, max_new_tokens - len(out))  # never draft past the token budget
+        k = min(B - 1, max_new_tokens - len(out) - 1)  # a step commits up to k + 1 tokens
         block = torch.full((1, k + 1), draft.mask_token_id, device=dev)
         block[0, 0] = pending
         positions = torch.arange(start, start + k + 1, device=dev)[None]  # [1, k+1]

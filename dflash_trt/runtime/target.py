@@ -28,10 +28,15 @@ class TargetAdapter:
         self.model = model.eval()
         self.config = model.config
         self._decoder_layers = _find_decoder_layers(model)
-        self._captured: dict[int, torch.Tensor] = {}
-        self._capture_ids: tuple[int, ...] = ()
-        for idx, layer in enumerate(self._decoder_layers):
-            layer.register_forward_hook(self._make_hook(idx))
+        # Hooks are registered once per model and shared by every adapter over it; adapters are
+        # created per request, and re-registering would pile up hooks on the layers.
+        state = model.__dict__.get("_dflash_capture")
+        if state is None:
+            state = _CaptureState()
+            for idx, layer in enumerate(self._decoder_layers):
+                layer.register_forward_hook(state.hook(idx))
+            model.__dict__["_dflash_capture"] = state
+        self._state: _CaptureState = state
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -78,8 +83,8 @@ class TargetAdapter:
         logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns logits [B, S', V] (S' = logits_to_keep or S) and ctx features [B, S, n*H]."""
-        self._capture_ids = tuple(capture_layer_ids)
-        self._captured = {}
+        state = self._state
+        state.layer_ids, state.captured = tuple(capture_layer_ids), {}
         try:
             out = self.model(
                 input_ids=input_ids,
@@ -89,7 +94,7 @@ class TargetAdapter:
                 logits_to_keep=logits_to_keep,
             )
         finally:
-            captured, self._captured, self._capture_ids = self._captured, {}, ()
+            captured, state.captured, state.layer_ids = state.captured, {}, ()
         feats = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
         return out.logits, feats
 
@@ -98,11 +103,20 @@ class TargetAdapter:
         """Roll the KV cache back to its first `length` positions (after a rejection)."""
         cache.crop(length)
 
-    def _make_hook(self, idx: int):
-        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
-            if idx in self._capture_ids:
-                self._captured[idx] = output[0] if isinstance(output, (tuple, list)) else output
-        return hook
+
+
+class _CaptureState:
+    """What the layer hooks of one model record during the current forward."""
+
+    def __init__(self) -> None:
+        self.layer_ids: tuple[int, ...] = ()
+        self.captured: dict[int, torch.Tensor] = {}
+
+    def hook(self, idx: int):
+        def record(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if idx in self.layer_ids:  # [B, S, H], the layer's output after its residual add
+                self.captured[idx] = output[0] if isinstance(output, (tuple, list)) else output
+        return record
 
 
 def _find_decoder_layers(model: nn.Module) -> nn.ModuleList:
