@@ -77,7 +77,7 @@ def test_loss_is_weighted_ce_and_trains():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]  # memorises one sequence's blocks
     assert 1.0 <= stats["tau_est"] <= 8.0
     assert default_gamma(16) == 7.0 and default_gamma(8) == 4.0

@@ -34,6 +34,7 @@ def setup_default(rebuild: bool) -> None:
 @click.option("--data-dir", type=click.Path(file_okay=False), help="Cache for responses and target features [<out>.data].")
 @click.option("--max-prompts", type=click.IntRange(min=1), help="Use at most N train prompts (all by default).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), help="Response length cap when generating data [256].")
+@click.option("--gen-batch-size", type=click.IntRange(min=1), help="Prompts per batched generate() call [16].")
 @click.option("--block-size", type=click.IntRange(min=2), help="Drafter block size B [16].")
 @click.option("--num-layers", type=click.IntRange(min=1), help="Drafter decoder layers [1].")
 @click.option("--intermediate-size", type=click.IntRange(min=1), help="Drafter MLP width [768].")
@@ -41,6 +42,9 @@ def setup_default(rebuild: bool) -> None:
 @click.option("--mask-token-id", type=int, help="Mask token id [a reserved special token of the tokenizer].")
 @click.option("--steps", type=click.IntRange(min=1), help="Optimizer steps (one sequence, many blocks each) [1000].")
 @click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=1), help="Stop training after this many seconds (still saves).")
+@click.option("--data-reload", "data_reload_s", type=click.FloatRange(min=1),
+              help="Every N seconds, pick up sequences a separate data job appended to <data-dir>/responses.pt.")
+@click.option("--warmup-steps", type=click.IntRange(min=0), help="Linear lr warmup steps [50].")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), help="Peak learning rate [1e-3].")
 @click.option("--anchors-per-seq", type=click.IntRange(min=1), help="Blocks trained per sequence per step [32].")
 @click.option("--seed", type=int, help="Random seed [0].")

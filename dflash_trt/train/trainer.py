@@ -55,6 +55,9 @@ class TrainConfig(BaseModel):
     mask_token_id: int | None = None  # default: chosen from the tokenizer (see choose_mask_token)
     steps: int = Field(1000, ge=1)
     time_limit_s: float | None = Field(None, gt=0)  # stop early (and still save) after this long
+    # While a separate `python -m dflash_trt.train.data` job is still appending to
+    # <data_dir>/responses.pt, pick up its new sequences every this many seconds.
+    data_reload_s: float | None = Field(None, gt=0)
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(50, ge=0)
     weight_decay: float = Field(0.01, ge=0)
@@ -203,6 +206,7 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     draft.train()
 
     feats = features_of(target, seqs, layer_ids)
+    n_start = len(seqs)
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     embed = target.get_input_embeddings()
     # The frozen 49152-row head dominates a step's cost (its matmul runs forward, and backward
@@ -215,16 +219,41 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
 
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
-    def lr_at(step: int) -> float:  # linear warmup, cosine decay to 10%
+    def lr_at(step: int, elapsed: float) -> float:  # linear warmup, cosine decay to 10%
         if step < cfg.warmup_steps:
             return cfg.lr * (step + 1) / cfg.warmup_steps
         frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        if cfg.time_limit_s:  # a time-limited run decays on the clock, so it ends at a low lr too
+            frac = max(frac, elapsed / cfg.time_limit_s)
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
     from tqdm import tqdm
 
     gen = torch.Generator().manual_seed(cfg.seed)
-    order = torch.randperm(len(seqs), generator=gen).tolist()
+    order: list[int] = []  # this epoch's remaining sequence indices
+    known = {s["id"] for s in seqs}
+    data_path, data_mtime, last_check = data_dir / "responses.pt", 0.0, time.time()
+    if data_path.is_file():
+        data_mtime = data_path.stat().st_mtime
+
+    def pick_up_new_data() -> None:
+        nonlocal data_mtime
+        if not data_path.is_file() or data_path.stat().st_mtime == data_mtime:
+            return
+        data_mtime = data_path.stat().st_mtime
+        blob = torch.load(data_path, weights_only=False)
+        if blob.get("meta", {}).get("capture_layer_ids") != layer_ids:
+            return
+        new = [s for s in blob["sequences"] if s["id"] not in known and "feats" in s
+               and len(s["ids"]) - s["prompt_len"] >= 2]
+        for s in new:
+            known.add(s["id"])
+            order.append(len(seqs))  # seen in the current epoch already
+            feats.append(s.pop("feats"))
+            seqs.append(s)
+        if new:
+            _log(f"picked up {len(new)} new sequences ({len(seqs)} in all)")
+
     history: list[dict[str, float]] = []
     window: list[tuple[float, float, float]] = []
     t_train = time.time()
@@ -234,20 +263,23 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.time_limit_s and time.time() - t_train > cfg.time_limit_s:
             _log(f"time limit {cfg.time_limit_s:.0f} s reached after {done} steps")
             break
-        i = order[step % len(order)]
-        if step % len(order) == len(order) - 1:
+        if cfg.data_reload_s and time.time() - last_check > cfg.data_reload_s:
+            last_check = time.time()
+            pick_up_new_data()
+        if not order:
             order = torch.randperm(len(seqs), generator=gen).tolist()
+        i = order.pop()
         s = seqs[i]
         ids = torch.tensor(s["ids"])
         anchors = sample_anchors(s["prompt_len"], len(s["ids"]), cfg.anchors_per_seq, gen)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = lr_at(step, time.time() - t_train)
         loss, st = dflash_loss(draft, embed, lm_head, ids, feats[i], anchors, gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
-        window.append((float(loss), st["acc1"], st["tau_est"]))
+        window.append((loss.item(), st["acc1"], st["tau_est"]))
         done += 1
         bar.update(1)
         if (step + 1) % cfg.log_every == 0 or step == cfg.steps - 1:
@@ -275,7 +307,7 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         "target_layer_ids": layer_ids,
         "command": "dflash-trt " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("dflash-trt") else " ".join(sys.argv),
         "config": cfg.model_dump(),
-        "data": {"sequences": len(seqs), "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
+        "data": {"sequences": len(seqs), "sequences_at_start": n_start, "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
                  "prompts": "dflash_trt/prompts/*.jsonl split=train",
                  "responses": f"target greedy, chat template, max_new_tokens={cfg.max_new_tokens}"},
         "steps": done,
