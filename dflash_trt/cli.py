@@ -44,6 +44,8 @@ def main() -> None:
 @click.argument("prompt")
 @click.option("--target", "target_dir", type=click.Path(file_okay=False), help="Target HF checkpoint directory.")
 @click.option("--draft", "draft_dir", type=click.Path(file_okay=False), help="DFlash drafter directory (z-lab format).")
+@click.option("--engine", "engine_dir", type=click.Path(file_okay=False),
+              help="Engine directory from `dflash-trt build` (none/fp8/nvfp4; dequantized to run on CPU).")
 @click.option("--tiny", is_flag=True, help="Use a tiny randomly initialised pair (no checkpoint; smoke tests).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
@@ -56,13 +58,14 @@ def main() -> None:
 @click.option("--dtype", default="float32", show_default=True, help="float32 | bfloat16 | float16")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickle weight files (they can run code).")
 @friendly_errors
-def generate(prompt: str, target_dir: str | None, draft_dir: str | None, tiny: bool, max_new_tokens: int,
+def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_dir: str | None, tiny: bool,
+             max_new_tokens: int,
              temperature: float, top_p: float, seed: int, raw: bool, as_json: bool, compare: bool,
              dtype: str, allow_pickle: bool) -> None:
     """Generate text for PROMPT with DFlash and print it with acceptance statistics."""
     from dflash_trt.generation_cli import run_generate
 
-    run_generate(prompt=prompt, target_dir=target_dir, draft_dir=draft_dir, tiny=tiny,
+    run_generate(prompt=prompt, target_dir=target_dir, draft_dir=draft_dir, engine_dir=engine_dir, tiny=tiny,
                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                  raw=raw, as_json=as_json, compare=compare, dtype=dtype, allow_pickle=allow_pickle)
 

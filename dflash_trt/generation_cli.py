@@ -42,9 +42,17 @@ def decode(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def resolve_pair(target_dir: str | None, draft_dir: str | None, tiny: bool, dtype: str, allow_pickle: bool):
+def resolve_pair(target_dir: str | None, draft_dir: str | None, tiny: bool, dtype: str, allow_pickle: bool,
+                 engine_dir: str | None = None):
+    """The pair to run: an engine directory, explicit directories, a tiny random pair, or the embedded default."""
     from dflash_trt.runtime.loading import LoadedPair, load_pair
 
+    if engine_dir is not None:
+        if target_dir or draft_dir or tiny:
+            raise DFlashError("--engine already holds the target and drafter; drop --target/--draft/--tiny")
+        from dflash_trt.engine.loader import load_engine
+
+        return load_engine(engine_dir, dtype=dtype)
     if tiny:
         from dflash_trt.runtime.tiny import random_draft, tiny_target
 
@@ -59,13 +67,14 @@ def resolve_pair(target_dir: str | None, draft_dir: str | None, tiny: bool, dtyp
     return load_pair(target_dir, draft_dir, dtype=dtype, allow_pickle=allow_pickle)
 
 
-def run_generate(*, prompt: str, target_dir: str | None, draft_dir: str | None, tiny: bool, max_new_tokens: int,
+def run_generate(*, prompt: str, target_dir: str | None, draft_dir: str | None, engine_dir: str | None, tiny: bool,
+                 max_new_tokens: int,
                  temperature: float, top_p: float, seed: int, raw: bool, as_json: bool, compare: bool,
                  dtype: str, allow_pickle: bool) -> None:
     from dflash_trt.cli import emit_json
     from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
 
-    pair = resolve_pair(target_dir, draft_dir, tiny, dtype, allow_pickle)
+    pair = resolve_pair(target_dir, draft_dir, tiny, dtype, allow_pickle, engine_dir)
     ids = encode_prompt(pair.tokenizer, prompt, raw, int(pair.target.config.vocab_size))
     stop = stop_ids_of(pair.tokenizer, pair.target.config)
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop, seed=seed)

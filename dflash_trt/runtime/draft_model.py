@@ -77,6 +77,15 @@ class DFlashSettings:
         return DFlashSettings(int(block_size), int(mask_token_id), tuple(int(i) for i in layer_ids), int(num_target_layers))
 
 
+def check_is_drafter(cfg: dict[str, Any], where: Any) -> None:
+    archs = cfg.get("architectures") or []
+    if archs and not any("DFlash" in a for a in archs):
+        raise DFlashError(
+            f"{where}: architectures={archs} is not a DFlash drafter; "
+            f"pass the drafter directory (config.json with architectures [\"{ARCHITECTURE}\"])"
+        )
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """RoPE where q covers only the LAST q_len positions of cos/sin and k covers all of them."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, hd]
@@ -316,12 +325,7 @@ class DFlashDraftModel(nn.Module):
 
         directory = Path(directory)
         cfg = read_json(directory / CONFIG_NAME, what="drafter config")
-        archs = cfg.get("architectures") or []
-        if archs and not any("DFlash" in a for a in archs):
-            raise DFlashError(
-                f"{directory}: architectures={archs} is not a DFlash drafter; "
-                f"pass the drafter directory (config.json with architectures [\"{ARCHITECTURE}\"])"
-            )
+        check_is_drafter(cfg, directory)
         model = cls(cfg)
         state = load_state_dict(directory, allow_pickle=allow_pickle)
         model._load_checked(state, directory)

@@ -66,7 +66,7 @@ def load_tokenizer(directory: str | Path):
         with _quiet_transformers():
             return AutoTokenizer.from_pretrained(Path(directory), trust_remote_code=False, local_files_only=True)
     except (OSError, ValueError) as e:
-        logging.getLogger(__name__).warning("no tokenizer in %s (%s)", directory, str(e).splitlines()[0])
+        logging.getLogger(__name__).info("no tokenizer in %s (%s)", directory, str(e).splitlines()[0])
         return None
 
 

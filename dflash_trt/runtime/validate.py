@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.draft_model import DFlashSettings
+from dflash_trt.runtime.draft_model import DFlashSettings, check_is_drafter
 
 
 def validate_settings(settings: DFlashSettings, max_draft_len: int | None = None, where: str = "drafter") -> None:
@@ -31,6 +31,7 @@ def validate_pair(
     where: str = "drafter",
 ) -> DFlashSettings:
     """Raise DFlashError unless the drafter config fits the target config."""
+    check_is_drafter(draft_config, where)
     s = DFlashSettings.from_config_dict(draft_config, where=f"{where} config.json")
     validate_settings(s, max_draft_len, where)
     t_hidden = int(target_config.hidden_size)
