@@ -1,6 +1,40 @@
 #!/usr/bin/env bash
-# The main job on the embedded default pair. Grows with the project: generate -> build -> serve.
+# The main job on the embedded default pair (SmolLM2-135M-Instruct + this project's DFlash drafter):
+#   build the engine directory -> write the Triton model repository -> serve it over Triton's gRPC
+#   protocol -> one request with the real tritonclient -> the answer with tau, then the speedup
+#   over plain decoding measured on the same engine in the same run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DFLASH=.venv/bin/dflash-trt
-$DFLASH generate --tiny --compare "Explain speculative decoding in one sentence."
+OUT=${DEMO_OUT:-out/demo}
+PROMPT=${1:-"Write a Python function that returns the n-th Fibonacci number."}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+mkdir -p "$OUT"
+
+echo "== 1. build (embedded default pair, CPU recipe) =="
+$DFLASH build --spec smollm2-135m-cpu --out "$OUT/engine" --force --no-progress
+$DFLASH verify "$OUT/engine"
+
+echo "== 2. Triton model repository =="
+$DFLASH deploy triton "$OUT/engine" --out "$OUT/triton_repo" --force
+
+echo "== 3. serve (Triton gRPC protocol, ephemeral ports) =="
+rm -f "$OUT/ready"
+$DFLASH serve --model-repository "$OUT/triton_repo" --grpc-port 0 --metrics-port 0 \
+  --ready-file "$OUT/ready" >"$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+for _ in $(seq 120); do
+  [ -s "$OUT/ready" ] && break
+  kill -0 $SERVER 2>/dev/null || { echo "server exited; see $OUT/server.log" >&2; tail -5 "$OUT/server.log" >&2; exit 1; }
+  sleep 1
+done
+[ -s "$OUT/ready" ] || { echo "server not ready after 120 s; see $OUT/server.log" >&2; exit 1; }
+URL=$(cut -d' ' -f1 "$OUT/ready")
+echo "serving on $URL"
+
+echo "== 4. a Triton gRPC request (tritonclient) =="
+$DFLASH client --url "$URL" --max-tokens 128 --stream "$PROMPT"
+
+echo "== 5. speedup over plain decoding (same engine, same prompt, same run) =="
+$DFLASH generate --engine "$OUT/engine" --max-new-tokens 128 --compare "$PROMPT" >/dev/null
