@@ -70,6 +70,13 @@ def _truncate_at_stop(tokens: list[int], stop: set[int]) -> tuple[list[int], boo
     return tokens, False
 
 
+def _finish(prompt: list[int], out: list[int], stop: set[int], stats: GenerationStats, t0: float) -> GenerationResult:
+    stats.num_output_tokens = len(out)
+    stats.finish_reason = "stop" if out[-1] in stop else "length"
+    stats.total_time_s = time.perf_counter() - t0
+    return GenerationResult(prompt, out, stats)
+
+
 def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
     return torch.Generator(device=device).manual_seed(seed) if seed is not None else None
 
@@ -138,10 +145,7 @@ def dflash_generate(
         if on_step is not None and on_step(new):
             done = True
 
-    stats.num_output_tokens = len(out)
-    stats.finish_reason = "stop" if out[-1] in stop else "length"
-    stats.total_time_s = time.perf_counter() - t0
-    return GenerationResult(prompt, out, stats)
+    return _finish(prompt, out, stop, stats, t0)
 
 
 @torch.inference_mode()
@@ -181,7 +185,4 @@ def autoregressive_generate(
             break
         ids = torch.tensor([[token]], device=dev)
         positions = positions[:, -1:] + 1
-    stats.num_output_tokens = len(out)
-    stats.finish_reason = "stop" if out[-1] in stop else "length"
-    stats.total_time_s = time.perf_counter() - t0
-    return GenerationResult(prompt, out, stats)
+    return _finish(prompt, out, stop, stats, t0)
