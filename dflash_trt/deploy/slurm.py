@@ -140,8 +140,11 @@ def _container_flags(opts: SlurmOptions, engine_dir: Path, out: Path) -> str:
     for path in (engine_dir, out):
         if not any(m.split(":")[0] == str(path) for m in mounts):
             mounts.append(f"{path}:{path}")
+    # pyxis starts in the image's own workdir unless told: run in the engine directory, whose
+    # llm_api_options.yaml names the drafter relatively (./draft).
     return (f"--container-image={shlex.quote(opts.container_image)} "
-            f"--container-mounts={shlex.quote(','.join(mounts))}")
+            f"--container-mounts={shlex.quote(','.join(mounts))} "
+            f"--container-workdir={shlex.quote(str(engine_dir))}")
 
 
 def _job_name(manifest: EngineManifest, opts: SlurmOptions) -> str:

@@ -48,6 +48,8 @@ def verify_engine(engine_dir: str | Path) -> EngineManifest:
     if extra:
         raise DFlashError(f"{root}: {extra[0]} is not listed in {MANIFEST_NAME}; remove it or rebuild the engine")
     opts_path = root / manifest.llm_api_options
+    if not opts_path.is_file():
+        raise DFlashError(f"{root}: {manifest.llm_api_options} is missing; rebuild the engine")
     try:
         opts = yaml.safe_load(opts_path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
