@@ -253,3 +253,23 @@ def test_embedded_pair_builds_with_nvfp4_and_generates(tmp_path):
     ids = pair.tokenizer("The capital of France is")["input_ids"]
     got = dflash_generate(pair.draft, pair.target, ids, max_new_tokens=12)
     assert got.output_ids == autoregressive_generate(pair.target, ids, max_new_tokens=12).output_ids
+
+
+def test_recorded_spec_is_a_valid_build_spec(tmp_path, tiny_pair_dirs):
+    """The Slurm build job re-runs `build --spec` on the manifest's spec: it must be accepted as is."""
+    import json
+
+    import yaml
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    tdir, ddir = tiny_pair_dirs
+    out = tmp_path / "engine"
+    res = CliRunner().invoke(main, ["build", "--target", str(tdir), "--draft", str(ddir), "--out", str(out),
+                                    "--max-seq-len", "256", "--no-progress", "--no-gate"])
+    assert res.exit_code == 0, res.output
+    spec = json.loads((out / "dflash_trt.json").read_text())["spec"]
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    res = CliRunner().invoke(main, ["build", "--spec", str(tmp_path / "spec.yaml"), "--dry-run", "--no-progress"])
+    assert res.exit_code == 0, res.output

@@ -339,8 +339,9 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                             target_layer_ids=p.target_layer_ids),
             min_tensorrt_llm_version=MIN_TENSORRT_LLM_VERSION,
             versions=versions(quantized),
+            # the resolved spec, re-runnable as is with `build --spec` (the Slurm build job does that)
             spec={**spec.model_dump(), "target": str(p.target_dir), "draft": str(p.draft_dir), "out": str(out),
-                  "dtype_resolved": str(dtype).removeprefix("torch.")},
+                  "dtype": str(dtype).removeprefix("torch.")},
             files=files,
             plan=p.plan.to_dict(),
             acceptance=acceptance,
