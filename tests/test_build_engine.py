@@ -236,18 +236,21 @@ def test_sigterm_during_a_build_removes_the_temporary_directory(tmp_path):
 
 
 @pytest.mark.slow
-def test_embedded_pair_builds_with_nvfp4_and_generates(tmp_path):
-    """The one embedded build test: SmolLM2-135M + the project's drafter, NVFP4, on CPU."""
+@pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])
+def test_embedded_pair_builds_and_generates(tmp_path, quant):
+    """The embedded pair (SmolLM2-135M + the project's drafter) built on CPU, loaded back, lossless."""
     from dflash_trt.embedded import default_pair_dirs
 
     try:
         target, draft = default_pair_dirs()
     except DFlashError as e:
         pytest.skip(f"embedded pair not available in this checkout: {e}")
-    eng = _build(tmp_path / "smol", target, draft, quant="nvfp4", max_seq_len=512, **{"gate.accept_tau_drop": True})
+    eng = _build(tmp_path / "smol", target, draft, quant=quant, max_seq_len=512, **{"gate.accept_tau_drop": True})
     m = verify_engine(eng)
-    assert m.acceptance["before"]["tau"] >= 1.0 and m.acceptance["after"]["tau"] >= 1.0
-    print(f"embedded nvfp4: tau {m.acceptance['before']['tau']:.2f} -> {m.acceptance['after']['tau']:.2f}")
+    assert m.quantization.weights == quant
+    if quant != "none":
+        assert m.acceptance["before"]["tau"] >= 1.0 and m.acceptance["after"]["tau"] >= 1.0
+        print(f"embedded {quant}: tau {m.acceptance['before']['tau']:.2f} -> {m.acceptance['after']['tau']:.2f}")
     pair = load_engine(eng)
     assert pair.tokenizer is not None
     ids = pair.tokenizer("The capital of France is")["input_ids"]
