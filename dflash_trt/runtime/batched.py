@@ -1,0 +1,464 @@
+"""Batched DFlash decoding with continuous batching: many sequences share each draft and verify pass.
+
+One step over the n running rows (slots 0..n-1 of preallocated caches, see batched_cache.py):
+
+    admit   waiting requests into free slots; prefill them in one left-padded target pass
+    k       = policy.choose(n)                         0 = plain decoding (no draft pass)
+    draft   one drafter pass over [each row's unconsumed context ; anchor, MASK x k]
+    verify  one target pass over [pending, draft_1..k] per row      -> logits [n, k+1, V]
+    accept  a_i = longest prefix with draft == posterior (on device)
+    sync    ONE device-to-host copy: posteriors, a_i, newcomers' first tokens
+    commit  posterior[0..a_i] per row; stop tokens, max_new_tokens, callbacks per row;
+            rows that finished free their slot (the last row moves into the hole)
+
+Rows differ in length, acceptance, k_i (a row near its max_new_tokens drafts fewer) and sampling
+parameters. Rollback is free: cache index == position, a 4D mask built from positions hides
+everything past a row's committed length, and the next step overwrites it.
+
+Per sequence the output equals the reference loop's (dflash_generate) token for token at
+temperature 0 (tests/test_batched_*.py), since every row sees exactly the K/V and context the
+reference would. At temperature > 0 each row samples with its own generator, as the reference.
+
+Unsupported here (falls back to the reference loop, see :func:`unsupported_reason`): targets
+with sliding-window layers or attention sinks (GptOss), drafters with sliding-window layers,
+and attention implementations that reject a 4D mask (flash_attention_2).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.metrics import GenerationStats
+from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache, SlotKV, additive_mask
+from dflash_trt.runtime.draft_model import DFlashDraftModel
+from dflash_trt.runtime.generate import GenerationResult, StepCallback, _finish, _truncate_at_stop
+from dflash_trt.runtime.policy import AdaptivePolicy, Decision, FixedPolicy, SpeculationPolicy
+from dflash_trt.runtime.sampling import sample
+from dflash_trt.runtime.target import TargetAdapter
+
+MASK_ATTENTION = ("sdpa", "eager")  # HF attention implementations that take an explicit 4D mask
+
+
+def unsupported_reason(target: Any, draft: DFlashDraftModel | None = None) -> str | None:
+    """Why the batched runtime cannot run this pair (None: it can)."""
+    cfg = TargetAdapter(target).config
+    impl = getattr(cfg, "_attn_implementation", "sdpa") or "sdpa"
+    if impl not in MASK_ATTENTION:
+        return f"attention implementation {impl!r} takes no 4D mask (need one of {', '.join(MASK_ATTENTION)})"
+    if getattr(cfg, "model_type", "") == "gpt_oss":
+        return "gpt_oss (attention sinks, sliding window) runs on the reference loop"
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return f"{cfg.model_type} has sliding-window layers (their mask is not built by the batched runtime)"
+    if draft is not None and any(layer.self_attn.sliding_window for layer in draft.layers):
+        return "the drafter has sliding-window layers (one mask per pass here)"
+    return None
+
+
+@dataclass
+class SequenceRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    on_step: StepCallback | None = None  # called with each step's new tokens; True stops the sequence
+
+
+@dataclass
+class BatchedSequence:
+    """Handle of one sequence in the runtime; `result` is set when it finishes."""
+
+    request: SequenceRequest
+    added_at: float = field(default_factory=time.perf_counter)
+    result: GenerationResult | None = None
+    # runtime state
+    slot: int = -1
+    out: list[int] = field(default_factory=list)
+    start: int = 0  # positions in the target KV cache (committed tokens minus the pending one)
+    draft_len: int = 0  # context positions already in the draft KV cache
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    t0: float = 0.0  # admission time (ttft_s and total_time_s are measured from here)
+    generator: torch.Generator | None = None
+    stop: frozenset[int] = frozenset()
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    @property
+    def queue_s(self) -> float:
+        return (self.t0 - self.added_at) if self.t0 else time.perf_counter() - self.added_at
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - len(self.out)
+
+
+def _round_up(x: int, m: int, cap: int) -> int:
+    return min(cap, -(-x // m) * m)
+
+
+class BatchedRuntime:
+    """Continuous-batching DFlash decoder over one target and one drafter (draft=None: plain
+    batched decoding, the honest baseline at the same concurrency).
+
+    Caches are allocated once for `max_batch` rows of `max_seq_len` positions (prompt + output).
+    Not thread-safe: one thread calls add() and step() (the server's scheduler thread).
+    """
+
+    def __init__(self, target: Any, draft: DFlashDraftModel | None = None, max_batch: int = 8,
+                 max_seq_len: int = 2048, policy: SpeculationPolicy | None = None,
+                 block_size: int | None = None, width_multiple: int = 16) -> None:
+        self.target = TargetAdapter(target)
+        self.draft = draft
+        why = unsupported_reason(self.target.model, draft)
+        if why:
+            raise DFlashError(f"batched runtime: {why}; use dflash_generate (the reference loop) for this pair")
+        if max_batch < 1 or max_seq_len < 2:
+            raise DFlashError(f"need max_batch >= 1 and max_seq_len >= 2, got {max_batch}, {max_seq_len}")
+        self.block_size = (block_size or draft.block_size) if draft is not None else 1
+        self.policy: SpeculationPolicy = policy or (AdaptivePolicy(self.block_size) if draft is not None
+                                                     else FixedPolicy(0))
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.layer_ids = tuple(draft.target_layer_ids) if draft is not None else ()
+        self.device = self.target.device
+        # positions 0..max_seq_len-1, + block padding of rows near their end, + the dump index
+        capacity = max_seq_len + self.block_size + 1
+        self.cache = BatchedKVCache(self.target.num_layers, max_batch, capacity)
+        self.draft_cache = BatchedDraftCache(len(draft.layers), max_batch, capacity) if draft is not None else None
+        self.capacity, self.dump = capacity, capacity - 1
+        self.width_multiple = width_multiple  # mask widths rounded up: fewer distinct shapes
+        self.features: torch.Tensor | None = None  # [slots, capacity, n*H] target features by position
+        self.rows: list[BatchedSequence] = []  # rows[i].slot == i
+        self.waiting: deque[BatchedSequence] = deque()
+        self.steps = 0
+        self.last_decision: Decision | None = None
+
+    # -- requests --------------------------------------------------------------------------------
+    def add(self, request: SequenceRequest) -> BatchedSequence:
+        p, n = request.prompt_ids, request.max_new_tokens
+        if not p:
+            raise DFlashError("prompt_ids is empty: give at least one prompt token")
+        if n < 1:
+            raise DFlashError(f"max_new_tokens must be >= 1, got {n}")
+        if len(p) + n > self.max_seq_len:
+            raise DFlashError(f"prompt ({len(p)} tokens) + max_new_tokens ({n}) exceeds max_seq_len="
+                              f"{self.max_seq_len}; shorten the prompt or lower max_new_tokens")
+        if request.temperature < 0 or not 0 < request.top_p <= 1:
+            raise DFlashError(f"need temperature >= 0 and 0 < top_p <= 1, got {request.temperature}, {request.top_p}")
+        vocab = self.target.vocab_size
+        if min(p) < 0 or max(p) >= vocab:
+            raise DFlashError(f"prompt token ids must lie in 0..{vocab - 1}; got {min(p)}..{max(p)}")
+        seq = BatchedSequence(request)
+        self.waiting.append(seq)
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.rows)
+
+    @torch.inference_mode()
+    def cancel(self, seq: BatchedSequence) -> None:
+        """Finish `seq` now (finish_reason as the tokens so far say); frees its slot."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            seq.result = GenerationResult(list(seq.request.prompt_ids), [], seq.stats)
+            return
+        if seq in self.rows and not seq.done:
+            self._retire([seq])
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[BatchedSequence]:
+        """Admit, prefill newcomers, one draft + verify pass over the running rows, commit.
+        Returns the sequences that finished in this step."""
+        t_step = time.perf_counter()
+        n_old = len(self.rows)
+        new = self._admit()
+        first = self._prefill(new) if new else None  # [m] on device
+        decode = self._decode(n_old) if n_old else None  # (k_rows, posterior [n, k+1], a [n])
+        # The ONE device-to-host synchronisation of the step.
+        parts = []
+        if decode is not None:
+            parts += [decode[1].flatten(), decode[2]]
+        if first is not None:
+            parts.append(first)
+        host = torch.cat(parts).tolist() if parts else []
+        finished: list[BatchedSequence] = []
+        now = time.perf_counter()
+        if decode is not None:
+            k_rows, post, _ = decode
+            width = post.shape[1]
+            flat, accepted = host[: n_old * width], host[n_old * width: n_old * width + n_old]
+            for i, seq in enumerate(self.rows[:n_old]):
+                a, k_i = int(accepted[i]), k_rows[i]
+                seq.stats.record_step(drafted=k_i, accepted=a)
+                if k_i > 0:
+                    self.policy.observe_acceptance(k_i, a)
+                seq.start += a + 1  # block[0..a] stay in the cache; posterior[a] is the new pending
+                if self._commit(seq, [int(t) for t in flat[i * width: i * width + a + 1]]):
+                    finished.append(seq)
+            if first is None:  # steps with a prefill would bias the decode cost
+                self.policy.observe_step(n_old, self.last_decision.k if self.last_decision else 0, now - t_step)
+        if first is not None:
+            for seq, tok in zip(new, host[len(host) - len(new):]):
+                seq.stats.ttft_s = now - seq.t0
+                seq.start = len(seq.request.prompt_ids)
+                if self._commit(seq, [int(tok)]):
+                    finished.append(seq)
+        self._retire(finished)
+        self.steps += 1
+        return finished
+
+    def run(self, max_steps: int | None = None) -> None:
+        """Step until every added sequence finished (or `max_steps`)."""
+        steps = 0
+        while self.has_work() and (max_steps is None or steps < max_steps):
+            self.step()
+            steps += 1
+
+    # -- internals -------------------------------------------------------------------------------
+    def _admit(self) -> list[BatchedSequence]:
+        new: list[BatchedSequence] = []
+        while self.waiting and len(self.rows) < self.max_batch:
+            seq = self.waiting.popleft()
+            req = seq.request
+            seq.slot, seq.t0 = len(self.rows), time.perf_counter()
+            seq.stats = GenerationStats(num_prompt_tokens=len(req.prompt_ids))
+            seq.stop = frozenset(int(t) for t in req.stop_token_ids)
+            seq.generator = torch.Generator(device=self.device).manual_seed(req.seed) if req.seed is not None else None
+            self.rows.append(seq)
+            new.append(seq)
+        return new
+
+    def _forward(self, rows: slice, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
+                 visible: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+        """Target pass over `rows`: ids/positions/write [n, S], visible [n, 1, S, W] -> logits.
+        Captured features go to self.features at the write indices."""
+        self.cache.kv.prepare(rows, write, visible.shape[-1])
+        mask = additive_mask(visible, self.target.dtype)
+        state = self.target._state  # the adapter's capture hooks (shared per model)
+        state.layer_ids, state.captured = self.layer_ids, {}
+        try:
+            out = self.target.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                    past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+        finally:
+            captured, state.captured, state.layer_ids = state.captured, {}, ()
+        if self.layer_ids:
+            feats = torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [n, S, n_ctx*H]
+            if self.features is None:
+                self.features = torch.zeros((self.max_batch, self.capacity, feats.shape[-1]), dtype=feats.dtype,
+                                            device=feats.device)
+            r = torch.arange(rows.start, rows.stop, device=self.device)[:, None].expand_as(write)
+            self.features[r, write] = feats
+        return out.logits
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: Sequence[BatchedSequence],
+                     lengths: Sequence[int] | None = None) -> torch.Tensor:
+        # logits [n, S, V] -> tokens [n, S]; greedy rows in one argmax, sampled rows one by one,
+        # each over its own real length only (a row's generator is consumed as the reference does)
+        tokens = logits.argmax(-1)
+        for i, seq in enumerate(seqs):
+            r = seq.request
+            if r.temperature > 0:
+                s = lengths[i] if lengths is not None else logits.shape[1]
+                tokens[i, :s] = sample(logits[i, :s], r.temperature, r.top_p, seq.generator)
+        return tokens
+
+    def _prefill(self, new: list[BatchedSequence]) -> torch.Tensor:
+        """Left-padded prompts of the newcomers (contiguous slots) in one pass -> first tokens [m]."""
+        dev, m = self.device, len(new)
+        lens = [len(s.request.prompt_ids) for s in new]
+        P = max(lens)
+        ids = torch.zeros((m, P), dtype=torch.long)
+        pos = torch.zeros((m, P), dtype=torch.long)
+        write = torch.full((m, P), self.dump, dtype=torch.long)
+        for i, (s, L) in enumerate(zip(new, lens)):
+            ids[i, P - L:] = torch.tensor(s.request.prompt_ids)
+            pos[i, P - L:] = torch.arange(L)
+            write[i, P - L:] = torch.arange(L)
+        ids, pos, write = ids.to(dev), pos.to(dev), write.to(dev)
+        W = _round_up(P, self.width_multiple, self.dump)
+        keys = torch.arange(W, device=dev)
+        visible = (keys[None, None, None, :] <= pos[:, None, :, None]) & (write[:, None, :, None] != self.dump)
+        visible = visible | (keys == 0)  # pad queries: see something (their output is discarded)
+        rows = slice(new[0].slot, new[-1].slot + 1)
+        logits = self._forward(rows, ids, pos, write, visible, logits_to_keep=1)  # [m, 1, V]
+        return self._sample_rows(logits, new)[:, -1]
+
+    def _decode(self, n: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Draft + verify for rows 0..n-1. Returns (k per row, posterior [n, k+1], accepted [n])."""
+        dev, seqs = self.device, self.rows[:n]
+        k_max = min(self.block_size - 1, max(s.remaining - 1 for s in seqs))
+        decision = self.policy.choose(n, k_max) if self.draft is not None else Decision(n, 0, reason="plain")
+        self.last_decision = decision
+        k = decision.k
+        k_rows = [min(k, s.remaining - 1) for s in seqs]
+        starts = torch.tensor([s.start for s in seqs], device=dev)  # [n]
+        arange = torch.arange(k + 1, device=dev)
+        positions = starts[:, None] + arange  # [n, k+1]
+        block = torch.tensor([[s.out[-1]] for s in seqs], device=dev)  # [n, 1] pending tokens
+        if k > 0:
+            block = torch.cat([block, self._draft(seqs, starts, positions, block, k, k_rows)], dim=1)
+        W = _round_up(max(s.start for s in seqs) + k + 1, self.width_multiple, self.dump)
+        keys = torch.arange(W, device=dev)
+        visible = keys[None, None, None, :] <= positions[:, None, :, None]  # causal, per-row offset
+        logits = self._forward(slice(0, n), block, positions, positions, visible)  # [n, k+1, V]
+        post = self._sample_rows(logits, seqs, [k_i + 1 for k_i in k_rows])  # [n, k+1]: post[j] = the target's token after block[j]
+        if k > 0:
+            k_t = torch.tensor(k_rows, device=dev)[:, None]
+            matches = (block[:, 1:] == post[:, :-1]) & (arange[None, :k] < k_t)  # [n, k]
+            accepted = matches.int().cumprod(dim=1).sum(dim=1)
+        else:
+            accepted = torch.zeros(n, dtype=torch.long, device=dev)
+        return k_rows, post, accepted
+
+    def _draft(self, seqs: list[BatchedSequence], starts: torch.Tensor, positions: torch.Tensor,
+               pending: torch.Tensor, k: int, k_rows: list[int]) -> torch.Tensor:
+        """One drafter pass over every row's unconsumed context and its block -> drafts [n, k]."""
+        assert self.draft is not None and self.draft_cache is not None and self.features is not None
+        dev, n = self.device, len(seqs)
+        backlog = [s.start - s.draft_len for s in seqs]  # >= 1: context not yet in the draft cache
+        C = max(backlog)
+        ctx_pos = torch.tensor([s.draft_len for s in seqs], device=dev)[:, None] + torch.arange(C, device=dev)
+        ctx_ok = torch.arange(C, device=dev)[None, :] < torch.tensor(backlog, device=dev)[:, None]  # [n, C]
+        ctx_pos = torch.where(ctx_ok, ctx_pos, starts[:, None] - 1)  # padding reads a real row: finite values
+        r = torch.arange(n, device=dev)[:, None]
+        ctx = self.features[r.expand_as(ctx_pos), ctx_pos]  # [n, C, n_ctx*H]
+        block = torch.full((n, k + 1), self.draft.mask_token_id, device=dev)
+        block[:, :1] = pending
+        draft_pos = torch.cat([ctx_pos, positions], dim=1)  # [n, C+k+1]
+        write = torch.cat([torch.where(ctx_ok, ctx_pos, self.dump), positions], dim=1)
+        ends = starts + torch.tensor(k_rows, device=dev) + 1  # [n]: keys < end are context or this row's block
+        W = _round_up(max(s.start for s in seqs) + k + 1, self.width_multiple, self.dump)
+        visible = (torch.arange(W, device=dev)[None, :] < ends[:, None])[:, None, None, :]  # [n, 1, 1, W]
+        self.draft_cache.kv.prepare(slice(0, n), write, W)
+        mask = additive_mask(visible, self.target.dtype)
+        hidden = self.draft(ctx, self.target.embed(block), draft_pos, self.draft_cache, mask)  # [n, k+1, H]
+        for s in seqs:
+            s.draft_len = s.start
+        return self.target.lm_head(hidden[:, 1:]).argmax(-1)  # [n, k]: slot j predicts position start+j
+
+    def _commit(self, seq: BatchedSequence, new: list[int]) -> bool:
+        """Append a step's tokens to `seq`; True when it is finished."""
+        new, stopped = _truncate_at_stop(new, set(seq.stop))
+        seq.out.extend(new)
+        cb = seq.request.on_step
+        if cb is not None and cb(new):
+            stopped = True
+        return stopped or seq.remaining <= 0
+
+    def _retire(self, finished: list[BatchedSequence]) -> None:
+        """Finish sequences and compact: the last row moves into each freed slot."""
+        gone = {id(s) for s in finished}
+        for s in finished:
+            if not s.out:  # cancelled before its first token
+                s.result = GenerationResult(list(s.request.prompt_ids), [], s.stats)
+            else:
+                s.result = _finish(list(s.request.prompt_ids), s.out, set(s.stop), s.stats, s.t0)
+        keep = [s for s in self.rows if id(s) not in gone]
+        holes = sorted(s.slot for s in finished if s.slot < len(keep))
+        movers = sorted((s for s in keep if s.slot >= len(keep)), key=lambda s: s.slot)
+        for hole, s in zip(holes, movers):
+            self.cache.kv.move_row(s.slot, hole, s.start)
+            if self.draft_cache is not None:
+                self.draft_cache.kv.move_row(s.slot, hole, s.draft_len)
+            if self.features is not None:
+                self.features[hole, : s.start] = self.features[s.slot, : s.start]
+            s.slot = hole
+        self.rows = sorted(keep, key=lambda s: s.slot)
+        for s in finished:
+            s.slot = -1
+
+    @torch.inference_mode()
+    def calibrate(self, batch_sizes: Sequence[int], prompt_len: int = 16, reps: int = 2,
+                  progress: Any = None) -> None:
+        """Measure the step cost of every candidate k at each batch size (dummy prompts, greedy)
+        into the adaptive policy's cost table; online measurements refine it afterwards."""
+        policy = self.policy
+        if not isinstance(policy, AdaptivePolicy) or self.has_work():
+            raise DFlashError("calibrate() needs an idle runtime with the adaptive policy")
+        cands = list(policy.candidates or [0])
+        budget = 2 + (1 + reps) * len(cands) * self.block_size
+        if prompt_len + budget > self.max_seq_len:
+            raise DFlashError(f"max_seq_len={self.max_seq_len} is too small to calibrate ({prompt_len + budget} needed)")
+        gen = torch.Generator().manual_seed(0)
+        try:
+            for n in batch_sizes:
+                n = min(n, self.max_batch)
+                seqs = [self.add(SequenceRequest(torch.randint(0, self.target.vocab_size, (prompt_len,), generator=gen)
+                                                 .tolist(), budget)) for _ in range(n)]
+                self.policy = FixedPolicy(max(cands))
+                self.step()  # prefill
+                self.step()  # first decode pass also drafts the whole prompt's context: not timed
+                for k in cands:
+                    self.policy = FixedPolicy(k)
+                    best = float("inf")
+                    for _ in range(reps):
+                        t = time.perf_counter()
+                        self.step()
+                        best = min(best, time.perf_counter() - t)
+                    policy.costs.set(n, k, best)
+                    if progress is not None:
+                        progress(n, k, best)
+                for s in seqs:
+                    self.cancel(s)
+        finally:
+            self.policy = policy
+            for s in list(self.rows):
+                self.cancel(s)
+
+    def stats(self) -> dict[str, Any]:
+        """Runtime-level figures: the policy's state and inputs, batch occupancy."""
+        summary = self.policy.summary() if hasattr(self.policy, "summary") else {"policy": type(self.policy).__name__}
+        return {"steps": self.steps, "running": len(self.rows), "waiting": len(self.waiting),
+                "max_batch": self.max_batch, **summary}
+
+
+def batched_generate(
+    draft: DFlashDraftModel | None,
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int | Sequence[int] = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] | None = None,
+    seeds: Sequence[int | None] | None = None,
+    max_batch: int | None = None,
+    max_seq_len: int | None = None,
+    policy: SpeculationPolicy | None = None,
+    arrivals: Sequence[int] | None = None,
+    runtime: BatchedRuntime | None = None,
+) -> list[GenerationResult]:
+    """Decode `prompts` together; prompt i joins at step `arrivals[i]` (default: all at once).
+    draft=None decodes without speculation. Results in prompt order."""
+    n = len(prompts)
+    budgets = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if runtime is None:
+        need = max(len(p) + b for p, b in zip(prompts, budgets))
+        runtime = BatchedRuntime(target, draft, max_batch=max_batch or n, max_seq_len=max_seq_len or need,
+                                 policy=policy)
+    arrivals = list(arrivals) if arrivals is not None else [0] * n
+    order = sorted(range(n), key=lambda i: arrivals[i])
+    handles: dict[int, BatchedSequence] = {}
+    step = 0
+    while len(handles) < n or runtime.has_work():
+        while len(handles) < n and arrivals[order[len(handles)]] <= step:
+            i = order[len(handles)]
+            handles[i] = runtime.add(SequenceRequest(
+                list(prompts[i]), budgets[i], temperature, top_p, seeds[i] if seeds else None,
+                tuple(stop_token_ids or ())))
+        runtime.step()
+        step += 1
+    return [handles[i].result for i in range(n)]  # type: ignore[misc]

@@ -1,0 +1,205 @@
+"""How many draft tokens to verify per step: chosen from the batch size and measured costs.
+
+Speculation pays when verification is memory-bound: verifying k+1 tokens per row costs about the
+same as 1. At high concurrency verification turns compute-bound (cost grows with rows x tokens),
+and a fixed long draft makes DFlash SLOWER than plain decoding (reported on vLLM and SGLang). The
+adaptive policy picks, every step, the k in a small candidate set (0 = plain decoding) that
+maximises expected output tokens per second for the whole batch:
+
+    E[tokens per row](k) = 1 + sum_{j=1..k} P(a >= j)          (the bonus token always comes)
+    throughput(n, k)      = n * E[tokens per row](k) / cost(n, k)
+
+``P(a >= j)`` is the running per-position acceptance (``per_position_acceptance`` in
+dflash_trt.metrics: a step accepts slot j only if it accepted every slot before it), decayed so
+it follows the current traffic. ``cost(n, k)`` is the measured wall time of one decoding step
+(draft pass + verification pass) with n rows and k draft tokens each: from a short calibration
+at start-up and refined online (EMA of every step). k = 0 costs exactly a plain decoding step,
+so when the cost model is right the policy is never slower than plain decoding.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+log = logging.getLogger("dflash_trt.policy")
+
+
+@dataclass
+class Decision:
+    """One step's choice and the inputs it was made from (logged, and kept in the runtime's log)."""
+
+    batch: int
+    k: int
+    expected_tokens_per_row: float = 1.0
+    est_step_s: float = 0.0
+    est_tokens_per_s: float = 0.0
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class SpeculationPolicy(Protocol):
+    def choose(self, batch: int, k_max: int) -> Decision: ...
+
+    def observe_step(self, batch: int, k: int, seconds: float) -> None: ...
+
+    def observe_acceptance(self, drafted: int, accepted: int) -> None: ...
+
+
+@dataclass
+class FixedPolicy:
+    """Always k = min(k, k_max): k = block_size - 1 is the reference loop, k = 0 plain decoding."""
+
+    k: int
+
+    def choose(self, batch: int, k_max: int) -> Decision:
+        return Decision(batch, min(self.k, k_max), reason="fixed")
+
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        pass
+
+    def observe_acceptance(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+@dataclass
+class CostTable:
+    """Measured seconds per decoding step, keyed by (rows, k). Interpolates between measured row
+    counts (linear in rows), extrapolates proportionally above the largest one."""
+
+    ema: float = 0.2  # weight of a new online measurement
+    table: dict[int, dict[int, float]] = field(default_factory=dict)  # k -> {rows: seconds}
+
+    def set(self, batch: int, k: int, seconds: float) -> None:
+        self.table.setdefault(k, {})[batch] = seconds
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        row = self.table.setdefault(k, {})
+        old = row.get(batch)
+        row[batch] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+
+    def known(self, k: int) -> bool:
+        return bool(self.table.get(k))
+
+    def estimate(self, batch: int, k: int) -> float | None:
+        row = self.table.get(k)
+        if not row:
+            return None
+        if batch in row:
+            return row[batch]
+        ns = sorted(row)
+        i = bisect.bisect_left(ns, batch)
+        if i == 0:  # below the smallest measurement: assume no cheaper (fixed per-step overhead)
+            return row[ns[0]]
+        if i == len(ns):
+            return row[ns[-1]] * batch / ns[-1]
+        lo, hi = ns[i - 1], ns[i]
+        w = (batch - lo) / (hi - lo)
+        return (1 - w) * row[lo] + w * row[hi]
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        return {str(k): {str(n): round(s, 6) for n, s in sorted(v.items())} for k, v in sorted(self.table.items())}
+
+
+def default_candidates(block_size: int) -> list[int]:
+    """0 (plain), 1, 3, 7, ... and block_size - 1: few shapes (CUDA-graph friendly), wide range."""
+    ks = {0, block_size - 1}
+    k = 1
+    while k < block_size - 1:
+        ks.add(k)
+        k = 2 * k + 1
+    return sorted(ks)
+
+
+@dataclass
+class AdaptivePolicy:
+    """Maximise expected tokens/s per step over candidate draft lengths (see the module doc).
+
+    Acceptance starts from a pessimistic-but-not-zero prior (P(a >= j) = prior ** j, worth
+    `prior_weight` steps) so the first steps speculate a little and learn. Costs come from
+    :func:`calibrate` or :meth:`CostTable.set`; a candidate with no cost estimate is not chosen
+    (k = 0 needs one too, else the policy speculates with the largest known k)."""
+
+    block_size: int
+    costs: CostTable = field(default_factory=CostTable)
+    candidates: list[int] | None = None
+    prior: float = 0.5
+    prior_weight: float = 4.0
+    decay: float = 0.995  # per observed row-step: forget old traffic slowly
+    log_size: int = 256
+    _drafted: list[float] = field(init=False)
+    _accepted: list[float] = field(init=False)
+    decisions: deque = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.candidates is None:
+            self.candidates = default_candidates(self.block_size)
+        if any(not 0 <= k < self.block_size for k in self.candidates):
+            raise ValueError(f"candidates {self.candidates} must lie in 0..{self.block_size - 1}")
+        self._drafted = [0.0] * (self.block_size - 1)
+        self._accepted = [0.0] * (self.block_size - 1)
+        self.decisions = deque(maxlen=self.log_size)
+
+    # -- acceptance -----------------------------------------------------------------------------
+    def observe_acceptance(self, drafted: int, accepted: int) -> None:
+        for j in range(drafted):
+            self._drafted[j] = self._drafted[j] * self.decay + 1.0
+            self._accepted[j] = self._accepted[j] * self.decay + float(j < accepted)
+
+    def position_acceptance(self) -> list[float]:
+        """Estimated P(a >= j) for j = 1..block_size-1, non-increasing."""
+        out, prev = [], 1.0
+        for j, (d, a) in enumerate(zip(self._drafted, self._accepted)):
+            p = (a + self.prior_weight * self.prior ** (j + 1)) / (d + self.prior_weight)
+            prev = min(prev, p)
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        return 1.0 + sum(self.position_acceptance()[:k])
+
+    # -- costs ----------------------------------------------------------------------------------
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        if batch > 0 and k in (self.candidates or ()):
+            self.costs.observe(batch, k, seconds)
+
+    # -- the choice -----------------------------------------------------------------------------
+    def choose(self, batch: int, k_max: int) -> Decision:
+        q = self.position_acceptance()
+        best: Decision | None = None
+        for k in sorted({min(k, k_max) for k in self.candidates or ()}):
+            cost = self.costs.estimate(batch, k)
+            if cost is None or cost <= 0:
+                continue
+            e = 1.0 + sum(q[:k])
+            d = Decision(batch, k, e, cost, batch * e / cost)
+            if best is None or d.est_tokens_per_s > best.est_tokens_per_s * (1 + 1e-9):
+                best = d
+        if best is None:  # nothing measured yet: speculate fully (the reference loop's choice)
+            best = Decision(batch, min(max(self.candidates or [0]), k_max), 1.0 + sum(q[:k_max]), math.nan, math.nan,
+                            reason="no cost estimate")
+        else:
+            best.reason = "max est_tokens_per_s"
+        self.decisions.append(best)
+        log.debug("policy: %s", best)
+        return best
+
+    def summary(self) -> dict:
+        """The policy's state: what `dflash-trt`'s stats and the benchmark print."""
+        counts: dict[int, int] = {}
+        for d in self.decisions:
+            counts[d.k] = counts.get(d.k, 0) + 1
+        return {
+            "policy": "adaptive",
+            "candidates": list(self.candidates or ()),
+            "position_acceptance": [round(p, 4) for p in self.position_acceptance()],
+            "step_cost_s": self.costs.to_dict(),
+            "recent_k_counts": {str(k): v for k, v in sorted(counts.items())},
+            "last_decision": self.decisions[-1].to_dict() if self.decisions else None,
+        }

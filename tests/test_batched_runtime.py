@@ -1,0 +1,169 @@
+"""The batched runtime decodes every sequence exactly as the reference loop decodes it alone.
+
+Float64 tiny targets: batched and single passes round differently in float32, which could flip
+an argmax between near-tied logits; in float64 any difference is a real bug."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.runtime import DFlashDraftModel, autoregressive_generate, dflash_generate
+from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate, unsupported_reason
+from dflash_trt.runtime.draft_model import make_draft_config
+from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
+from dflash_trt.runtime.tiny import random_draft, tiny_target
+
+PROMPTS = [[1, 2, 3], [5] * 9, [7, 8, 9, 10, 11], [3, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52], [9]]
+BUDGETS = [12, 5, 20, 1, 9, 16]
+
+
+def _pair(arch: str, block: int = 4, seed: int = 1):
+    target = tiny_target(arch, seed=seed).double()
+    draft = random_draft(target.config, block_size=block, seed=seed).double()
+    return target, draft
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_batched_greedy_equals_reference_with_joins_stops_and_queueing(arch):
+    target, draft = _pair(arch)
+    # a stop token that some sequences hit mid-way (taken from one reference output)
+    plain = dflash_generate(draft, target, PROMPTS[2], max_new_tokens=BUDGETS[2]).output_ids
+    stop = [plain[6]]
+    ref = [dflash_generate(draft, target, p, max_new_tokens=m, stop_token_ids=stop) for p, m in zip(PROMPTS, BUDGETS)]
+    assert any(r.stats.finish_reason == "stop" for r in ref) and any(r.stats.finish_reason == "length" for r in ref)
+    # max_batch 3 < 6 sequences: later ones wait for a slot; arrivals spread joins over steps
+    results = batched_generate(draft, target, PROMPTS, max_new_tokens=BUDGETS, stop_token_ids=stop,
+                               policy=FixedPolicy(draft.block_size - 1), max_batch=3, arrivals=[0, 2, 1, 5, 0, 3])
+    for got, want in zip(results, ref):
+        assert got.output_ids == want.output_ids
+        assert got.stats.finish_reason == want.stats.finish_reason
+        # same drafts, same verification: the per-step statistics match too
+        assert got.stats.acceptance_lengths == want.stats.acceptance_lengths
+        assert got.stats.total_draft_tokens == want.stats.total_draft_tokens
+
+
+@pytest.mark.parametrize("policy", [FixedPolicy(0), FixedPolicy(1), None], ids=["k0", "k1", "adaptive"])
+def test_any_draft_length_is_lossless(policy):
+    target, draft = _pair("llama", block=6, seed=3)
+    ref = [dflash_generate(draft, target, p, max_new_tokens=m).output_ids for p, m in zip(PROMPTS, BUDGETS)]
+    results = batched_generate(draft, target, PROMPTS, max_new_tokens=BUDGETS, policy=policy)
+    assert [r.output_ids for r in results] == ref
+
+
+def test_plain_batched_decoding_equals_autoregressive():
+    target, _ = _pair("qwen3", seed=2)
+    ref = [autoregressive_generate(target, p, max_new_tokens=m).output_ids for p, m in zip(PROMPTS, BUDGETS)]
+    results = batched_generate(None, target, PROMPTS, max_new_tokens=BUDGETS)
+    assert [r.output_ids for r in results] == ref
+    assert all(r.stats.total_draft_tokens == 0 for r in results)
+
+
+def test_seeded_sampling_matches_the_reference_loop():
+    """Each row samples with its own generator, consuming it as the reference loop does."""
+    target, draft = _pair("llama", seed=4)
+    seeds = [11, 12, 13, 14, 15, 16]
+    ref = [dflash_generate(draft, target, p, max_new_tokens=m, temperature=0.9, top_p=0.95, seed=s).output_ids
+           for p, m, s in zip(PROMPTS, BUDGETS, seeds)]
+    results = batched_generate(draft, target, PROMPTS, max_new_tokens=BUDGETS, temperature=0.9, top_p=0.95,
+                               seeds=seeds, policy=FixedPolicy(draft.block_size - 1))
+    assert [r.output_ids for r in results] == ref
+
+
+class BatchedOracle(DFlashDraftModel):
+    """Proposes row_sequences[i][p] at block position p of row i (hidden = pinv(W_lm) @ big onehot).
+    The test sets row_sequences to the running rows' true continuations before each step."""
+
+    def __init__(self, config, lm_head_weight: torch.Tensor):
+        super().__init__(config)
+        self.pinv = torch.linalg.pinv(lm_head_weight.double())  # [H, V]
+        self.row_sequences: list[list[int]] = []
+
+    def forward(self, target_hidden, noise_embedding, position_ids, cache=None, attn_mask=None):
+        n, s = noise_embedding.shape[:2]
+        onehot = torch.zeros(n, s, self.pinv.shape[1], dtype=torch.float64)
+        for i in range(n):
+            seq = self.row_sequences[i]
+            for j, p in enumerate(position_ids[i, -s:].tolist()):
+                onehot[i, j, seq[p] if p < len(seq) else 0] = 100.0
+        return (onehot @ self.pinv.T).to(noise_embedding.dtype)  # [n, S, H]
+
+
+def test_perfect_drafter_reaches_tau_equal_block_size_in_a_batch():
+    target = tiny_target("qwen3", seed=5, vocab_size=32, hidden_size=64).double()
+    B, steps = 4, 5
+    n_new = 1 + B * steps
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9, 8]]
+    truth = [p + autoregressive_generate(target, p, max_new_tokens=n_new + B).output_ids for p in prompts]
+    draft = BatchedOracle(make_draft_config(target.config, num_layers=1, block_size=B),
+                          target.get_output_embeddings().weight.detach())
+    rt = BatchedRuntime(target, draft, max_batch=3, max_seq_len=64, policy=FixedPolicy(B - 1))
+    handles = [rt.add(SequenceRequest(p, n_new)) for p in prompts]
+    by_handle = {id(h): t for h, t in zip(handles, truth)}
+    while rt.has_work():
+        draft.row_sequences = [by_handle[id(s)] for s in rt.rows]
+        rt.step()
+    for h, t, p in zip(handles, truth, prompts):
+        assert h.result.output_ids == t[len(p): len(p) + n_new]
+        assert h.result.stats.acceptance_lengths == [B] * steps
+        assert h.result.stats.per_position_acceptance == [1.0] * (B - 1)
+
+
+def test_cancel_frees_the_slot_and_others_are_unaffected():
+    target, draft = _pair("llama", seed=6)
+    ref = [dflash_generate(draft, target, p, max_new_tokens=15).output_ids for p in PROMPTS[:3]]
+    rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64, policy=FixedPolicy(3))
+    a, b, c = (rt.add(SequenceRequest(p, 15)) for p in PROMPTS[:3])
+    rt.step()
+    rt.step()
+    assert c.slot == -1 and not c.done  # waiting: the batch is full
+    rt.cancel(a)  # a leaves mid-flight; b moves to slot 0 (cache rows copied), c gets admitted
+    assert a.done and 0 < len(a.result.output_ids) < 15
+    rt.run()
+    assert b.result.output_ids == ref[1] and c.result.output_ids == ref[2]
+
+
+def test_step_callback_stops_one_sequence():
+    target, draft = _pair("llama", seed=7)
+    seen: list[int] = []
+
+    def on_step(tokens: list[int]) -> bool:
+        seen.extend(tokens)
+        return len(seen) >= 4
+
+    rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64)
+    h1 = rt.add(SequenceRequest([1, 2, 3], 30, on_step=on_step))
+    h2 = rt.add(SequenceRequest([4, 5], 10))
+    rt.run()
+    assert h1.result.output_ids == seen and 4 <= len(seen) < 30
+    assert h2.result.output_ids == dflash_generate(draft, target, [4, 5], max_new_tokens=10).output_ids
+
+
+def test_bad_requests_and_unsupported_pairs_get_one_line_errors():
+    target, draft = _pair("llama")
+    rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=16)
+    with pytest.raises(DFlashError, match="exceeds max_seq_len=16"):
+        rt.add(SequenceRequest([1] * 10, 10))
+    with pytest.raises(DFlashError, match="empty"):
+        rt.add(SequenceRequest([], 4))
+    with pytest.raises(DFlashError, match="0..127"):
+        rt.add(SequenceRequest([1, 500], 4))
+    gpt_oss = tiny_target("gpt_oss", seed=0)
+    assert "gpt_oss" in unsupported_reason(gpt_oss)
+    with pytest.raises(DFlashError, match="reference loop"):
+        BatchedRuntime(gpt_oss, random_draft(gpt_oss.config, block_size=4))
+    assert unsupported_reason(target, draft) is None
+
+
+def test_caches_are_allocated_once():
+    """No per-step reallocation: the K/V tensors of every layer are the same objects after a run."""
+    target, draft = _pair("llama", seed=8)
+    rt = BatchedRuntime(target, draft, max_batch=3, max_seq_len=64, policy=AdaptivePolicy(draft.block_size))
+    rt.add(SequenceRequest([1, 2, 3], 4))
+    rt.run()
+    ptrs = [t.data_ptr() for t in (*rt.cache.kv.keys, *rt.draft_cache.kv.keys, rt.features)]
+    for p in PROMPTS:
+        rt.add(SequenceRequest(p, 8))
+    rt.run()
+    assert [t.data_ptr() for t in (*rt.cache.kv.keys, *rt.draft_cache.kv.keys, rt.features)] == ptrs
