@@ -16,12 +16,24 @@ Every CLI table, JSON file, Triton output and Prometheus metric uses these names
 - ``tpot_s`` (time per output token): (end - first token) / (output tokens - 1). The headline
   latency for speculation: it emits bursts, so inter-token latency (ITL) is bimodal and misleads.
 - ``tokens_per_s``: output tokens / (end - start) for one request ("tokens/s per user").
+
+Across many requests (``dflash-trt bench``):
+
+- ``total_tokens_per_s``: output tokens of all requests / wall time from the first request sent
+  to the last one finished (throughput of the whole system, all users together).
+- ``speedup``: plain decoding's mean ``tpot_s`` / DFlash's mean ``tpot_s``, same target, same
+  prompts, same run. With free drafting and a verify step as cheap as a plain step it is at most
+  ``tau`` (the Leviathan bound), so the gap to ``tau`` is the cost of drafting and verifying.
+- distributions (ttft_s, tpot_s, tokens_per_s) are summarised as mean, p50, p90, p99 over requests
+  (:func:`summarize`); tau and acceptance_rate are pooled over all steps (:func:`merge_stats`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+PERCENTILES = (50, 90, 99)
 
 
 @dataclass
@@ -91,3 +103,37 @@ class GenerationStats:
             tokens_per_s=self.tokens_per_s,
         )
         return d
+
+
+def merge_stats(stats: "list[GenerationStats]") -> GenerationStats:
+    """Pool many requests' statistics: tau and acceptance_rate over ALL steps, not a mean of means.
+
+    Times are summed (total_time_s, ttft_s), so only the step/token counts of the result are
+    meaningful as rates; per-request latencies belong in :func:`summarize`.
+    """
+    out = GenerationStats()
+    for s in stats:
+        out.num_prompt_tokens += s.num_prompt_tokens
+        out.num_output_tokens += s.num_output_tokens
+        out.acceptance_lengths.extend(s.acceptance_lengths)
+        out.total_draft_tokens += s.total_draft_tokens
+        out.total_accepted_draft_tokens += s.total_accepted_draft_tokens
+        for j, (d, a) in enumerate(zip(s.position_drafted, s.position_accepted)):
+            if j >= len(out.position_drafted):
+                out.position_drafted.append(0)
+                out.position_accepted.append(0)
+            out.position_drafted[j] += d
+            out.position_accepted[j] += a
+        out.ttft_s += s.ttft_s
+        out.total_time_s += s.total_time_s
+    return out
+
+
+def summarize(values: "list[float]") -> dict[str, float]:
+    """{"mean", "p50", "p90", "p99"} of per-request values (linear interpolation); zeros if empty."""
+    import numpy as np
+
+    if not values:
+        return {"mean": 0.0, **{f"p{q}": 0.0 for q in PERCENTILES}}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in PERCENTILES}}

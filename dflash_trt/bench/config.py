@@ -1,0 +1,103 @@
+"""The resolved bench configuration: typed, unknown keys rejected; a --config YAML under CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dflash_trt.errors import DFlashError
+
+
+class BenchConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # what runs: in process (engine | target+draft | embedded default) or a Triton gRPC endpoint
+    engine: str | None = None
+    target: str | None = None
+    draft: str | None = None
+    url: str | None = None
+    plain_url: str | None = None  # endpoint mode: a server of the same target without speculation
+    model: str = "dflash"
+    # prompts
+    category: list[str] = Field(default_factory=lambda: ["code", "math", "chat"])
+    prompts: str | None = None
+    split: str = "eval"
+    num_prompts: int | None = Field(None, ge=1)
+    # decoding
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    seed: int = 0
+    concurrency: list[int] = Field(default_factory=lambda: [1])
+    # where
+    device: str = "cpu"
+    dtype: str = "float32"
+    gpu: str | None = None  # hardware-table key for the ceiling; in process on CUDA it is detected
+    threads: int | None = Field(None, ge=1)  # torch CPU threads (in process)
+    timeout_s: float = Field(600.0, gt=0)  # per endpoint request
+    out: str | None = None
+    plots: bool = True
+
+    @field_validator("concurrency")
+    @classmethod
+    def _levels(cls, v: list[int]) -> list[int]:
+        if not v or any(c < 1 for c in v):
+            raise ValueError("concurrency levels must be integers >= 1, e.g. 1,2,4,8")
+        return sorted(set(v))
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: str | None) -> str | None:
+        from dflash_trt.engine.hardware import GPUS
+
+        if v is not None and v not in GPUS:
+            raise ValueError(f"unknown gpu {v!r}; use one of {', '.join(GPUS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _sources(self) -> BenchConfig:
+        if self.url and (self.engine or self.target or self.draft):
+            raise ValueError("--url measures a server; drop --engine/--target/--draft (or drop --url to run in process)")
+        if self.engine and (self.target or self.draft):
+            raise ValueError("--engine already holds the target and drafter; drop --target/--draft")
+        if bool(self.target) != bool(self.draft):
+            raise ValueError("pass both --target and --draft, or neither (to use the embedded default pair)")
+        if self.plain_url and not self.url:
+            raise ValueError("--plain-url is for endpoint mode; add --url (in process runs plain decoding itself)")
+        return self
+
+    @property
+    def in_process(self) -> bool:
+        return self.url is None
+
+
+def _one_line(e: ValidationError, where: str) -> DFlashError:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    name = f"--{loc.replace('_', '-')}" if loc else where
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return DFlashError(f"{where}: {name}: {msg}" if loc else f"{where}: {msg}")
+
+
+def resolve_config(config_file: str | None, flags: dict[str, Any]) -> BenchConfig:
+    """File values, then every flag the user actually gave (None = not given) on top."""
+    data: dict[str, Any] = {}
+    if config_file:
+        import yaml
+
+        path = Path(config_file)
+        if not path.is_file():
+            raise DFlashError(f"bench config {path} not found; pass a YAML file of bench options (see --help)")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as e:
+            raise DFlashError(f"bench config {path} is not valid YAML ({' '.join(str(e).split())})") from None
+        if not isinstance(data, dict):
+            raise DFlashError(f"bench config {path} must be a mapping of option: value")
+        data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    data.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return BenchConfig(**data)
+    except ValidationError as e:
+        raise _one_line(e, str(config_file) if config_file else "bench") from None
