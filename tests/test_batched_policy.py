@@ -1,0 +1,113 @@
+"""The adaptive speculation policy: plain decoding when verification is expensive, long drafts when
+it is cheap, and the choice follows the batch size and the measured acceptance."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_trt.runtime import dflash_generate
+from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
+from dflash_trt.runtime.policy import AdaptivePolicy, CostTable, default_candidates
+from dflash_trt.runtime.tiny import random_draft, tiny_target
+
+PROMPTS = [[1, 2, 3], [5] * 9, [7, 8, 9, 10, 11], [3, 3]]
+
+
+def _costs(fn, batches=(1, 2, 4, 8, 16), ks=(0, 1, 3, 7)) -> CostTable:
+    table = CostTable()
+    for n in batches:
+        for k in ks:
+            table.set(n, k, fn(n, k))
+    return table
+
+
+def test_candidates_cover_plain_decoding_and_the_full_block():
+    assert default_candidates(16) == [0, 1, 3, 7, 15]
+    assert default_candidates(4) == [0, 1, 3]
+    with pytest.raises(ValueError):
+        AdaptivePolicy(4, candidates=[0, 4])
+
+
+def test_falls_back_to_plain_decoding_when_verification_is_expensive():
+    """Told that verifying drafts costs 10x a plain step, the runtime never drafts, and the output
+    is still the reference's."""
+    target = tiny_target("llama", seed=1).double()
+    draft = random_draft(target.config, block_size=8, seed=1).double()
+    policy = AdaptivePolicy(8, costs=_costs(lambda n, k: 1.0 if k == 0 else 10.0), candidates=[0, 1, 3, 7])
+    results = batched_generate(draft, target, PROMPTS, max_new_tokens=10, policy=policy)
+    assert all(r.stats.total_draft_tokens == 0 for r in results)
+    assert all(d.k == 0 for d in policy.decisions) and policy.decisions
+    ref = [dflash_generate(draft, target, p, max_new_tokens=10).output_ids for p in PROMPTS]
+    assert [r.output_ids for r in results] == ref
+
+
+def test_memory_bound_speculates_compute_bound_does_not():
+    """Same acceptance; the cost shape decides. Memory-bound (step cost flat in tokens) at batch 1,
+    compute-bound (cost ~ rows x tokens) at batch 16, as verification turns on real hardware."""
+    def cost(n, k):
+        return 1.0 + 0.01 * n * (k + 1) if n == 1 else 0.1 + 0.2 * n * (k + 1)
+
+    policy = AdaptivePolicy(8, costs=_costs(cost), candidates=[0, 1, 3, 7])
+    for _ in range(50):  # a drafter that gets ~2 of 7 tokens accepted
+        policy.observe_acceptance(7, 2)
+    assert policy.choose(1, 7).k > 0
+    assert policy.choose(16, 7).k == 0
+    d = policy.choose(16, 7)
+    assert d.batch == 16 and d.est_tokens_per_s > 0 and d.reason
+
+
+def test_learned_acceptance_drives_the_draft_length():
+    flat = _costs(lambda n, k: 1.0 + 0.1 * k)  # cheap drafting
+    policy = AdaptivePolicy(8, costs=flat, candidates=[0, 1, 3, 7])
+    for _ in range(200):
+        policy.observe_acceptance(7, 0)  # nothing is ever accepted
+    assert policy.choose(4, 7).k == 0
+    q = policy.position_acceptance()
+    assert all(a >= b for a, b in zip(q, q[1:])) and q[0] < 0.1
+    for _ in range(400):
+        policy.observe_acceptance(7, 7)  # then everything is: the decay lets it recover
+    assert policy.choose(4, 7).k == 7
+    assert policy.choose(4, 2).k <= 2  # never above what the rows may still emit
+    summary = policy.summary()
+    assert summary["last_decision"]["k"] <= 2 and "position_acceptance" in summary and summary["step_cost_s"]
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    t = CostTable()
+    t.set(2, 0, 1.0)
+    t.set(4, 0, 3.0)
+    assert t.estimate(3, 0) == pytest.approx(2.0)
+    assert t.estimate(8, 0) == pytest.approx(6.0)  # proportional above the largest measurement
+    assert t.estimate(1, 0) == pytest.approx(1.0)
+    assert t.estimate(2, 1) is None
+    t.observe(2, 0, 2.0)
+    assert 1.0 < t.estimate(2, 0) < 2.0  # EMA, not a replacement
+
+
+def test_calibration_measures_every_candidate_and_leaves_the_runtime_idle():
+    target = tiny_target("qwen3", seed=2)
+    draft = random_draft(target.config, block_size=4, seed=2)
+    policy = AdaptivePolicy(4)
+    rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=128, policy=policy)
+    rt.calibrate([1, 4], reps=1)
+    assert not rt.has_work() and rt.policy is policy
+    for k in policy.candidates:
+        assert set(policy.costs.table[k]) == {1, 4} and all(s > 0 for s in policy.costs.table[k].values())
+    # after calibration the runtime decodes normally and records its decisions
+    h = rt.add(SequenceRequest([1, 2, 3], 12))
+    rt.run()
+    ref = dflash_generate(draft, target, [1, 2, 3], max_new_tokens=12)
+    assert h.result.output_ids == ref.output_ids
+    assert rt.stats()["last_decision"]["batch"] == 1
+
+
+def test_online_costs_follow_measurements():
+    target = tiny_target("llama", seed=3)
+    draft = random_draft(target.config, block_size=4, seed=3)
+    policy = AdaptivePolicy(4, costs=_costs(lambda n, k: 1e-9, ks=(0, 1, 3)))  # absurdly cheap prior
+    rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64, policy=policy)
+    for p in PROMPTS[:2]:
+        rt.add(SequenceRequest(p, 20))
+    rt.run()
+    measured = [policy.costs.table[k][2] for k in policy.candidates if 2 in policy.costs.table[k]]
+    assert any(s > 1e-6 for s in measured)  # real step times were blended in
