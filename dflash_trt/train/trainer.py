@@ -324,6 +324,9 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     with atomic_directory(out, overwrite=True) as tmp:
         draft.save_pretrained(tmp, dtype=save_dtype)
         write_json_atomic(tmp / "MANIFEST.json", manifest)
+        tmp.chmod(0o755)  # mkdtemp makes it private; this is a shareable artifact
+        for f in tmp.iterdir():
+            f.chmod(0o644)
     _log(f"wrote {out} ({draft.num_parameters() / 1e6:.2f}M params, final loss {manifest['final_loss']})")
     return manifest
 
