@@ -111,3 +111,15 @@ def test_online_costs_follow_measurements():
     rt.run()
     measured = [policy.costs.table[k][2] for k in policy.candidates if 2 in policy.costs.table[k]]
     assert any(s > 1e-6 for s in measured)  # real step times were blended in
+
+
+def test_uncalibrated_policy_explores_each_candidate_then_exploits():
+    policy = AdaptivePolicy(8, candidates=[0, 1, 3, 7])
+    tried = []
+    for _ in range(4):
+        d = policy.choose(2, 7)
+        assert d.reason.startswith("explore")
+        tried.append(d.k)
+        policy.observe_step(2, d.k, 1.0 if d.k == 0 else 5.0)  # drafting is very expensive here
+    assert sorted(tried) == [0, 1, 3, 7]
+    assert policy.choose(2, 7).k == 0 and policy.decisions[-1].reason == "max est_tokens_per_s"

@@ -301,7 +301,15 @@ class BatchedRuntime:
         """Draft + verify for rows 0..n-1. Returns (k per row, posterior [n, k+1], accepted [n])."""
         dev, seqs = self.device, self.rows[:n]
         k_max = min(self.block_size - 1, max(s.remaining - 1 for s in seqs))
-        decision = self.policy.choose(n, k_max) if self.draft is not None else Decision(n, 0, reason="plain")
+        if self.draft is None:
+            decision = Decision(n, 0, reason="plain")
+        elif any(s.request.seed is not None and s.request.temperature > 0 for s in seqs):
+            # A seeded sample is a function of the draft schedule (each step draws k+1 tokens from
+            # the row's generator). Pinning the reference loop's schedule makes a seed reproduce
+            # the same text under any load, and the same text as dflash_generate.
+            decision = Decision(n, k_max, reason="seeded sampling pins the reference schedule")
+        else:
+            decision = self.policy.choose(n, k_max)
         self.last_decision = decision
         k = decision.k
         k_rows = [min(k, s.remaining - 1) for s in seqs]

@@ -123,8 +123,9 @@ class AdaptivePolicy:
 
     Acceptance starts from a pessimistic-but-not-zero prior (P(a >= j) = prior ** j, worth
     `prior_weight` steps) so the first steps speculate a little and learn. Costs come from
-    :func:`calibrate` or :meth:`CostTable.set`; a candidate with no cost estimate is not chosen
-    (k = 0 needs one too, else the policy speculates with the largest known k)."""
+    BatchedRuntime.calibrate, :meth:`CostTable.set`, or online exploration: with `explore`, the
+    first steps at a new batch size try each candidate once (steps that also prefill a newcomer
+    are not timed, so a candidate may be tried again)."""
 
     block_size: int
     costs: CostTable = field(default_factory=CostTable)
@@ -133,6 +134,7 @@ class AdaptivePolicy:
     prior_weight: float = 4.0
     decay: float = 0.995  # per observed row-step: forget old traffic slowly
     log_size: int = 256
+    explore: bool = True  # measure each candidate once per batch size before trusting estimates
     _drafted: list[float] = field(init=False)
     _accepted: list[float] = field(init=False)
     decisions: deque = field(init=False)
@@ -172,8 +174,15 @@ class AdaptivePolicy:
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, batch: int, k_max: int) -> Decision:
         q = self.position_acceptance()
+        ks = sorted({min(k, k_max) for k in self.candidates or ()})
+        if self.explore:  # no calibration for this batch size: measure each candidate once, online
+            unmeasured = [k for k in ks if k in (self.candidates or ()) and batch not in self.costs.table.get(k, {})]
+            if unmeasured:
+                d = Decision(batch, unmeasured[0], 1.0 + sum(q[: unmeasured[0]]), reason="explore: measuring cost")
+                self.decisions.append(d)
+                return d
         best: Decision | None = None
-        for k in sorted({min(k, k_max) for k in self.candidates or ()}):
+        for k in ks:
             cost = self.costs.estimate(batch, k)
             if cost is None or cost <= 0:
                 continue

@@ -7,11 +7,16 @@ Interface (kept small so a batched runtime can replace the serial one):
         chunk.text, chunk.finished, chunk.stats
     engine.shutdown()
 
-The reference runtime runs ONE request at a time (dflash_generate is batch 1): a single worker
-thread takes requests from a bounded queue in arrival order, so concurrent clients queue rather
-than interleave, and each gets exactly the answer it would get alone. Cancelling a request (the
-client went away) makes the next `on_step` callback return True, which stops generation at the
-end of the current step and frees the worker for the next request.
+The reference runtime decodes concurrent requests TOGETHER with the batched runtime
+(dflash_trt.runtime.batched): one scheduler thread takes requests from a bounded queue, admits
+them into the running batch between steps (up to the engine's max_batch_size rows), runs one
+draft + verify pass per step for all rows, and streams each sequence's new tokens back. Each
+request still gets exactly the answer it would get alone (greedy), and the adaptive policy picks
+the draft length per step so that sharing passes never makes DFlash slower than plain decoding.
+Pairs the batched runtime cannot run (GptOss: sliding window + sinks) fall back to one request at
+a time through dflash_generate; the fallback and its reason are logged. Cancelling a request (the
+client went away) makes the next `on_step` callback return True (or the scheduler drops it
+between steps), which frees its row for the next request.
 """
 
 from __future__ import annotations
@@ -220,6 +225,13 @@ class _Job:
 
 
 @dataclass
+class _Active:
+    generation: Generation
+    seq: Any  # BatchedSequence
+    detok: IncrementalDetokenizer
+
+
+@dataclass
 class ReferenceRuntime:
     """dflash_trt's own DFlash runtime behind the serving interface (CPU or one GPU)."""
 
@@ -231,7 +243,9 @@ class ReferenceRuntime:
     max_seq_len: int
     default_max_tokens: int
     max_queue: int = 64
+    max_batch: int = 8  # rows decoded together (the engine's max_batch_size)
     backend: str = "reference"
+    batched: Any = field(init=False, default=None)  # BatchedRuntime, or None: one request at a time
     _queue: queue.Queue[_Job | None] = field(init=False)
     _worker: threading.Thread = field(init=False)
     _closing: threading.Event = field(init=False)
@@ -242,7 +256,17 @@ class ReferenceRuntime:
     def __post_init__(self) -> None:
         self._queue = queue.Queue()
         self._closing = threading.Event()
-        self._worker = threading.Thread(target=self._run, name="dflash-runtime", daemon=True)
+        from dflash_trt.runtime.batched import BatchedRuntime, unsupported_reason
+
+        why = unsupported_reason(self.target.model, self.draft)
+        if why is None:
+            self.batched = BatchedRuntime(self.target, self.draft, max_batch=self.max_batch,
+                                          max_seq_len=self.max_seq_len)
+            log.info("engine %s: batched runtime, up to %d requests per pass", self.engine_dir, self.max_batch)
+        else:
+            log.warning("engine %s: requests run one at a time (%s)", self.engine_dir, why)
+        run = self._run_batched if self.batched is not None else self._run
+        self._worker = threading.Thread(target=run, name="dflash-runtime", daemon=True)
         self._worker.start()
 
     # -- validation (synchronous: the caller gets the error before anything is queued) ---------
@@ -297,6 +321,87 @@ class ReferenceRuntime:
                 log.exception("generation failed")
                 g.put(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
             g.end()
+
+    # -- the batched scheduler ------------------------------------------------------------------
+    def _run_batched(self) -> None:
+        """Admit queued requests between steps, one shared step for all rows, stream tokens back."""
+        rt = self.batched
+        active: dict[int, _Active] = {}
+        accepting = True
+        while True:
+            while accepting:  # block for work only when nothing is running
+                try:
+                    job = self._queue.get(block=not rt.has_work())
+                except queue.Empty:
+                    break
+                if job is None:
+                    accepting = False
+                    break
+                self._admit(job, active)
+            if not rt.has_work():
+                if not accepting:
+                    return
+                continue
+            for a in list(active.values()):  # clients that left or a shutdown: drop between steps
+                if a.generation.is_cancelled() or self._closing.is_set():
+                    rt.cancel(a.seq)
+                    self._complete(active.pop(id(a.seq)))
+            if not rt.has_work():
+                continue
+            try:
+                finished = rt.step()
+            except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving others
+                log.exception("batched generation step failed")
+                for a in active.values():
+                    rt.cancel(a.seq)
+                    a.generation.put(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
+                    a.generation.end()
+                active.clear()
+                continue
+            for seq in finished:
+                self._complete(active.pop(id(seq)))
+
+    def _admit(self, job: _Job, active: dict[int, "_Active"]) -> None:
+        from dflash_trt.runtime.batched import SequenceRequest
+
+        g, req = job.generation, job.generation.request
+        if g.is_cancelled() or self._closing.is_set():
+            g.put(Chunk("", finished=True, finish_reason="cancelled", stats=ChunkStats()))
+            g.end()
+            return
+        detok = IncrementalDetokenizer(self.tokenizer, req.stop, lock=self._tok_lock)
+
+        def on_step(new_ids: list[int]) -> bool:
+            delta = detok.add(new_ids)
+            if delta:
+                g.put(Chunk(delta))
+            return detok.stopped or g.is_cancelled() or self._closing.is_set()
+
+        try:
+            seq = self.batched.add(SequenceRequest(job.prompt_ids, job.max_tokens, req.temperature, req.top_p,
+                                                   req.seed, tuple(self.stop_token_ids), on_step))
+        except DFlashError as e:
+            g.put(RequestError(str(e)))
+            g.end()
+            return
+        active[id(seq)] = _Active(g, seq, detok)
+
+    def _complete(self, a: "_Active") -> None:
+        g, result = a.generation, a.seq.result
+        tail = a.detok.flush()
+        if a.detok.stopped:
+            reason = "stop"
+        elif g.is_cancelled() or self._closing.is_set() or not result.output_ids:
+            reason = "cancelled"
+        else:
+            reason = result.stats.finish_reason
+        queue_s = max(0.0, a.seq.t0 - g.submitted_at) if a.seq.t0 else time.perf_counter() - g.submitted_at
+        g.put(Chunk(tail, finished=True, finish_reason=reason, stats=_stats_of(result.stats, queue_s)))
+        g.end()
+
+    def runtime_stats(self) -> dict[str, Any]:
+        """The batched runtime's state (policy decisions, costs, acceptance), for logs and debugging."""
+        return self.batched.stats() if self.batched is not None else {"policy": "serial"}
 
     def _generate(self, job: _Job) -> None:
         from dflash_trt.runtime.generate import dflash_generate
@@ -483,5 +588,5 @@ def load_engine_runtime(engine_dir: str | Path, backend: str = "auto", dtype: st
     return ReferenceRuntime(
         engine_dir=engine_dir, target=TargetAdapter(pair.target), draft=pair.draft, tokenizer=pair.tokenizer,
         stop_token_ids=stop_ids_of(pair.tokenizer, pair.target.config), max_seq_len=limit,
-        default_max_tokens=min(default, limit), max_queue=max_queue,
+        default_max_tokens=min(default, limit), max_queue=max_queue, max_batch=manifest.limits.max_batch_size,
     )
