@@ -1,0 +1,93 @@
+"""Bad input to `dflash-trt bench` is one actionable line and a non-zero exit, before any model loads."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_trt.bench.prompts import BenchPrompt, from_jsonl
+from dflash_trt.cli import main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _fails(args: list[str], *needles: str) -> str:
+    res = CliRunner().invoke(main, ["bench", *args])
+    assert res.exit_code != 0, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in res.output, res.output
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def test_missing_prompts_file(tmp_path):
+    _fails(["--prompts", str(tmp_path / "nope.jsonl")], "nope.jsonl", "not found", '{"prompt"')
+
+
+@pytest.mark.parametrize("line, why", [
+    ('{"prompt": "ok"', "not valid JSON"),
+    ('["a list"]', "not an object"),
+    ('{"text": "no prompt key"}', 'no "prompt"'),
+    ('{"messages": [{"role": "user"}]}', 'messages[0] needs string "role" and "content"'),
+    ('{"prompt": ""}', "non-empty string"),
+])
+def test_malformed_jsonl_line_names_the_line(tmp_path, line, why):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + line + "\n")
+    _fails(["--prompts", str(f)], "line 3", why)
+
+
+def test_empty_prompts_file(tmp_path):
+    f = tmp_path / "empty.jsonl"
+    f.write_text("\n")
+    _fails(["--prompts", str(f)], "has no prompts")
+
+
+def test_unknown_category():
+    _fails(["--category", "code,poetry"], "'poetry'", "code, math, chat")
+
+
+def test_unreachable_url():
+    with socket.socket() as s:  # a port nobody listens on: bound, then released
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _fails(["--url", f"127.0.0.1:{port}", "--num-prompts", "1"], f"127.0.0.1:{port}", "--url")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--url", "127.0.0.1:1", "--engine", "x"], "drop --engine"),
+    (["--target", "x"], "both --target and --draft"),
+    (["--plain-url", "127.0.0.1:1"], "add --url"),
+    (["--concurrency", "0,2"], ">= 1"),
+    (["--concurrency", "a,b"], "comma-separated"),
+    (["--gpu", "tpu9"], "unknown gpu"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_conflicting_or_invalid_options(args, needle):
+    res = CliRunner().invoke(main, ["bench", *args])
+    assert res.exit_code != 0 and needle in res.output and "Traceback" not in res.output, res.output
+
+
+def test_config_file_unknown_key_and_flag_override(tmp_path):
+    from dflash_trt.bench.config import resolve_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_new_tokens: 8\nmax_new_tokenz: 9\n")
+    _fails(["--config", str(bad)], "max-new-tokenz", "Extra inputs")
+    good = tmp_path / "good.yaml"
+    good.write_text("max-new-tokens: 8\nconcurrency: [4, 1]\n")
+    cfg = resolve_config(str(good), {"max_new_tokens": 16, "concurrency": None})
+    assert cfg.max_new_tokens == 16 and cfg.concurrency == [1, 4]  # the flag wins; levels sorted
+
+
+def test_jsonl_prompt_forms(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "a", "id": "x", "category": "code"}) + "\n"
+                 + json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}) + "\n")
+    a, b = from_jsonl(f)
+    assert a == BenchPrompt("x", "code", (("user", "a"),)) and a.single_user_text == "a"
+    assert b.id == "p-2" and b.single_user_text is None and b.messages[1] == ("user", "u")
