@@ -105,8 +105,25 @@ def test_serial_runtime_queues_concurrent_requests(run):
     result, _, _ = run
     c2 = [r for r in result["requests"] if r["concurrency"] == 2]
     assert max(r["queue_s"] for r in c2) > 0
+    for mode in ("dflash", "plain"):  # one decoding thread, first come first served
+        rs = sorted((r for r in c2 if r["mode"] == mode), key=lambda r: r["t_submit"])
+        starts = [r["t_submit"] + r["queue_s"] for r in rs]
+        assert starts == sorted(starts)
     c1 = [r for r in result["requests"] if r["concurrency"] == 1]
-    assert result["sweep"][1]["dflash"]["ttft_s"]["mean"] > 0 and len(c1) == len(c2)
+    assert all(r["queue_s"] < 0.05 for r in c1)  # alone, a request never waits for another
+
+
+def test_block_size_option(tiny_pair_dirs, tmp_path):
+    tdir, ddir = tiny_pair_dirs
+    base = ["bench", "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "1", "--max-new-tokens", "10"]
+    res = CliRunner().invoke(main, [*base, "--block-size", "4", "--out", str(tmp_path), "--no-plots"])
+    assert res.exit_code == 0, res.output
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["source"]["block_size"] == 4
+    assert len(result["sweep"][0]["dflash"]["per_position_acceptance"]) == 3
+    assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3
+    res = CliRunner().invoke(main, [*base, "--block-size", "9"])
+    assert res.exit_code != 0 and "above the drafter's block_size 8" in res.output
 
 
 def test_plots_are_valid_pngs(run):

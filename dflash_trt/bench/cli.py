@@ -37,6 +37,7 @@ def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--max-new-tokens", type=int, help="Tokens to generate per request [default: 128].")
 @click.option("--temperature", type=float, help="Sampling temperature; 0 = greedy [default: 0].")
 @click.option("--seed", type=int, help="Seed of the first request; request i uses seed + i [default: 0].")
+@click.option("--block-size", type=int, help="In process: decode with a smaller block than the drafter's [default: its own].")
 @click.option("--concurrency", callback=_int_list, help="Concurrency levels to sweep, e.g. 1,2,4,8 [default: 1].")
 @click.option("--device", help="In process: cpu or cuda[:N] [default: cpu].")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="In process weights [default: float32].")

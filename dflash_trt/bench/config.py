@@ -29,6 +29,7 @@ class BenchConfig(BaseModel):
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     seed: int = 0
+    block_size: int | None = Field(None, ge=2)  # in process: decode with a smaller block than the drafter's
     concurrency: list[int] = Field(default_factory=lambda: [1])
     # where
     device: str = "cpu"
@@ -63,6 +64,8 @@ class BenchConfig(BaseModel):
             raise ValueError("--engine already holds the target and drafter; drop --target/--draft")
         if bool(self.target) != bool(self.draft):
             raise ValueError("pass both --target and --draft, or neither (to use the embedded default pair)")
+        if self.url and self.block_size:
+            raise ValueError("--block-size applies in process only; the server decides its own draft length")
         if self.plain_url and not self.url:
             raise ValueError("--plain-url is for endpoint mode; add --url (in process runs plain decoding itself)")
         return self

@@ -90,7 +90,11 @@ def _source(cfg: BenchConfig) -> tuple[Any, dict[str, Any], dict[str, Any] | Non
 
         t, d = default_pair_dirs()
         source.update(target=str(t), draft=str(d), embedded=True)
-    runner = InProcessRunner(pair, stop_ids_of(pair.tokenizer, pair.target.config))
+    if cfg.block_size and cfg.block_size > pair.draft.block_size:
+        raise DFlashError(f"--block-size {cfg.block_size} is above the drafter's block_size {pair.draft.block_size}; "
+                          f"use 2..{pair.draft.block_size}")
+    source["block_size"] = cfg.block_size or pair.draft.block_size
+    runner = InProcessRunner(pair, stop_ids_of(pair.tokenizer, pair.target.config), block_size=cfg.block_size)
     return runner, source, bytes_per_step(pair.target, weights)
 
 

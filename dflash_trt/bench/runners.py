@@ -11,7 +11,6 @@ tokens_per_s (what a user sees), while tpot_s stays the decode pace of the reque
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -118,18 +117,21 @@ def _closed_loop(requests: Sequence[BenchRequest], concurrency: int, one: Callab
 class InProcessRunner:
     """dflash_generate / autoregressive_generate on a loaded pair.
 
-    The reference loop decodes one sequence at a time, so concurrent users QUEUE behind a lock:
-    total tokens/s stays flat and tokens/s per user falls as 1/C. That is the honest figure for
-    this runtime (parallel=False is recorded); the batched runtime will be a parallel runner.
+    The reference loop decodes one sequence at a time, so concurrent users QUEUE for one decoding
+    thread, first come first served (as in the server): total tokens/s stays flat and tokens/s per
+    user falls as 1/C. That is the honest figure for this runtime (parallel=False is recorded); the
+    batched runtime will be a parallel runner. (A plain lock would not do: it is not fair, so a user
+    thread that just finished could take it again and starve the others.)
     """
 
     pair: Any  # LoadedPair
     stop_token_ids: list[int]
+    block_size: int | None = None  # None: the drafter's own block size
     t0: float = field(default_factory=time.perf_counter)
     name: str = "reference (serial, in process)"
     parallel: bool = False
     modes: tuple[str, ...] = MODES
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _decoder: ThreadPoolExecutor | None = None  # the one decoding thread, FIFO
     _ids: dict[str, list[int]] = field(default_factory=dict)
 
     def encode(self, prompt: BenchPrompt) -> list[int]:
@@ -153,12 +155,15 @@ class InProcessRunner:
         ids = self.encode(req.prompt)
         kw = dict(max_new_tokens=req.max_new_tokens, temperature=req.temperature, stop_token_ids=self.stop_token_ids,
                   seed=req.seed)
-        with self._lock:
-            t_start = time.perf_counter()
+
+        def decode() -> tuple[float, Any]:
+            t = time.perf_counter()
             if mode == "dflash":
-                result = dflash_generate(self.pair.draft, self.pair.target, ids, **kw)
-            else:
-                result = autoregressive_generate(self.pair.target, ids, **kw)
+                return t, dflash_generate(self.pair.draft, self.pair.target, ids, block_size=self.block_size, **kw)
+            return t, autoregressive_generate(self.pair.target, ids, **kw)
+
+        assert self._decoder is not None
+        t_start, result = self._decoder.submit(decode).result()
         s = result.stats
         # GenerationStats times count from t_start; shift them onto the sweep clock
         base = t_start - self.t0
@@ -173,7 +178,8 @@ class InProcessRunner:
         )
 
     def run(self, mode: str, requests: Sequence[BenchRequest], concurrency: int, on_done: OnDone) -> list[RequestRecord]:
-        return _closed_loop(requests, concurrency, lambda r, t: self._one(mode, concurrency, r, t), on_done)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-decode") as self._decoder:
+            return _closed_loop(requests, concurrency, lambda r, t: self._one(mode, concurrency, r, t), on_done)
 
 
 # ------------------------------------------------------------------------------------------------
