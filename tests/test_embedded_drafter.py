@@ -60,8 +60,8 @@ def test_dflash_equals_plain_greedy_on_eval_prompts_with_real_acceptance(pair):
     steps = accepted = 0
     for p in interleave(load_prompts("eval"))[:3]:  # one code, one math, one chat prompt
         ids = encode_prompt(pair.tokenizer, p.prompt, False, 49152)
-        d = dflash_generate(pair.draft, pair.target, ids, max_new_tokens=64, stop_token_ids=stop)
-        a = autoregressive_generate(pair.target, ids, max_new_tokens=64, stop_token_ids=stop)
+        d = dflash_generate(pair.draft, pair.target, ids, max_new_tokens=48, stop_token_ids=stop)
+        a = autoregressive_generate(pair.target, ids, max_new_tokens=48, stop_token_ids=stop)
         assert d.output_ids == a.output_ids, p.id
         steps += d.stats.num_steps
         accepted += sum(d.stats.acceptance_lengths)
