@@ -123,3 +123,12 @@ def test_uncalibrated_policy_explores_each_candidate_then_exploits():
         policy.observe_step(2, d.k, 1.0 if d.k == 0 else 5.0)  # drafting is very expensive here
     assert sorted(tried) == [0, 1, 3, 7]
     assert policy.choose(2, 7).k == 0 and policy.decisions[-1].reason == "max est_tokens_per_s"
+
+
+def test_a_marginal_estimated_gain_keeps_plain_decoding():
+    """k=1 estimated 5% faster than plain is within noise: the policy stays at k=0 (margin 10%)."""
+    policy = AdaptivePolicy(4, costs=_costs(lambda n, k: 1.0 if k == 0 else 1.25, ks=(0, 1, 3)), candidates=[0, 1, 3],
+                            prior_weight=1e-9)
+    for _ in range(100):
+        policy.observe_acceptance(3, 1 if _ % 10 < 3 else 0)  # P(a >= 1) ~ 0.3: 1.3 / 1.25 = 1.04x
+    assert policy.choose(4, 3).k == 0

@@ -134,6 +134,9 @@ class AdaptivePolicy:
     prior_weight: float = 4.0
     decay: float = 0.995  # per observed row-step: forget old traffic slowly
     log_size: int = 256
+    # speculate only when its estimate beats plain decoding by this fraction: estimates are noisy,
+    # and a marginal "win" that is really a loss would break the never-slower-than-plain promise
+    margin: float = 0.1
     explore: bool = True  # measure each candidate once per batch size before trusting estimates
     _drafted: list[float] = field(init=False)
     _accepted: list[float] = field(init=False)
@@ -188,7 +191,8 @@ class AdaptivePolicy:
                 continue
             e = 1.0 + sum(q[:k])
             d = Decision(batch, k, e, cost, batch * e / cost)
-            if best is None or d.est_tokens_per_s > best.est_tokens_per_s * (1 + 1e-9):
+            bar = 1 + (self.margin if best is not None and best.k == 0 else 1e-9)
+            if best is None or d.est_tokens_per_s > best.est_tokens_per_s * bar:
                 best = d
         if best is None:  # nothing measured yet: speculate fully (the reference loop's choice)
             best = Decision(batch, min(max(self.candidates or [0]), k_max), 1.0 + sum(q[:k_max]), math.nan, math.nan,
