@@ -50,7 +50,9 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
     written["throughput"] = PLOTS["throughput"]
 
     # 2. tau: per step where the runner saw the steps, else per request.
-    dflash = [r for r in records if r.mode == "dflash"]
+    # one concurrency level: at temperature 0 the others repeat the same steps
+    level = sweep[0]["concurrency"] if sweep else 1
+    dflash = [r for r in records if r.mode == "dflash" and r.concurrency == level]
     per_step = all(r.acceptance_lengths is not None for r in dflash)
     values = ([a for r in dflash for a in r.acceptance_lengths] if per_step else [r.tau for r in dflash])
     fig, ax = plt.subplots(figsize=(6, 4.2))
