@@ -138,3 +138,23 @@ def test_missing_directory(tmp_path, pair):
     with pytest.raises(DFlashError, match="drafter config not found"):
         load_pair(tdir, tmp_path / "nope")
     shutil.rmtree(tdir)
+
+
+def test_sliding_attention_layers_follow_zlab_masking():
+    """z-lab: with no `is_causal` in the config, sliding_attention layers are causal and windowed;
+    full layers see the whole block. A window of 2 then hides everything but the last 2 keys."""
+    from dflash_trt.runtime.draft_model import make_draft_config
+
+    target = tiny_target("qwen3")
+    cfg = make_draft_config(target.config, num_layers=2, block_size=4)
+    cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=2)
+    draft = DFlashDraftModel(cfg)
+    sliding, full = (layer.self_attn for layer in draft.layers)
+    assert sliding.is_causal and sliding.sliding_window == 2
+    assert not full.is_causal and full.sliding_window is None
+    cfg["is_causal"] = False
+    assert not DFlashDraftModel(cfg).layers[0].self_attn.is_causal
+    from dflash_trt.runtime.draft_model import block_attention_mask
+
+    m = block_attention_mask(2, 5, causal=True, window=2, device=torch.device("cpu"))[0, 0]
+    assert m.tolist() == [[False, False, True, True, False], [False, False, False, True, True]]

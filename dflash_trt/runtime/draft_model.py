@@ -146,6 +146,10 @@ class DFlashAttention(nn.Module):
         layer_types = getattr(config, "layer_types", None)
         sliding = bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = getattr(config, "sliding_window", None) if sliding else None
+        # z-lab's convention: attention is bidirectional unless the config says `is_causal`; when
+        # it says nothing, sliding-window layers are causal and full layers are not.
+        is_causal = getattr(config, "is_causal", None)
+        self.is_causal = sliding if is_causal is None else bool(is_causal)
 
     def forward(
         self,
@@ -166,8 +170,8 @@ class DFlashAttention(nn.Module):
         q, k = apply_rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, K, hd], K = cached + C + S
-        if attn_mask is None and self.sliding_window is not None:
-            attn_mask = sliding_window_mask(s, k.shape[-2], self.sliding_window, x.device)
+        if attn_mask is None and (self.is_causal or self.sliding_window is not None):
+            attn_mask = block_attention_mask(s, k.shape[-2], self.is_causal, self.sliding_window, x.device)
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k = k.repeat_interleave(rep, dim=1)
@@ -176,11 +180,17 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-def sliding_window_mask(q_len: int, k_len: int, window: int, device: torch.device) -> torch.Tensor:
-    """Bidirectional sliding window: |query position - key position| < window."""
+def block_attention_mask(q_len: int, k_len: int, causal: bool, window: int | None,
+                         device: torch.device) -> torch.Tensor:
+    """[1, 1, Q, K] bool (True = visible). The queries are the LAST q_len of the k_len keys."""
     qpos = (k_len - q_len + torch.arange(q_len, device=device))[:, None]
     kpos = torch.arange(k_len, device=device)[None, :]
-    return ((qpos - kpos).abs() < window)[None, None]
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        visible &= kpos <= qpos
+    if window is not None:
+        visible &= (qpos - kpos < window) if causal else ((qpos - kpos).abs() < window)
+    return visible[None, None]
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -360,6 +370,8 @@ class DFlashDraftModel(nn.Module):
 def _qwen3_kwargs(raw: dict[str, Any]) -> dict[str, Any]:
     """Qwen3Config kwargs from a z-lab config dict (unknown keys are kept as attributes)."""
     kw = {k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "model_type", "dtype", "torch_dtype")}
+    if "sliding_attention" in (kw.get("layer_types") or ()):
+        kw.setdefault("use_sliding_window", True)  # else Qwen3Config drops sliding_window
     if "rope_parameters" not in kw and "rope_theta" in kw:
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw["rope_theta"]}
     return kw
