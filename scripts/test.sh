@@ -11,7 +11,9 @@ elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
 else
   echo "[test] not root: Slurm tests will be skipped unless slurm-wlm is already installed" >&2
 fi
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+# One torch thread per process: the suite runs servers, clients and Slurm jobs side by side on 2
+# cores, and oversubscribed OpenMP threads make multi-token matmuls many times slower.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 set +e
 .venv/bin/python -m pytest -q -ra --durations=15 "$@"
 rc=$?

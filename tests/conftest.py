@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 def save_tiny_pair(root: Path, arch: str = "llama", block_size: int = 8, draft_layers: int = 1, seed: int = 0,

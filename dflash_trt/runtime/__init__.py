@@ -4,11 +4,15 @@ It is the oracle every faster path (batched runtime, TensorRT-LLM) is tested aga
 instrument that measures acceptance. Runs on CPU and GPU.
 """
 
+from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
 from dflash_trt.runtime.draft_model import DFlashDraftModel, build_target_layer_ids
 from dflash_trt.runtime.generate import GenerationResult, autoregressive_generate, dflash_generate
 from dflash_trt.runtime.target import TargetAdapter
 
 __all__ = [
+    "BatchedRuntime",
+    "SequenceRequest",
+    "batched_generate",
     "DFlashDraftModel",
     "GenerationResult",
     "TargetAdapter",
