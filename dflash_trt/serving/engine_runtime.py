@@ -370,13 +370,7 @@ class ReferenceRuntime:
             g.end()
             return
         detok = IncrementalDetokenizer(self.tokenizer, req.stop, lock=self._tok_lock)
-
-        def on_step(new_ids: list[int]) -> bool:
-            delta = detok.add(new_ids)
-            if delta:
-                g.put(Chunk(delta))
-            return detok.stopped or g.is_cancelled() or self._closing.is_set()
-
+        on_step = self._streamer(g, detok)
         try:
             seq = self.batched.add(SequenceRequest(job.prompt_ids, job.max_tokens, req.temperature, req.top_p,
                                                    req.seed, tuple(self.stop_token_ids), on_step))
@@ -399,6 +393,18 @@ class ReferenceRuntime:
         g.put(Chunk(tail, finished=True, finish_reason=reason, stats=_stats_of(result.stats, queue_s)))
         g.end()
 
+    def _streamer(self, g: Any, detok: "IncrementalDetokenizer"):
+        """The runtime's per-step callback: stream the new text; True stops generation after this
+        step (a stop string, a cancelled client, shutdown)."""
+
+        def on_step(new_ids: list[int]) -> bool:
+            delta = detok.add(new_ids)
+            if delta:
+                g.put(Chunk(delta))
+            return detok.stopped or g.is_cancelled() or self._closing.is_set()
+
+        return on_step
+
     def runtime_stats(self) -> dict[str, Any]:
         """The batched runtime's state (policy decisions, costs, acceptance), for logs and debugging."""
         return self.batched.stats() if self.batched is not None else {"policy": "serial"}
@@ -409,14 +415,7 @@ class ReferenceRuntime:
         g, req = job.generation, job.generation.request
         queue_s = time.perf_counter() - g.submitted_at
         detok = IncrementalDetokenizer(self.tokenizer, req.stop, lock=self._tok_lock)
-
-        def on_step(new_ids: list[int]) -> bool:
-            delta = detok.add(new_ids)
-            if delta:
-                g.put(Chunk(delta))
-            # True stops generation after this step: a stop string, a cancelled client, shutdown
-            return detok.stopped or g.is_cancelled() or self._closing.is_set()
-
+        on_step = self._streamer(g, detok)
         result = dflash_generate(
             self.draft, self.target, job.prompt_ids, max_new_tokens=job.max_tokens, temperature=req.temperature,
             top_p=req.top_p, stop_token_ids=self.stop_token_ids, seed=req.seed, on_step=on_step,
