@@ -67,3 +67,24 @@ def test_cancelled_request_leaves_the_batch(runtime):
     assert last.finished and last.finish_reason in ("stop", "length")
     final = [c for c in long if c.finished]
     assert final and final[-1].finish_reason == "cancelled"
+
+
+def test_full_speculation_setting_pins_the_draft_length(tmp_path_factory):
+    """`speculation: full` (repository setting) makes the server draft block_size - 1 tokens every
+    step, as the reference loop does; the default adaptive policy may choose fewer."""
+    from dflash_trt.runtime.policy import FixedPolicy
+    from dflash_trt.serving.engine_runtime import load_engine_runtime
+    from tests.engine_fixtures import shared_tiny_engine
+
+    engine = shared_tiny_engine(tmp_path_factory)
+    rt = load_engine_runtime(engine, backend="reference", speculation="full")
+    try:
+        assert isinstance(rt.batched.policy, FixedPolicy)
+        assert rt.batched.policy.choose(1, 99).k == rt.draft.block_size - 1
+    finally:
+        rt.shutdown(cancel_pending=True)
+    rt = load_engine_runtime(engine, backend="reference")
+    try:
+        assert not isinstance(rt.batched.policy, FixedPolicy)
+    finally:
+        rt.shutdown(cancel_pending=True)

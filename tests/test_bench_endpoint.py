@@ -16,7 +16,7 @@ except ImportError:  # tests/ is not a package
     from engine_fixtures import shared_tiny_engine
 
 from dflash_trt.cli import main
-from dflash_trt.serving.repository import generate_repository
+from dflash_trt.serving.repository import TritonRepoSettings, generate_repository
 from dflash_trt.serving.server import TritonGrpcServer
 
 pytestmark = pytest.mark.timeout(180)
@@ -30,29 +30,11 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def full_block_speculation():
-    """Pin the server to the reference loop's speculation: k = block_size - 1 every step.
-
-    The serving runtime's default adaptive policy picks k per step from MEASURED step times (k = 0 is
-    plain decoding), so its tau depends on machine load and is not reproducible; with k pinned the
-    batched runtime decodes each sequence exactly as dflash_generate does. (This pins a setting the
-    server does not expose yet; a `speculation_policy` repository setting would replace it.)
-    """
-    mp = pytest.MonkeyPatch()
-    try:
-        from dflash_trt.runtime import batched
-        from dflash_trt.runtime.policy import FixedPolicy
-    except ImportError:  # a serving runtime without the batched scheduler is the reference loop itself
-        batched = None
-    if batched is not None and hasattr(batched, "AdaptivePolicy"):
-        mp.setattr(batched, "AdaptivePolicy", lambda block_size, *a, **kw: FixedPolicy(block_size - 1))
-    yield
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
-def url(engine, tmp_path_factory, full_block_speculation):
-    repo = generate_repository(engine, tmp_path_factory.mktemp("bench_serve") / "repo")
+def url(engine, tmp_path_factory):
+    """A server pinned to the reference loop's speculation (k = block_size - 1 every step). The
+    default adaptive policy picks k from MEASURED step times, so its tau depends on machine load."""
+    settings = TritonRepoSettings(speculation="full")
+    repo = generate_repository(engine, tmp_path_factory.mktemp("bench_serve") / "repo", settings)
     srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=None).start()
     yield f"127.0.0.1:{srv.grpc_port}"
     srv.stop(grace=2.0)

@@ -36,6 +36,9 @@ def _repo_options(fn):
                      help="max_tokens when a request sends none [default: min(256, max_seq_len / 2)]."),
         click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
                      help="Requests that may wait for the runtime before new ones get UNAVAILABLE."),
+        click.option("--speculation", type=click.Choice(["adaptive", "full"]), default="adaptive", show_default=True,
+                     help="Reference runtime: adaptive draft length per step (never slower than plain "
+                          "decoding) or the full block every step (reproducible tau)."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
                      show_default=True, help="Weights dtype for the reference runtime."),
         click.option("--device", default="cpu", show_default=True, help="Device for the reference runtime (cpu, cuda)."),
@@ -54,7 +57,7 @@ def _repo_options(fn):
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @friendly_errors
 def triton(engine: str, out: str, model_name: str, backend: str, default_max_tokens: int | None, max_queue: int,
-           dtype: str, device: str, engine_path: str | None, force: bool) -> None:
+           speculation: str, dtype: str, device: str, engine_path: str | None, force: bool) -> None:
     """Write a Triton model repository (Python backend, decoupled streaming) for ENGINE.
 
     Serve it with `tritonserver --model-repository OUT` (TensorRT-LLM container) or `dflash-trt serve
@@ -63,7 +66,8 @@ def triton(engine: str, out: str, model_name: str, backend: str, default_max_tok
     from dflash_trt.serving.repository import generate_repository
 
     settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
-                         max_queue=max_queue, dtype=dtype, device=device, engine_path=engine_path)
+                         max_queue=max_queue, speculation=speculation, dtype=dtype, device=device,
+                         engine_path=engine_path)
     click.echo(f"[deploy triton] engine={Path(engine).resolve()} out={out} "
                + " ".join(f"{k}={v}" for k, v in settings.model_dump().items()), err=True)
     repo = generate_repository(engine, out, settings, overwrite=force)
@@ -107,8 +111,8 @@ def _default_engine() -> Path:
 @friendly_errors
 def serve(source: str | None, model_repository: str | None, grpc_address: str, grpc_port: int, metrics_port: int,
           allow_metrics: bool, load_models: tuple[str, ...], exit_timeout_secs: float, ready_file: str | None,
-          model_name: str, backend: str, default_max_tokens: int | None, max_queue: int, dtype: str,
-          device: str) -> None:
+          model_name: str, backend: str, default_max_tokens: int | None, max_queue: int, speculation: str,
+          dtype: str, device: str) -> None:
     """Serve a model repository (or an engine directory) over Triton's gRPC protocol, with metrics.
 
     The repository's model.py runs through the Triton Python-backend interface, exactly as in
@@ -134,7 +138,7 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
             model_repository = str(engine)  # SOURCE was a repository after all
         else:
             settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
-                                 max_queue=max_queue, dtype=dtype, device=device)
+                                 max_queue=max_queue, speculation=speculation, dtype=dtype, device=device)
             tmp = Path(tempfile.mkdtemp(prefix="dflash-trt-repo-"))
             model_repository = str(generate_repository(engine, tmp / "repo", settings))
     click.echo(json.dumps({"model_repository": model_repository, "grpc": f"{grpc_address}:{grpc_port}",

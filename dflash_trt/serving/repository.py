@@ -35,6 +35,10 @@ class TritonRepoSettings(BaseModel):
     backend: Literal["auto", "tensorrt_llm", "reference"] = "auto"
     default_max_tokens: int | None = Field(None, ge=1)  # None: min(256, max_seq_len // 2)
     max_queue: int = Field(64, ge=1)
+    # adaptive: the batched runtime picks the draft length per step from measured costs (down to
+    # plain decoding), never slower than plain; full: always block_size - 1 drafts, as the reference
+    # loop does (reproducible tau, e.g. for benchmarks comparing transports).
+    speculation: Literal["adaptive", "full"] = "adaptive"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # reference runtime only
     device: str = "cpu"  # reference runtime only: cpu | cuda | cuda:N
     engine_path: str | None = None  # the engine directory as the server sees it (containers)
@@ -69,6 +73,7 @@ def render_config(engine_dir: Path, settings: TritonRepoSettings) -> str:
         "max_seq_len": limit,
         "default_max_tokens": default_max,
         "max_queue": settings.max_queue,
+        "speculation": settings.speculation,
         "dtype": settings.dtype,
         "device": settings.device,
     }

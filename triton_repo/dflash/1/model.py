@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "seed", "stop", "stream")
 OUTPUTS = ("text_output", "finish_reason", "acceptance_length", "acceptance_rate", "total_draft_tokens",
            "total_accepted_draft_tokens", "num_output_tokens", "queue_time_ms", "decode_time_ms")
-PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "dtype", "device")
+PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "speculation", "dtype", "device")
 
 
 class _BadRequest(Exception):
@@ -48,6 +48,7 @@ class TritonPythonModel:
         self.engine = load_engine_runtime(
             params["engine_dir"], backend=params["backend"], dtype=params["dtype"], device=params["device"],
             default_max_tokens=int(params["default_max_tokens"]), max_queue=int(params["max_queue"]),
+            speculation=params["speculation"],
         )
         pb_utils.Logger.log_info(f"dflash: engine {params['engine_dir']} loaded with the {self.engine.backend} backend")
 
