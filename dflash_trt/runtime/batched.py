@@ -248,21 +248,14 @@ class BatchedRuntime:
         Captured features go to self.features at the write indices."""
         self.cache.kv.prepare(rows, write, visible.shape[-1])
         mask = additive_mask(visible, self.target.dtype)
-        state = self.target._state  # the adapter's capture hooks (shared per model)
-        state.layer_ids, state.captured = self.layer_ids, {}
-        try:
-            out = self.target.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                    past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
-        finally:
-            captured, state.captured, state.layer_ids = state.captured, {}, ()
-        if self.layer_ids:
-            feats = torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [n, S, n_ctx*H]
+        logits, feats = self.target.forward(ids, positions, self.cache, self.layer_ids, logits_to_keep, mask)
+        if feats is not None:  # [n, S, n_ctx*H]
             if self.features is None:
                 self.features = torch.zeros((self.max_batch, self.capacity, feats.shape[-1]), dtype=feats.dtype,
                                             device=feats.device)
             r = torch.arange(rows.start, rows.stop, device=self.device)[:, None].expand_as(write)
             self.features[r, write] = feats
-        return out.logits
+        return logits
 
     def _sample_rows(self, logits: torch.Tensor, seqs: Sequence[BatchedSequence],
                      lengths: Sequence[int] | None = None) -> torch.Tensor:

@@ -78,9 +78,10 @@ class TargetAdapter:
         self,
         input_ids: torch.Tensor,  # [B, S]
         position_ids: torch.Tensor,  # [B, S]
-        cache: DynamicCache,
+        cache: Any,  # DynamicCache, or any transformers Cache (the batched runtime's own)
         capture_layer_ids: tuple[int, ...] | list[int] = (),
         logits_to_keep: int = 0,
+        attention_mask: torch.Tensor | None = None,  # [B, 1, S, K] additive; None = causal over the cache
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns logits [B, S', V] (S' = logits_to_keep or S) and ctx features [B, S, n*H]."""
         state = self._state
@@ -89,6 +90,7 @@ class TargetAdapter:
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
+                attention_mask=attention_mask,
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
