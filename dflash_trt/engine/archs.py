@@ -7,7 +7,6 @@ holds the public config.json facts of that model.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -36,7 +36,7 @@ import torch
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.metrics import GenerationStats
-from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache, SlotKV, additive_mask
+from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache, additive_mask
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.generate import GenerationResult, StepCallback, _finish, _truncate_at_stop
 from dflash_trt.runtime.policy import AdaptivePolicy, Decision, FixedPolicy, SpeculationPolicy
