@@ -81,3 +81,41 @@ def test_loss_is_weighted_ce_and_trains():
     assert losses[-1] < 0.5 * losses[0]  # memorises one sequence's blocks
     assert 1.0 <= stats["tau_est"] <= 8.0
     assert default_gamma(16) == 7.0 and default_gamma(8) == 4.0
+
+
+@torch.no_grad()
+def test_sampled_vocab_loss_is_the_ce_over_the_scored_rows():
+    """A label map over the whole vocabulary changes nothing; over a subset it is the CE of that
+    subset's logits (labels translated into it), and labels outside the subset are dropped."""
+    target, draft, adapter, ids, feats = _setup()
+    target, draft, feats = target.float(), draft.float(), feats.float()  # dflash_loss runs in float32
+    emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+    anchors = torch.tensor([12, 20, 31])
+    V = target.config.vocab_size
+    full, _ = dflash_loss(draft, emb, head, ids, feats, anchors, 4.0)
+    same, _ = dflash_loss(draft, emb, head, ids, feats, anchors, 4.0, torch.arange(V))
+    torch.testing.assert_close(full, same)
+
+    rows = torch.unique(torch.cat([ids, torch.tensor([0, 1])]))  # every label present, plus two others
+    label_map = torch.full((V,), -1, dtype=torch.long)
+    label_map[rows] = torch.arange(rows.numel())
+    sub = lambda h: head(h)[:, rows]  # noqa: E731 - the scored rows only
+    got, _ = dflash_loss(draft, emb, sub, ids, feats, anchors, 4.0, label_map)
+    # by hand: slot k of block i predicts ids[a_i + k], weight exp(-(k-1)/gamma)
+    B, T = draft.block_size, ids.shape[0]
+    tokens, pos, labels, valid = block_inputs(ids, anchors, B, draft.mask_token_id)
+    position_ids = torch.cat([torch.arange(T), pos.reshape(-1)])[None]
+    hidden = draft(feats[None], emb(tokens.reshape(1, -1)), position_ids, None, attention_mask(T, anchors, B))[0]
+    num = den = 0.0
+    for j in valid.reshape(-1).nonzero()[:, 0].tolist():
+        k = j % B
+        w = float(torch.exp(torch.tensor(-(k - 1) / 4.0)))
+        logp = torch.log_softmax(head(hidden[j])[rows], -1)
+        num += w * -float(logp[label_map[labels.reshape(-1)[j]]])
+        den += w
+    assert abs(float(got) - num / den) < 1e-5
+
+    drop = label_map.clone()
+    drop[ids[anchors[0] + 1]] = -1  # one label's row not scored: that label leaves the loss
+    dropped, stats = dflash_loss(draft, emb, sub, ids, feats, anchors, 4.0, drop)
+    assert float(dropped) != float(got) and 1.0 <= stats["tau_est"] <= B

@@ -55,3 +55,30 @@ def test_train_draft_rejects_bad_flags_with_one_line(tiny_pair_dirs, tmp_path):
                                     "--config", str(bad)])
     assert res.exit_code != 0 and "learning_rate" in res.output
     assert load_target(target_dir) is not None
+
+
+def test_init_from_grows_a_drafter_without_changing_its_predictions(tmp_path):
+    """--init-from copies a trained drafter into a deeper one whose extra layers start as the
+    identity (zeroed output projections), so training resumes from the same predictions; a
+    drafter with another mask token is refused with one line."""
+    import torch
+
+    from dflash_trt.errors import DFlashError
+    from dflash_trt.runtime.tiny import random_draft, tiny_target
+    from dflash_trt.train.trainer import init_from
+
+    target = tiny_target("llama", seed=1, num_layers=4)
+    src = random_draft(target.config, num_layers=1, block_size=8, seed=2, target_layer_ids=[0, 2, 3])
+    src.save_pretrained(tmp_path / "src", dtype=torch.float32)
+    grown = random_draft(target.config, num_layers=3, block_size=8, seed=5, target_layer_ids=[0, 2, 3])
+    init_from(grown, tmp_path / "src")
+    ctx = torch.randn(1, 6, 3 * target.config.hidden_size)
+    noise = torch.randn(1, 8, target.config.hidden_size)
+    pos = torch.arange(14)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(grown(ctx, noise, pos), src(ctx, noise, pos))
+    assert grown.layers[2].mlp.down_proj.weight.abs().sum() == 0 and grown.layers[2].mlp.up_proj.weight.abs().sum() > 0
+
+    other = random_draft(target.config, num_layers=2, block_size=8, seed=2, target_layer_ids=[0, 1, 3])
+    with pytest.raises(DFlashError, match="target_layer_ids"):
+        init_from(other, tmp_path / "src")

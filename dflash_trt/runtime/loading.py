@@ -27,11 +27,39 @@ class LoadedPair:
     tokenizer: Any | None
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU multiplies bfloat16 natively (x86 AVX512-BF16 / AMX-BF16, Arm BF16).
+
+    Without it torch emulates bf16 matmuls and they run slower than float32.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    words = set(flags.split())
+    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """The fastest exact-enough dtype here: bf16 on GPUs and bf16-capable CPUs, else float32.
+
+    On CPU it matters for DFlash beyond raw speed: verifying a 16-token block in bf16 costs
+    ~1.4 plain steps on an AVX512-BF16 core, in float32 ~2.6 (measured on the embedded pair).
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if dev.type == "cpu" and cpu_has_native_bf16() else torch.float32
+
+
+def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype from its name; "auto" resolves with :func:`auto_dtype` for `device`."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return auto_dtype(device)
     if name not in DTYPES:
-        raise DFlashError(f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPES))}")
+        raise DFlashError(f"unknown dtype {name!r}; use one of auto, {', '.join(sorted(DTYPES))}")
     return DTYPES[name]
 
 
@@ -75,7 +103,7 @@ def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype: str | torch.
     """Validate the pair from configs first (cheap), then load weights."""
     from transformers import AutoConfig
 
-    dt = parse_dtype(dtype)
+    dt = parse_dtype(dtype, device)
     draft_cfg = read_json(Path(draft_dir) / "config.json", what="drafter config")
     read_json(Path(target_dir) / "config.json", what="target config")
     try:

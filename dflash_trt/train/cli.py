@@ -49,6 +49,10 @@ def setup_default(rebuild: bool) -> None:
 @click.option("--anchors-per-seq", type=click.IntRange(min=1), help="Blocks trained per sequence per step [32].")
 @click.option("--seed", type=int, help="Random seed [0].")
 @click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: torch's choice).")
+@click.option("--init-from", type=click.Path(file_okay=False, exists=True),
+              help="Start from this trained drafter (same mask/layer ids; extra layers start as identity).")
+@click.option("--sampled-vocab", type=click.IntRange(min=0),
+              help="Sampled softmax: loss over the ids seen in the data plus N random others per step (~2x faster).")
 @click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype on disk [bfloat16].")
 @friendly_errors
 def train_draft(target: str | None, out: str, config_file: str | None, **flags) -> None:

@@ -127,27 +127,40 @@ def compute_features(target: Any, sequences: list[dict[str, Any]], layer_ids: li
 
 
 def main() -> None:
-    """python -m dflash_trt.train.data TARGET_DIR OUT_FILE [MAX_NEW_TOKENS] [BATCH] [LAYER_IDS]."""
+    """python -m dflash_trt.train.data TARGET_DIR OUT_FILE [MAX_NEW_TOKENS] [BATCH] [LAYER_IDS] [DTYPE]."""
     import sys
 
     import random
 
     from dflash_trt.prompts import interleave, load_prompts
-    from dflash_trt.runtime.loading import load_target, load_tokenizer
+    from dflash_trt.runtime.loading import load_target, load_tokenizer, parse_dtype
 
     target_dir, out_file = Path(sys.argv[1]), Path(sys.argv[2])
     max_new = int(sys.argv[3]) if len(sys.argv) > 3 else 256
     bs = int(sys.argv[4]) if len(sys.argv) > 4 else 16
     layer_ids = [int(x) for x in sys.argv[5].split(",")] if len(sys.argv) > 5 else None
+    dtype = parse_dtype(sys.argv[6]) if len(sys.argv) > 6 else torch.float32
     torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
     t0 = time.time()
-    model, tok = load_target(target_dir), load_tokenizer(target_dir)
+    model, tok = load_target(target_dir, dtype), load_tokenizer(target_dir)
     prompts = load_prompts("train")
     random.Random(0).shuffle(prompts)
-    meta = {"max_new_tokens": max_new, "batch_size": bs, "capture_layer_ids": layer_ids}
-    seqs = generate_responses(model, tok, interleave(prompts), max_new, bs, capture_layer_ids=layer_ids,
-                              on_batch=lambda done: save_data(out_file, done, {**meta, "seconds": time.time() - t0}))
-    print(f"wrote {len(seqs)} sequences to {out_file} in {time.time() - t0:.0f} s")
+    meta = {"max_new_tokens": max_new, "batch_size": bs, "capture_layer_ids": layer_ids, "dtype": str(dtype)}
+    # Resumable: sequences already in OUT_FILE (same settings) are kept and their prompts skipped,
+    # so an interrupted or partial run is extended rather than redone.
+    have: list[dict[str, Any]] = []
+    if out_file.is_file():
+        blob = torch.load(out_file, weights_only=False)
+        same = {k: blob.get("meta", {}).get(k) for k in ("max_new_tokens", "capture_layer_ids")}
+        if same == {"max_new_tokens": max_new, "capture_layer_ids": layer_ids}:
+            have = blob["sequences"]
+    done_ids = {s["id"] for s in have}
+    todo = [p for p in interleave(prompts) if p.id not in done_ids]
+    print(f"{len(have)} sequences kept from {out_file}, {len(todo)} prompts to generate", flush=True)
+    seqs = generate_responses(model, tok, todo, max_new, bs, capture_layer_ids=layer_ids,
+                              on_batch=lambda done: save_data(out_file, have + done,
+                                                              {**meta, "seconds": time.time() - t0}))
+    print(f"wrote {len(have) + len(seqs)} sequences to {out_file} in {time.time() - t0:.0f} s")
 
 
 def save_data(path: Path, sequences: list[dict[str, Any]], meta: dict[str, Any]) -> None:

@@ -76,8 +76,13 @@ def dflash_loss(
     feats: torch.Tensor,  # [C, n*H] target features of positions 0..C-1 (C >= T-1: the last token is never context)
     anchors: torch.Tensor,  # [A]
     gamma: float,
+    label_map: torch.Tensor | None = None,  # [V] full id -> column of lm_head's output (-1: not there)
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted CE of one sequence's blocks, plus per-slot accuracy figures for logging."""
+    """Weighted CE of one sequence's blocks, plus per-slot accuracy figures for logging.
+
+    With `label_map`, `lm_head` scores only a subset of the vocabulary (a sampled softmax) and
+    labels are translated into that subset; a label outside it is dropped from the loss.
+    """
     B, C = draft.block_size, feats.shape[0]
     tokens, pos, labels, valid = block_inputs(ids, anchors, B, draft.mask_token_id)
     position_ids = torch.cat([torch.arange(C), pos.reshape(-1)])[None]  # [1, C + A*B]
@@ -89,6 +94,12 @@ def dflash_loss(
     logits = lm_head(hidden[sel])  # [N, V]: only masked slots pay for the big head
     target = labels.reshape(-1)[sel]
     k = (torch.arange(B)[None].expand_as(valid)).reshape(-1)[sel]  # slot index 1..B-1
+    if label_map is not None:
+        target = label_map[target]
+        keep = target >= 0
+        logits, target, k = logits[keep], target[keep], k[keep]
+        valid = valid.clone()
+        valid[valid.clone()] = keep  # the dropped labels count as misses in the stats below
     w = torch.exp(-(k - 1).float() / gamma)
     ce = F.cross_entropy(logits.float(), target, reduction="none")
     loss = (w * ce).sum() / w.sum()
