@@ -132,3 +132,23 @@ def test_a_marginal_estimated_gain_keeps_plain_decoding():
     for _ in range(100):
         policy.observe_acceptance(3, 1 if _ % 10 < 3 else 0)  # P(a >= 1) ~ 0.3: 1.3 / 1.25 = 1.04x
     assert policy.choose(4, 3).k == 0
+
+
+def test_plain_decoding_reexplores_and_recovers_when_acceptance_returns():
+    """Acceptance is only learned from drafting steps. A policy that settled on plain decoding
+    (poor drafter) still drafts once every `reexplore_every` steps, so when the traffic turns
+    predictable the new acceptance is seen and it goes back to speculating."""
+    policy = AdaptivePolicy(8, costs=_costs(lambda n, k: 1.0 + 0.05 * k), candidates=[0, 1, 3, 7], reexplore_every=10)
+    for _ in range(200):
+        policy.observe_acceptance(7, 0)  # nothing accepted: plain decoding wins
+    ks = []
+    for _ in range(40):
+        d = policy.choose(1, 7)
+        ks.append(d.k)
+        if d.k:  # the drafting step now meets a drafter that gets everything right
+            for _ in range(30):
+                policy.observe_acceptance(d.k, d.k)
+    first = next(i for i, k in enumerate(ks) if k)
+    assert set(ks[:first]) == {0} and first == 10  # 10 plain steps, then one re-exploration
+    assert "re-explore" in policy.decisions[first].reason
+    assert all(k > 0 for k in ks[first + 1 :])  # the refreshed estimate keeps it speculating

@@ -138,6 +138,11 @@ class AdaptivePolicy:
     # and a marginal "win" that is really a loss would break the never-slower-than-plain promise
     margin: float = 0.1
     explore: bool = True  # measure each candidate once per batch size before trusting estimates
+    # After this many plain steps in a row, speculate once with the best positive k: acceptance is
+    # only learned from steps that draft, so without this a policy that settled on plain decoding
+    # would never notice that traffic became predictable again (costs ~1/N of a step's overhead).
+    reexplore_every: int = 64
+    _plain_streak: int = field(default=0, init=False)
     _drafted: list[float] = field(init=False)
     _accepted: list[float] = field(init=False)
     decisions: deque = field(init=False)
@@ -185,6 +190,7 @@ class AdaptivePolicy:
                 self.decisions.append(d)
                 return d
         best: Decision | None = None
+        best_drafting: Decision | None = None
         for k in ks:
             cost = self.costs.estimate(batch, k)
             if cost is None or cost <= 0:
@@ -194,6 +200,14 @@ class AdaptivePolicy:
             bar = 1 + (self.margin if best is not None and best.k == 0 else 1e-9)
             if best is None or d.est_tokens_per_s > best.est_tokens_per_s * bar:
                 best = d
+            if k > 0 and (best_drafting is None or d.est_tokens_per_s > best_drafting.est_tokens_per_s):
+                best_drafting = d
+        self._plain_streak = self._plain_streak + 1 if best is not None and best.k == 0 else 0
+        if best_drafting is not None and self.reexplore_every and self._plain_streak > self.reexplore_every:
+            best_drafting.reason = f"re-explore after {self.reexplore_every} plain steps: refresh acceptance"
+            self._plain_streak = 0
+            self.decisions.append(best_drafting)
+            return best_drafting
         if best is None:  # nothing measured yet: speculate fully (the reference loop's choice)
             best = Decision(batch, min(max(self.candidates or [0]), k_max), 1.0 + sum(q[:k_max]), math.nan, math.nan,
                             reason="no cost estimate")
