@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_trt.embedded import default_pair_dirs
+    from dflash_trt.embedded import pair_dirs_or_default
     from dflash_trt.fsutil import write_json_atomic
     from dflash_trt.generation_cli import encode_prompt, stop_ids_of
     from dflash_trt.prompts import load_prompts
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_trt.runtime.policy import AdaptivePolicy
 
     console = Console(stderr=True)
-    tdir, ddir = (args.target, args.draft) if args.target else default_pair_dirs()
+    tdir, ddir = pair_dirs_or_default(args.target, args.draft)
     pair = load_pair(tdir, ddir, dtype=args.dtype)
     target, draft, tok = pair.target, pair.draft, pair.tokenizer
     stop = stop_ids_of(tok, target.config)

@@ -36,7 +36,7 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
     import torch
 
     from dflash_trt.cli import friendly_errors
-    from dflash_trt.embedded import default_pair_dirs
+    from dflash_trt.embedded import pair_dirs_or_default
     from dflash_trt.generation_cli import encode_prompt, stop_ids_of
     from dflash_trt.metrics import GenerationStats
     from dflash_trt.prompts import CATEGORIES, interleave, load_prompts
@@ -46,7 +46,7 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
     @friendly_errors
     def run() -> None:
         torch.set_num_threads(threads)
-        t_dir, d_dir = (target_dir, draft_dir) if target_dir else default_pair_dirs()
+        t_dir, d_dir = pair_dirs_or_default(target_dir, draft_dir)
         pair = load_pair(t_dir, d_dir, dtype)
         prompts = interleave(load_prompts(split))[:num_prompts]
         stop = stop_ids_of(pair.tokenizer, pair.target.config)

@@ -31,7 +31,7 @@ def test_committed_drafter_is_small_zlab_with_manifest():
     cfg = read_json(DRAFT_DIR / "config.json")
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["hidden_size"] == 576 and cfg["num_target_layers"] == 30
-    assert (DRAFT_DIR / "model.safetensors").stat().st_size < 10e6  # a few MB, bf16
+    assert (DRAFT_DIR / "model.safetensors").stat().st_size < 12e6  # a few MB: 5.4M params in bf16
     manifest = json.loads((DRAFT_DIR / "MANIFEST.json").read_text())
     for key in ("command", "data", "steps", "seed", "final_loss", "train_time_s", "machine", "mask_token"):
         assert key in manifest, key
