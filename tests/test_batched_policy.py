@@ -125,6 +125,29 @@ def test_uncalibrated_policy_explores_each_candidate_then_exploits():
     assert policy.choose(2, 7).k == 0 and policy.decisions[-1].reason == "max est_tokens_per_s"
 
 
+def test_exploration_is_spent_only_where_the_cost_table_cannot_vouch():
+    """Calibrated at 8 rows, a batch that shrinks as sequences finish is not re-explored (exploring
+    k=15 there cost ~6 plain steps in the concurrency sweep); a batch grown past 1.5x the largest
+    measurement is, except for drafts that already failed to pay at fewer rows."""
+    costs = CostTable()
+    for k, s in {0: 1.0, 1: 1.2, 3: 2.5, 7: 3.0}.items():
+        costs.set(8, k, s)
+    policy = AdaptivePolicy(8, costs=costs, candidates=[0, 1, 3, 7], prior_weight=1e-9)
+    for _ in range(100):
+        policy.observe_acceptance(7, 1)  # P(a >= 1) = 1, nothing beyond: k=1 gains 2x, k=3 and 7 too little
+    for batch in (7, 5, 2, 12):  # below, and within 1.5x of, the measured batch
+        assert not policy.choose(batch, 7).reason.startswith("explore"), batch
+    tried = set()
+    for _ in range(4):
+        d = policy.choose(16, 7)
+        if not d.reason.startswith("explore"):
+            break
+        tried.add(d.k)
+        policy.observe_step(16, d.k, {0: 1.5, 1: 1.9}[d.k])
+    # k=3 and k=7 cost 2.5x and 3x plain at 8 rows for an expected 2 tokens: they cannot pay at 16
+    assert tried == {0, 1}
+
+
 def test_a_marginal_estimated_gain_keeps_plain_decoding():
     """k=1 estimated 5% faster than plain is within noise: the policy stays at k=0 (margin 10%)."""
     policy = AdaptivePolicy(4, costs=_costs(lambda n, k: 1.0 if k == 0 else 1.25, ks=(0, 1, 3)), candidates=[0, 1, 3],

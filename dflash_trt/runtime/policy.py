@@ -123,9 +123,10 @@ class AdaptivePolicy:
 
     Acceptance starts from a pessimistic-but-not-zero prior (P(a >= j) = prior ** j, worth
     `prior_weight` steps) so the first steps speculate a little and learn. Costs come from
-    BatchedRuntime.calibrate, :meth:`CostTable.set`, or online exploration: with `explore`, the
-    first steps at a new batch size try each candidate once (steps that also prefill a newcomer
-    are not timed, so a candidate may be tried again)."""
+    BatchedRuntime.calibrate, :meth:`CostTable.set`, or online exploration: with `explore`, a
+    candidate is tried once when nothing measured covers the current batch size (see
+    :meth:`_needs_measurement`; steps that also prefill a newcomer are not timed, so a candidate
+    may be tried again)."""
 
     block_size: int
     costs: CostTable = field(default_factory=CostTable)
@@ -137,7 +138,8 @@ class AdaptivePolicy:
     # speculate only when its estimate beats plain decoding by this fraction: estimates are noisy,
     # and a marginal "win" that is really a loss would break the never-slower-than-plain promise
     margin: float = 0.1
-    explore: bool = True  # measure each candidate once per batch size before trusting estimates
+    explore: bool = True  # measure each candidate online where the cost table cannot vouch for it
+    explore_growth: float = 1.5  # a batch this much larger than any measured one is measured anew
     # After this many plain steps in a row, speculate once with the best positive k: acceptance is
     # only learned from steps that draft, so without this a policy that settled on plain decoding
     # would never notice that traffic became predictable again (costs ~1/N of a step's overhead).
@@ -179,12 +181,32 @@ class AdaptivePolicy:
         if batch > 0 and k in (self.candidates or ()):
             self.costs.observe(batch, k, seconds)
 
+    def _needs_measurement(self, batch: int, k: int, q: list[float]) -> bool:
+        """Whether to spend a step measuring cost(batch, k) before trusting the table.
+
+        Below or between measured batch sizes the table's estimate is trusted: at fewer rows a
+        step is relatively cheaper for speculation, so carrying over the larger batch's cost ratio
+        errs towards plain decoding. Only growth past `explore_growth` x the largest measured batch
+        needs a new measurement, and not even then for a k that already failed to pay at a smaller
+        batch: speculation's relative cost only rises with rows (verification turns compute-bound).
+        Exploring k = 15 at a new batch size costs several plain steps, so this matters."""
+        row = self.costs.table.get(k, {})
+        if not row:
+            return True
+        if batch <= max(row) * self.explore_growth:
+            return False
+        if k == 0:  # the baseline every draft length is compared with
+            return True
+        plain = self.costs.table.get(0, {})
+        gain = 1.0 + sum(q[:k])
+        return not any(n in plain and row[n] / plain[n] >= gain for n in row)
+
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, batch: int, k_max: int) -> Decision:
         q = self.position_acceptance()
         ks = sorted({min(k, k_max) for k in self.candidates or ()})
-        if self.explore:  # no calibration for this batch size: measure each candidate once, online
-            unmeasured = [k for k in ks if k in (self.candidates or ()) and batch not in self.costs.table.get(k, {})]
+        if self.explore:  # measure a candidate online when the table cannot vouch for its cost here
+            unmeasured = [k for k in ks if k in (self.candidates or ()) and self._needs_measurement(batch, k, q)]
             if unmeasured:
                 d = Decision(batch, unmeasured[0], 1.0 + sum(q[: unmeasured[0]]), reason="explore: measuring cost")
                 self.decisions.append(d)
