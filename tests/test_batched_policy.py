@@ -157,6 +157,18 @@ def test_a_marginal_estimated_gain_keeps_plain_decoding():
     assert policy.choose(4, 3).k == 0
 
 
+def test_reexploration_backs_off_while_plain_decoding_stays_best():
+    """A drafter that never pays is probed after 8, then 16, then 32 plain steps, not every 8."""
+    policy = AdaptivePolicy(8, costs=_costs(lambda n, k: 1.0 + 0.5 * k), candidates=[0, 1, 3, 7], reexplore_every=8)
+    probes = []
+    for step in range(8 + 16 + 32 + 3):
+        d = policy.choose(1, 7)
+        if d.k:
+            probes.append(step)
+            policy.observe_acceptance(d.k, 0)
+    assert probes == [8, 8 + 16 + 1, 8 + 16 + 32 + 2]
+
+
 def test_plain_decoding_reexplores_and_recovers_when_acceptance_returns():
     """Acceptance is only learned from drafting steps. A policy that settled on plain decoding
     (poor drafter) still drafts once every `reexplore_every` steps, so when the traffic turns

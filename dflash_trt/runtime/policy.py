@@ -142,9 +142,11 @@ class AdaptivePolicy:
     explore_growth: float = 1.5  # a batch this much larger than any measured one is measured anew
     # After this many plain steps in a row, speculate once with the best positive k: acceptance is
     # only learned from steps that draft, so without this a policy that settled on plain decoding
-    # would never notice that traffic became predictable again (costs ~1/N of a step's overhead).
+    # would never notice that traffic became predictable again. The wait doubles after each probe
+    # that changes nothing (64, 128, ... 1024 steps), so a useless drafter costs almost nothing.
     reexplore_every: int = 64
     _plain_streak: int = field(default=0, init=False)
+    _reexplore_interval: int = field(default=0, init=False)
     _drafted: list[float] = field(init=False)
     _accepted: list[float] = field(init=False)
     decisions: deque = field(init=False)
@@ -157,6 +159,7 @@ class AdaptivePolicy:
         self._drafted = [0.0] * (self.block_size - 1)
         self._accepted = [0.0] * (self.block_size - 1)
         self.decisions = deque(maxlen=self.log_size)
+        self._reexplore_interval = self.reexplore_every
 
     # -- acceptance -----------------------------------------------------------------------------
     def observe_acceptance(self, drafted: int, accepted: int) -> None:
@@ -224,10 +227,16 @@ class AdaptivePolicy:
                 best = d
             if k > 0 and (best_drafting is None or d.est_tokens_per_s > best_drafting.est_tokens_per_s):
                 best_drafting = d
-        self._plain_streak = self._plain_streak + 1 if best is not None and best.k == 0 else 0
-        if best_drafting is not None and self.reexplore_every and self._plain_streak > self.reexplore_every:
-            best_drafting.reason = f"re-explore after {self.reexplore_every} plain steps: refresh acceptance"
+        if best is not None and best.k == 0:
+            self._plain_streak += 1
+        else:  # speculation pays again: probe at the base rate next time it stops paying
+            self._plain_streak, self._reexplore_interval = 0, self.reexplore_every
+        if best_drafting is not None and self.reexplore_every and self._plain_streak > self._reexplore_interval:
+            best_drafting.reason = f"re-explore after {self._reexplore_interval} plain steps: refresh acceptance"
             self._plain_streak = 0
+            # each probe that finds plain decoding still best doubles the wait (up to 16x), so a
+            # drafter that never pays costs a vanishing fraction of steps
+            self._reexplore_interval = min(2 * self._reexplore_interval, 16 * self.reexplore_every)
             self.decisions.append(best_drafting)
             return best_drafting
         if best is None:  # nothing measured yet: speculate fully (the reference loop's choice)
