@@ -40,11 +40,10 @@ def default_draft_dir() -> Path:
 
 def default_pair_dirs() -> tuple[Path, Path]:
     """(target_dir, draft_dir) of the embedded default pair; converts the target on first use."""
-    draft = default_draft_dir()
-    return ensure_default_target(), draft
+    return pair_dirs_or_default(None, None)
 
 
 def pair_dirs_or_default(target: str | Path | None, draft: str | Path | None) -> tuple[Path, Path]:
     """Each directory not given is the embedded one: `--draft DIR` alone evaluates a new drafter for SmolLM2."""
-    return (Path(target) if target else ensure_default_target(),
-            Path(draft) if draft else default_draft_dir())
+    draft_dir = Path(draft) if draft else default_draft_dir()  # a missing drafter fails before any conversion
+    return (Path(target) if target else ensure_default_target()), draft_dir

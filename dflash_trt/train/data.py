@@ -150,10 +150,9 @@ def main() -> None:
     # so an interrupted or partial run is extended rather than redone.
     have: list[dict[str, Any]] = []
     if out_file.is_file():
-        blob = torch.load(out_file, weights_only=False)
-        same = {k: blob.get("meta", {}).get(k) for k in ("max_new_tokens", "capture_layer_ids")}
-        if same == {"max_new_tokens": max_new, "capture_layer_ids": layer_ids}:
-            have = blob["sequences"]
+        kept, old = load_data(out_file)
+        if (old.get("max_new_tokens"), old.get("capture_layer_ids")) == (max_new, layer_ids):
+            have = kept
     done_ids = {s["id"] for s in have}
     todo = [p for p in interleave(prompts) if p.id not in done_ids]
     print(f"{len(have)} sequences kept from {out_file}, {len(todo)} prompts to generate", flush=True)
@@ -161,6 +160,12 @@ def main() -> None:
                               on_batch=lambda done: save_data(out_file, have + done,
                                                               {**meta, "seconds": time.time() - t0}))
     print(f"wrote {len(have) + len(seqs)} sequences to {out_file} in {time.time() - t0:.0f} s")
+
+
+def load_data(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(sequences, meta) as written by :func:`save_data` (a file this project wrote: not weights-only)."""
+    blob = torch.load(path, weights_only=False)
+    return blob["sequences"], blob.get("meta", {})
 
 
 def save_data(path: Path, sequences: list[dict[str, Any]], meta: dict[str, Any]) -> None:

@@ -98,8 +98,7 @@ def dflash_loss(
         target = label_map[target]
         keep = target >= 0
         logits, target, k = logits[keep], target[keep], k[keep]
-        valid = valid.clone()
-        valid[valid.clone()] = keep  # the dropped labels count as misses in the stats below
+        valid = valid.masked_scatter(valid, keep)  # the dropped labels count as misses in the stats below
     w = torch.exp(-(k - 1).float() / gamma)
     ce = F.cross_entropy(logits.float(), target, reduction="none")
     loss = (w * ce).sum() / w.sum()

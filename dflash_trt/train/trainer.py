@@ -122,10 +122,8 @@ def _log(msg: str) -> None:
 def load_or_generate_data(cfg: TrainConfig, model: Any, tokenizer: Any, data_dir: Path,
                           layer_ids: list[int]) -> list[dict[str, Any]]:
     """Sequences (and, when captured during generation, their features) for the train prompts."""
-    import torch
-
     from dflash_trt.prompts import interleave, load_prompts
-    from dflash_trt.train.data import generate_responses, save_data
+    from dflash_trt.train.data import generate_responses, load_data, save_data
 
     path = data_dir / "responses.pt"
     prompts = load_prompts("train")
@@ -133,9 +131,9 @@ def load_or_generate_data(cfg: TrainConfig, model: Any, tokenizer: Any, data_dir
     prompts = interleave(prompts)[: cfg.max_prompts]
     want = {p.id for p in prompts}
     if path.is_file():
-        blob = torch.load(path, weights_only=False)
-        seqs = [s for s in blob["sequences"] if s["id"] in want]
-        if blob.get("meta", {}).get("capture_layer_ids") != layer_ids:
+        stored, meta = load_data(path)
+        seqs = [s for s in stored if s["id"] in want]
+        if meta.get("capture_layer_ids") != layer_ids:
             for s in seqs:
                 s.pop("feats", None)
         _log(f"reusing {len(seqs)} generated responses from {path}")
@@ -173,6 +171,7 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     from dflash_trt.runtime.draft_model import DFlashDraftModel, build_target_layer_ids, make_draft_config
     from dflash_trt.runtime.loading import load_target, load_tokenizer, parse_dtype
     from dflash_trt.runtime.validate import validate_pair
+    from dflash_trt.train.data import load_data
     from dflash_trt.train.objective import default_gamma, dflash_loss, sample_anchors
 
     t_start = time.time()
@@ -265,10 +264,10 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         if not data_path.is_file() or data_path.stat().st_mtime == data_mtime:
             return
         data_mtime = data_path.stat().st_mtime
-        blob = torch.load(data_path, weights_only=False)
-        if blob.get("meta", {}).get("capture_layer_ids") != layer_ids:
+        stored, meta = load_data(data_path)
+        if meta.get("capture_layer_ids") != layer_ids:
             return
-        new = [s for s in blob["sequences"] if s["id"] not in known and "feats" in s
+        new = [s for s in stored if s["id"] not in known and "feats" in s
                and len(s["ids"]) - s["prompt_len"] >= 2]
         for s in new:
             known.add(s["id"])
