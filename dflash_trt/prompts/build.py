@@ -48,6 +48,43 @@ CODE_TEMPLATES = [
     "How would I write a JavaScript function that {t}?",
 ]
 
+# Second wave of train prompts (appended after the first so existing ids, and the responses
+# generated for them, stay valid): more subjects, still none of the eval subjects.
+CODE_TASKS_2 = [
+    "returns the minimum value in a dictionary", "counts the words in a sentence",
+    "reverses the words in a sentence", "computes the area of a circle from its radius",
+    "returns the square of every number in a list", "filters out negative numbers from a list",
+    "returns the first n characters of a string", "joins a list of integers into a comma-separated string",
+    "finds the index of an element in a list", "counts the occurrences of a character in a string",
+    "checks whether a list contains duplicates", "merges two dictionaries",
+    "returns the keys of a dictionary sorted alphabetically", "generates a random password of a given length",
+    "converts minutes to hours and minutes", "returns the n largest numbers in a list",
+    "replaces every space in a string with an underscore", "computes the hypotenuse of a right triangle",
+    "returns the number of days between two dates", "removes the punctuation from a string",
+    "finds the longest common prefix of a list of strings", "computes the sum of all odd numbers up to n",
+    "implements insertion sort", "implements selection sort",
+    "implements a linked list with append and print methods", "counts the number of set bits in an integer",
+    "checks whether a matrix is symmetric", "converts a hexadecimal string to an integer",
+    "returns the unique characters of a string in order", "groups a list of words by their first letter",
+    "computes the mean and standard deviation of a list", "checks whether a number is an Armstrong number",
+    "returns the prime factors of an integer", "implements a simple calculator for two numbers and an operator",
+    "writes a list of strings to a text file, one per line", "parses a date string in the format YYYY-MM-DD",
+    "computes the n-th triangular number", "checks whether all elements of a list are equal",
+    "interleaves two lists", "shuffles a list randomly", "computes the distance between two points in 2D",
+    "returns the middle element of a list", "counts the words longer than five letters in a text",
+    "computes the body mass index from weight and height", "returns the Collatz sequence starting at n",
+    "zips two lists into a dictionary", "returns every second element of a list",
+    "computes the factorial of n recursively", "finds all pairs in a list that add up to a target",
+    "implements a counter class with increment and reset", "converts Fahrenheit to Kelvin",
+    "returns the list of divisors of n", "removes all vowels from a string",
+    "checks whether a sentence is a pangram", "computes simple interest", "returns the longest string in a list",
+    "converts a list of tuples into a dictionary", "returns the sum of the squares of a list",
+    "checks whether a number is a power of two", "encrypts a string with a Caesar cipher",
+    "counts the even and odd numbers in a list", "prints a multiplication table for n",
+    "finds the missing number in a list containing 1 to n", "merges overlapping intervals",
+    "checks whether a binary tree is balanced", "returns the mode of a list of numbers",
+]
+
 CODE_EVAL = [
     "Write a Python function that returns the number of uppercase letters in a string.",
     "Write a Python function that checks whether a list is sorted in ascending order.",
@@ -83,6 +120,27 @@ MATH_TEMPLATES = [
     "{n} reads {a} pages a day. How many pages does {n} read in {d} weeks?",
     "A shirt costs {a} dollars and is on sale for {p} percent off. What is the sale price?",
 ]
+MATH_TEMPLATES_2 = [
+    "{n} saves {a} dollars every week. How much money does {n} save in {d} weeks? Explain step by step.",
+    "A class has {a} students and {b} of them are absent. How many students are present?",
+    "What is {c} divided by {d}? Show the calculation.",
+    "A garden is {a} meters long and {b} meters wide. How much fence is needed to go around it?",
+    "{n} runs {d} km every day. How many km does {n} run in {a} days?",
+    "A bus has {a} passengers. At the next stop {b} get on and {d} get off. How many are on the bus now?",
+    "What is {a} squared? Explain how you computed it.",
+    "A store sells {i} at {d} dollars each. How much do {a} {i} cost? Show your work.",
+    "{n} is {a} years old. How old will {n} be in {b} years?",
+    "What is the sum of {a}, {b} and {e}? Show your work.",
+    "A tank holds {e} liters of water and {a} liters are used. How many liters are left? Explain step by step.",
+    "{n} has {c} {i} and puts them into bags of {d}. How many bags are filled?",
+    "A worker earns {a} dollars per hour. How much does the worker earn in {d} hours?",
+    "Convert {e} centimeters to meters. Explain the steps.",
+    "What is {a} minus {b}, times {d}? Show the calculation.",
+    "A cube has sides of {b} cm. What is its volume? Explain step by step.",
+    "{n} scored {a}, {b} and {e} points in three games. What is the total score?",
+    "A pack has {d} {i}. How many packs are needed for {c} {i}?",
+]
+
 MATH_EVAL = [
     "A farmer has 48 cows and sells 15 of them. Then he buys 9 more. How many cows does he have? Explain step by step.",
     "What is the perimeter of a square with side length 13 meters?",
@@ -132,6 +190,57 @@ CHAT_TASKS = [
     "How do I take care of a houseplant?", "Give me advice for running my first 5 km race.",
     "Write a friendly message inviting neighbours to a barbecue.", "How can I learn a new language faster?",
 ]
+CHAT_TOPICS_2 = [
+    "how a rocket reaches space", "what electricity is", "how the human eye sees", "how a car engine works",
+    "how fish breathe underwater", "what the ozone layer is", "how sound travels", "how coffee is made",
+    "what recycling is", "how batteries store energy", "what the stock market is",
+    "how the brain stores memories", "what a virus is", "how a microwave oven heats food",
+    "what the Roman Empire was", "how bread rises", "what an atom is", "how glaciers form",
+    "what the Olympic Games are", "how a solar panel works", "what climate change is", "how antibiotics work",
+    "what a galaxy is", "how the immune system works", "what a budget is", "how paper is made",
+    "how wind is created", "what a spreadsheet is", "how the stomach digests food", "what friction is",
+    "how chocolate is made", "what the Renaissance was", "how a lighthouse works", "how elections work",
+    "what a desert is", "how whales communicate", "what an ecosystem is", "how a thermometer works",
+    "what a language model is", "how muscles grow", "how coral reefs form", "how a clock keeps time",
+    "what the speed of light is", "how dinosaurs became extinct", "how a submarine dives",
+]
+CHAT_TASKS_2 = [
+    "Give me five tips for keeping a tidy desk.", "Suggest a simple dinner I can cook in twenty minutes.",
+    "Write a polite email asking for a deadline extension.", "List some ways to save energy at home.",
+    "How can I make new friends in a new city?", "Write a haiku about a summer storm.",
+    "Give me ideas for a quiet evening at home.", "How do I start learning to draw?",
+    "Write a short thank-you note to a neighbour who helped me move.", "What are some good habits for managing money?",
+    "Suggest a name for a bakery.", "Write a short story about a robot who learns to paint.",
+    "How can I stay motivated to exercise?", "Give me tips for giving a good presentation.",
+    "What are the benefits of drinking water?", "Write a limerick about a sleepy cat.",
+    "How do I make a simple vegetable soup?", "Give me a packing list for a beach holiday.",
+    "How can I manage my time better?", "Write a short poem about the city at night.",
+    "What are some fun games to play with friends?", "How do I clean a cast iron pan?",
+    "Give me advice for my first day at a new job.", "Write a friendly message welcoming a new team member.",
+    "How can I improve my handwriting?", "Suggest three books for someone who likes adventure stories.",
+    "How do I write a good resume?", "Give me tips for studying math.",
+    "Write a short speech for a friend's wedding.", "How can I drink less coffee?",
+    "What are some ways to be kind to others?", "Write a short story about a boy who finds a secret door.",
+    "How do I train a puppy to sit?", "Give me ideas for a school science project.",
+    "Write a product description for a reusable water bottle.", "Suggest a weekly workout plan for a beginner.",
+    "Write a short review of a pizza restaurant.", "How do I plan a road trip?",
+    "Give me tips for writing a short essay.", "Write a motivational message for a friend before an exam.",
+    "What are some easy ways to reduce plastic waste?", "How do I make pancakes from scratch?",
+    "Write a short poem about friendship.", "Give me advice on saving for a holiday.",
+    "How can I become a better listener?", "Write a short fable about a fox and a crow.",
+    "How do I organise my email inbox?", "Write the opening of a cover letter for a teaching job.",
+    "How do I keep my bike in good condition?", "Suggest a playlist theme for a long drive.",
+    "Write a short story about a lighthouse keeper.", "How can I stop procrastinating?",
+    "Give me tips for a first-time home cook.", "Write a riddle and its answer.",
+    "What are good questions to ask at the end of an interview?", "How do I make a paper airplane?",
+    "Write a short letter to my future self.", "Give me tips for learning to swim as an adult.",
+    "Describe a perfect Sunday morning.", "How can I keep a conversation going?",
+    "Write a short mystery story set in a library.", "Suggest healthy snacks for work.",
+    "How do I calm down when I feel angry?", "Write a tweet announcing a new bookshop opening.",
+    "Give me tips for keeping a journal.", "What are some ways to celebrate a small win?",
+    "How do I care for a goldfish?",
+]
+
 CHAT_EVAL = [
     "Explain how a compass works in simple terms.",
     "Give me three key facts about the Moon.",
@@ -150,26 +259,38 @@ CHAT_EVAL = [
 
 
 def _code_train() -> list[str]:
-    return [tpl.format(t=t) for t, tpl in itertools.product(CODE_TASKS, CODE_TEMPLATES)]
+    return [tpl.format(t=t) for tasks in (CODE_TASKS, CODE_TASKS_2)
+            for t, tpl in itertools.product(tasks, CODE_TEMPLATES)]
 
 
-def _math_train(rng: random.Random, n: int) -> list[str]:
+def _math_train(rng: random.Random, n: int, templates: list[str], exclude: frozenset[str] = frozenset()) -> list[str]:
     out: set[str] = set()
-    while len(out) < n:
-        tpl = MATH_TEMPLATES[len(out) % len(MATH_TEMPLATES)]
+    for _ in range(100 * n):  # bounded: a template with few distinct fillings must not spin forever
+        if len(out) >= n:
+            break
+        tpl = templates[len(out) % len(templates)]
         d = rng.randint(2, 9)
         out.add(tpl.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=rng.randint(3, 60), b=rng.randint(2, 40),
                            c=d * rng.randint(3, 25), d=d, e=rng.randint(61, 200), p=rng.choice([10, 15, 20, 25, 30, 40, 50])))
+        out -= exclude
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} distinct math prompts for {n} wanted: a template has too few fillings")
     return sorted(out)
 
 
+def _math_first_and_second_wave(rng: random.Random) -> list[str]:
+    first = _math_train(rng, 200, MATH_TEMPLATES)
+    return first + _math_train(random.Random(1), 450, MATH_TEMPLATES + MATH_TEMPLATES_2, exclude=frozenset(first))
+
+
 def _chat_train() -> list[str]:
-    return [tpl.format(t=t) for t, tpl in itertools.product(CHAT_TOPICS, CHAT_TEMPLATES)] + CHAT_TASKS
+    return ([tpl.format(t=t) for t, tpl in itertools.product(CHAT_TOPICS, CHAT_TEMPLATES)] + CHAT_TASKS
+            + [tpl.format(t=t) for t, tpl in itertools.product(CHAT_TOPICS_2, CHAT_TEMPLATES)] + CHAT_TASKS_2)
 
 
 def build(seed: int = 0) -> dict[str, list[dict]]:
     rng = random.Random(seed)
-    sets = {"code": (_code_train(), CODE_EVAL), "math": (_math_train(rng, 200), MATH_EVAL),
+    sets = {"code": (_code_train(), CODE_EVAL), "math": (_math_first_and_second_wave(rng), MATH_EVAL),
             "chat": (_chat_train(), CHAT_EVAL)}
     out: dict[str, list[dict]] = {}
     for cat, (train, evals) in sets.items():
