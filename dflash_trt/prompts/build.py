@@ -258,9 +258,12 @@ CHAT_EVAL = [
 ]
 
 
+def _fill(subjects: list[str], templates: list[str]) -> list[str]:
+    return [tpl.format(t=t) for t, tpl in itertools.product(subjects, templates)]
+
+
 def _code_train() -> list[str]:
-    return [tpl.format(t=t) for tasks in (CODE_TASKS, CODE_TASKS_2)
-            for t, tpl in itertools.product(tasks, CODE_TEMPLATES)]
+    return _fill(CODE_TASKS, CODE_TEMPLATES) + _fill(CODE_TASKS_2, CODE_TEMPLATES)
 
 
 def _math_train(rng: random.Random, n: int, templates: list[str], exclude: frozenset[str] = frozenset()) -> list[str]:
@@ -270,27 +273,27 @@ def _math_train(rng: random.Random, n: int, templates: list[str], exclude: froze
             break
         tpl = templates[len(out) % len(templates)]
         d = rng.randint(2, 9)
-        out.add(tpl.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=rng.randint(3, 60), b=rng.randint(2, 40),
-                           c=d * rng.randint(3, 25), d=d, e=rng.randint(61, 200), p=rng.choice([10, 15, 20, 25, 30, 40, 50])))
-        out -= exclude
+        prompt = tpl.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=rng.randint(3, 60), b=rng.randint(2, 40),
+                            c=d * rng.randint(3, 25), d=d, e=rng.randint(61, 200),
+                            p=rng.choice([10, 15, 20, 25, 30, 40, 50]))
+        if prompt not in exclude:
+            out.add(prompt)
     if len(out) < n:
         raise ValueError(f"only {len(out)} distinct math prompts for {n} wanted: a template has too few fillings")
     return sorted(out)
 
 
-def _math_first_and_second_wave(rng: random.Random) -> list[str]:
-    first = _math_train(rng, 200, MATH_TEMPLATES)
-    return first + _math_train(random.Random(1), 450, MATH_TEMPLATES + MATH_TEMPLATES_2, exclude=frozenset(first))
-
-
 def _chat_train() -> list[str]:
-    return ([tpl.format(t=t) for t, tpl in itertools.product(CHAT_TOPICS, CHAT_TEMPLATES)] + CHAT_TASKS
-            + [tpl.format(t=t) for t, tpl in itertools.product(CHAT_TOPICS_2, CHAT_TEMPLATES)] + CHAT_TASKS_2)
+    return (_fill(CHAT_TOPICS, CHAT_TEMPLATES) + CHAT_TASKS
+            + _fill(CHAT_TOPICS_2, CHAT_TEMPLATES) + CHAT_TASKS_2)
 
 
 def build(seed: int = 0) -> dict[str, list[dict]]:
-    rng = random.Random(seed)
-    sets = {"code": (_code_train(), CODE_EVAL), "math": (_math_first_and_second_wave(rng), MATH_EVAL),
+    math_first = _math_train(random.Random(seed), 200, MATH_TEMPLATES)
+    # the second wave draws from its own stream, so the first wave is the same with or without it
+    math_second = _math_train(random.Random(seed + 1), 450, MATH_TEMPLATES + MATH_TEMPLATES_2,
+                              exclude=frozenset(math_first))
+    sets = {"code": (_code_train(), CODE_EVAL), "math": (math_first + math_second, MATH_EVAL),
             "chat": (_chat_train(), CHAT_EVAL)}
     out: dict[str, list[dict]] = {}
     for cat, (train, evals) in sets.items():

@@ -1,11 +1,12 @@
 """A faster lm_head for float32 inference on CPU (the reference runtime; GPUs use TensorRT-LLM).
 
 The vocabulary projection is the largest single matmul of a small target: SmolLM2-135M's
-[49152 x 576] lm_head is ~20% of a plain decode step on a 2-core CPU. PyTorch's default CPU
+[49152 x 576] lm_head is ~15-20% of a plain decode step on a 2-core CPU. PyTorch's default CPU
 GEMM re-packs the weight on every call; oneDNN with the weight packed ONCE in its blocked layout
-(``to_mkldnn``) does the M=1 case ~2.5x and the M=16 verify case ~2x faster here
-(`scripts/bench_cpu_head.py` prints both, side by side). Plain decoding and DFlash verification share the same head, so the
-comparison between them stays like for like, and greedy output is unchanged (tested).
+(``to_mkldnn``) does the M=1 step and the M=16 verify pass ~1.9x faster here
+(`scripts/bench_cpu_head.py` prints both, side by side). The packed copy costs one more head's
+worth of memory (113 MB for SmolLM2). Plain decoding and DFlash verification share the same head,
+so the comparison between them stays like for like, and greedy output is unchanged (tested).
 """
 
 from __future__ import annotations
