@@ -29,11 +29,11 @@ import click
 @click.option("--dtype", default="float32", show_default=True,
               help="Dtype of both decoders. bfloat16/auto run faster on AVX512-BF16 CPUs but are not bit-exact: "
                    "a 16-token verify pass rounds differently from a 1-token step, so outputs can drift from plain greedy.")
-@click.option("--pack-head/--no-pack-head", default=True, show_default=True,
-              help="oneDNN-packed lm_head for float32 on CPU (dflash_trt/runtime/cpu_head.py).")
+@click.option("--pack/--no-pack", default=True, show_default=True,
+              help="oneDNN-packed linear layers for float32 on CPU (dflash_trt/runtime/cpu_packing.py).")
 @click.option("--split", default="eval", show_default=True, type=click.Choice(["eval", "train"]))
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write every figure as JSON here.")
-def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads, dtype, pack_head, split, json_out) -> None:
+def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads, dtype, pack, split, json_out) -> None:
     """DFlash vs plain greedy decoding of the embedded pair on held-out prompts."""
     import torch
 
@@ -42,6 +42,7 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
     from dflash_trt.generation_cli import encode_prompt, stop_ids_of
     from dflash_trt.metrics import GenerationStats
     from dflash_trt.prompts import CATEGORIES, interleave, load_prompts
+    from dflash_trt.runtime.cpu_packing import num_packed
     from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
     from dflash_trt.runtime.loading import load_pair
 
@@ -49,7 +50,7 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
     def run() -> None:
         torch.set_num_threads(threads)
         t_dir, d_dir = pair_dirs_or_default(target_dir, draft_dir)
-        pair = load_pair(t_dir, d_dir, dtype, pack_head=pack_head)
+        pair = load_pair(t_dir, d_dir, dtype, pack=pack)
         prompts = interleave(load_prompts(split))[:num_prompts]
         stop = stop_ids_of(pair.tokenizer, pair.target.config)
         vocab = int(pair.target.config.vocab_size)
@@ -85,7 +86,7 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
             "prompts": len(prompts), "split": split, "max_new_tokens": max_new_tokens, "threads": threads,
             "dtype": str(pair.target.dtype).removeprefix("torch."),
             "block_size": block_size or pair.draft.block_size,
-            "lm_head": type(pair.target.get_output_embeddings()).__name__,
+            "packed_linears": num_packed(pair.target) + num_packed(pair.draft),
             "tau": round(total.tau, 3),
             "tau_per_category": {c: round(s.tau, 3) for c, s in per_cat.items() if s.num_steps},
             "acceptance_rate": round(total.acceptance_rate, 4),
@@ -98,7 +99,7 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         }
         print(f"\nDFlash vs plain greedy, {len(prompts)} {split} prompts, max_new_tokens={max_new_tokens}, "
               f"batch 1, {threads} CPU threads, {result['dtype']}, block {result['block_size']}, "
-              f"lm_head {result['lm_head']}")
+              f"{result['packed_linears']} packed linear layers")
         print(f"  mean tau            {result['tau']:.2f}   (acceptance_rate {result['acceptance_rate']:.3f})")
         print("  tau per category    " + "  ".join(f"{c}={t:.2f}" for c, t in result["tau_per_category"].items()))
         print("  per-position accept " + " ".join(f"{x:.2f}" for x in result["per_position_acceptance"]))

@@ -10,8 +10,8 @@ from dflash_trt.runtime.loading import LoadedPair
 
 
 def load_engine(engine_dir: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                verify: bool = True, pack_head: bool = True) -> LoadedPair:
-    """The engine's pair as the reference runtime runs it (`pack_head`: see load_pair).
+                verify: bool = True, pack: bool = True) -> LoadedPair:
+    """The engine's pair as the reference runtime runs it (`pack`: see load_pair).
 
     `verify` re-checks every file's sha256 against the manifest first (a second or so for the
     embedded pair), so a tampered or half-copied engine fails with the bad file named.
@@ -20,7 +20,7 @@ def load_engine(engine_dir: str | Path, dtype: str | torch.dtype = "float32", de
     from dflash_trt.engine.manifest import load_manifest
     from dflash_trt.engine.verify import verify_engine
     from dflash_trt.runtime.checkpoint import read_json
-    from dflash_trt.runtime.cpu_head import pack_cpu_lm_head
+    from dflash_trt.runtime.cpu_packing import pack_cpu_linears
     from dflash_trt.runtime.draft_model import DFlashDraftModel
     from dflash_trt.runtime.loading import load_tokenizer, parse_dtype
     from dflash_trt.runtime.validate import validate_pair
@@ -30,8 +30,9 @@ def load_engine(engine_dir: str | Path, dtype: str | torch.dtype = "float32", de
     dt = parse_dtype(dtype)
     tdir, ddir = root / manifest.target.path, root / manifest.draft.path
     target = load_quantized_target(tdir, dt, device)
-    if pack_head:
-        pack_cpu_lm_head(target)
     validate_pair(read_json(ddir / "config.json", what="drafter config"), target.config, where=str(ddir))
     draft = DFlashDraftModel.from_pretrained(ddir, dtype=dt, device=device)
+    if pack:
+        pack_cpu_linears(target)
+        pack_cpu_linears(draft)
     return LoadedPair(target, draft, load_tokenizer(tdir) if (tdir / "tokenizer_config.json").is_file() else None)

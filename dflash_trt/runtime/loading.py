@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.cpu_head import pack_cpu_lm_head
+from dflash_trt.runtime.cpu_packing import pack_cpu_linears
 from dflash_trt.runtime.checkpoint import PICKLE_SUFFIXES, read_json
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.validate import validate_pair
@@ -100,9 +100,10 @@ def load_tokenizer(directory: str | Path):
 
 
 def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype: str | torch.dtype = "float32",
-              device: str = "cpu", allow_pickle: bool = False, pack_head: bool = True) -> LoadedPair:
-    """Validate the pair from configs first (cheap), then load weights. `pack_head`: a oneDNN-packed
-    lm_head for float32 on CPU (runtime/cpu_head.py; ignored elsewhere)."""
+              device: str = "cpu", allow_pickle: bool = False, pack: bool = True) -> LoadedPair:
+    """Validate the pair from configs first (cheap), then load weights for inference. `pack`:
+    oneDNN-packed linear layers in both models for float32 on CPU (runtime/cpu_packing.py;
+    ignored elsewhere)."""
     from transformers import AutoConfig
 
     dt = parse_dtype(dtype, device)
@@ -114,9 +115,10 @@ def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype: str | torch.
         raise DFlashError(f"cannot read target config in {target_dir}: {str(e).splitlines()[0]}")
     validate_pair(draft_cfg, tcfg, where=str(draft_dir))
     target = load_target(target_dir, dt, device, allow_pickle)
-    if pack_head:
-        pack_cpu_lm_head(target)
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=dt, device=device, allow_pickle=allow_pickle)
+    if pack:
+        pack_cpu_linears(target)
+        pack_cpu_linears(draft)
     return LoadedPair(target, draft, load_tokenizer(target_dir))
 
 

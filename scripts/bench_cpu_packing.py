@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""Stock vs oneDNN-packed linear layers on this CPU, side by side in one run.
+
+1. The target's linear layers alone (every layer once, like one forward pass, weights streamed
+   from memory): [M, in] x [out, in]^T for M = 1 (a plain step) up to 16 (a full DFlash verify).
+2. End to end on held-out prompts: plain and DFlash TPOT with each path, the two alternated
+   prompt by prompt so both see the same machine load; every output compared with the stock
+   path's plain greedy output.
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_cpu_packing.py --num-prompts 6 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[reps // 2] * 1e3
+
+
+@click.command()
+@click.option("--num-prompts", default=6, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--block-size", type=click.IntRange(min=2), help="DFlash block (verify width) [the drafter's].")
+def main(num_prompts: int, max_new_tokens: int, threads: int, block_size: int | None) -> None:
+    """Time stock and packed linear layers, alone and inside plain / DFlash decoding."""
+    import torch
+
+    from dflash_trt.cli import friendly_errors
+    from dflash_trt.embedded import default_pair_dirs
+    from dflash_trt.generation_cli import encode_prompt, stop_ids_of
+    from dflash_trt.prompts import interleave, load_prompts
+    from dflash_trt.runtime.cpu_packing import PackedCPULinear, packed_bytes, set_packed
+    from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+    from dflash_trt.runtime.loading import load_pair
+
+    @friendly_errors
+    def run() -> None:
+        torch.set_num_threads(threads)
+        pair = load_pair(*default_pair_dirs())
+        models = (pair.target, pair.draft)
+        layers = [m for m in pair.target.modules() if isinstance(m, PackedCPULinear)]
+        if not layers:
+            raise SystemExit("nothing was packed (needs float32 on CPU and a PyTorch with oneDNN)")
+        mb = sum(packed_bytes(m) for m in models) / 2**20
+        print(f"{len(layers)} target linear layers packed (+{mb:.0f} MB for the packed copies, drafter's included), "
+              f"float32, {threads} threads, median of 7")
+
+        def one_pass(xs: dict[int, torch.Tensor]) -> None:
+            for layer in layers:
+                layer(xs[layer.in_features])
+
+        with torch.inference_mode():
+            for m in (1, 2, 4, 8, 16):
+                xs = {d: torch.randn(m, d) for d in {layer.in_features for layer in layers}}
+                ms = {}
+                for name in ("stock", "packed"):
+                    set_packed(pair.target, name == "packed")
+                    ms[name] = _median_ms(lambda: one_pass(xs), 7)
+                print(f"  M={m:2d}: stock {ms['stock']:6.1f} ms  packed {ms['packed']:6.1f} ms  "
+                      f"({ms['stock'] / ms['packed']:.2f}x)")
+
+        stop = stop_ids_of(pair.tokenizer, pair.target.config)
+        vocab = int(pair.target.config.vocab_size)
+        kw = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop)
+        paths = ("stock", "packed")
+        dec = {(h, m): [0.0, 0] for h in paths for m in ("plain", "dflash")}  # decode s, decode tokens
+        identical = 0
+        prompts = interleave(load_prompts("eval"))[:num_prompts]
+        for p in prompts:
+            ids = encode_prompt(pair.tokenizer, p.prompt, False, vocab)
+            outs = []
+            for name in paths:
+                for model in models:
+                    set_packed(model, name == "packed")
+                for mode, r in (("plain", autoregressive_generate(pair.target, ids, **kw)),
+                                ("dflash", dflash_generate(pair.draft, pair.target, ids, block_size=block_size, **kw))):
+                    dec[name, mode][0] += r.stats.total_time_s - r.stats.ttft_s
+                    dec[name, mode][1] += r.stats.num_output_tokens - 1
+                    outs.append(r.output_ids)
+            identical += all(o == outs[0] for o in outs)
+        tpot = {k: 1e3 * s / max(n, 1) for k, (s, n) in dec.items()}
+        print(f"\n{len(prompts)} held-out prompts, max_new_tokens={max_new_tokens}, greedy, batch 1, "
+              f"DFlash block {block_size or pair.draft.block_size}")
+        for name in paths:
+            print(f"  {name:6s}: plain {tpot[name, 'plain']:6.1f} ms/token  DFlash {tpot[name, 'dflash']:6.1f} "
+                  f"ms/token  speedup {tpot[name, 'plain'] / tpot[name, 'dflash']:.2f}x")
+        print(f"  packed/stock TPOT: plain {tpot['packed', 'plain'] / tpot['stock', 'plain']:.3f}  "
+              f"DFlash {tpot['packed', 'dflash'] / tpot['stock', 'dflash']:.3f}")
+        print(f"  all four outputs identical: {identical}/{len(prompts)} prompts")
+
+    run()
+
+
+if __name__ == "__main__":
+    main()

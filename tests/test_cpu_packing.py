@@ -1,0 +1,96 @@
+"""oneDNN-packed linear layers (runtime/cpu_packing.py): same outputs, same greedy text, tied
+weights kept, gradients still flow for training, and packing declines where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trt.runtime import autoregressive_generate, dflash_generate
+from dflash_trt.runtime.batched import batched_generate
+from dflash_trt.runtime.cpu_packing import (
+    PackedCPULinear,
+    num_packed,
+    pack_cpu_linears,
+    packed_bytes,
+    packing_unsupported,
+    set_packed,
+)
+from dflash_trt.runtime.loading import load_pair, load_target
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+def test_packed_layers_give_the_same_logits_and_keep_weights_shared(tiny_pair_dirs):
+    model = load_target(tiny_pair_dirs[0])
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    head = model.get_output_embeddings()
+    keys = set(model.state_dict())
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.inference_mode():
+        want = model(ids).logits
+    n = pack_cpu_linears(model)
+    assert n == len(linears) and pack_cpu_linears(model) == n  # every linear, lm_head included; idempotent
+    assert num_packed(model) == n and packed_bytes(model) == sum(m.weight.numel() * 4 for m in linears)
+    packed_head = model.get_output_embeddings()
+    assert isinstance(packed_head, PackedCPULinear) and packed_head.weight is head.weight
+    tied = head.weight is model.get_input_embeddings().weight  # SmolLM2 ties them; the tiny target does not
+    assert (packed_head.weight is model.get_input_embeddings().weight) == tied
+    assert set(model.state_dict()) == keys  # nothing extra saved
+    with torch.inference_mode():
+        got = model(ids).logits
+        set_packed(model, False)
+        stock_path = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(stock_path, want)  # switched off: exactly the dense path
+
+
+def test_packed_layer_with_bias_matches_nn_linear():
+    lin = torch.nn.Linear(24, 40, bias=True)
+    x = torch.randn(3, 7, 24)
+    with torch.inference_mode():
+        torch.testing.assert_close(PackedCPULinear(lin)(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_training_through_packed_layers_still_gets_gradients(tiny_pair_dirs):
+    model = load_target(tiny_pair_dirs[0])
+    pack_cpu_linears(model)
+    x = torch.randn(2, 4, model.config.hidden_size, requires_grad=True)
+    model.get_output_embeddings()(x).square().mean().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_greedy_text_is_unchanged_by_packing(tiny_pair_dirs):
+    """Plain decoding with stock layers; plain, DFlash and batched DFlash with packed ones (target
+    and drafter): one token stream."""
+    tdir, ddir = tiny_pair_dirs
+    prompts = [[1, 5, 9, 2, 7, 3], [4, 4, 8]]
+    stock = [autoregressive_generate(load_target(tdir), p, max_new_tokens=24).output_ids for p in prompts]
+    pair = load_pair(tdir, ddir)  # packs both models by default
+    assert num_packed(pair.target) > 0 and num_packed(pair.draft) > 0
+    for p, want in zip(prompts, stock):
+        assert autoregressive_generate(pair.target, p, max_new_tokens=24).output_ids == want
+        assert dflash_generate(pair.draft, pair.target, p, max_new_tokens=24).output_ids == want
+    assert [r.output_ids for r in batched_generate(pair.draft, pair.target, prompts, max_new_tokens=24)] == stock
+
+
+def test_packing_declines_where_it_does_not_apply(tiny_pair_dirs):
+    model = load_target(tiny_pair_dirs[0], dtype=torch.bfloat16)
+    assert "bfloat16" in packing_unsupported(model)
+    assert pack_cpu_linears(model) == 0
+    assert type(model.get_output_embeddings()) is torch.nn.Linear
+    pair = load_pair(*tiny_pair_dirs, pack=False)
+    assert num_packed(pair.target) == 0 and num_packed(pair.draft) == 0
+
+
+def test_fallback_without_the_pointwise_op_computes_the_same(monkeypatch):
+    """Builds without torch.ops.mkldnn._linear_pointwise use mkldnn_linear on converted tensors."""
+    import dflash_trt.runtime.cpu_packing as cp
+
+    lin = torch.nn.Linear(24, 40, bias=True)
+    x = torch.randn(5, 24)
+    with torch.inference_mode():
+        fast = PackedCPULinear(lin)(x)
+        monkeypatch.setattr(cp, "_LINEAR_POINTWISE", None)
+        slow = PackedCPULinear(lin)(x)
+    torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-5)
