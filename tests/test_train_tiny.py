@@ -30,10 +30,13 @@ def test_train_draft_writes_loadable_zlab_checkpoint_and_loss_decreases(tiny_pai
     assert manifest["steps"] == 80 and hist[-1]["loss"] < 0.7 * hist[0]["loss"]
     assert manifest["data"]["sequences"] == 6 and manifest["mask_token"]["id"] == cfg["dflash_config"]["mask_token_id"]
     assert not list(out.parent.glob(".drafter.partial-*"))  # atomic: nothing half-written left
+    vocab = json.loads((out / "draft_vocab.json").read_text())  # the frequent-token draft vocabulary
+    assert vocab["size"] == len(vocab["token_ids"]) == manifest["draft_vocab"]["size"] and vocab["coverage"] == 1.0
 
     # the exported drafter loads through the normal pair loader and decodes losslessly
     pair = load_pair(target_dir, out)
     assert isinstance(pair.draft, DFlashDraftModel)
+    assert pair.draft.draft_vocab is not None and pair.draft.draft_vocab.tolist() == vocab["token_ids"]
     prompt = [3, 14, 15, 92, 65]
     d = dflash_generate(pair.draft, pair.target, prompt, max_new_tokens=24)
     a = autoregressive_generate(pair.target, prompt, max_new_tokens=24)

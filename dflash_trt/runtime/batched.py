@@ -38,6 +38,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.metrics import GenerationStats
 from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache, additive_mask
 from dflash_trt.runtime.draft_model import DFlashDraftModel
+from dflash_trt.runtime.draft_vocab import DraftVocabHead
 from dflash_trt.runtime.generate import GenerationResult, StepCallback, _finish, _truncate_at_stop
 from dflash_trt.runtime.policy import AdaptivePolicy, Decision, FixedPolicy, SpeculationPolicy
 from dflash_trt.runtime.sampling import sample
@@ -116,7 +117,7 @@ class BatchedRuntime:
 
     def __init__(self, target: Any, draft: DFlashDraftModel | None = None, max_batch: int = 8,
                  max_seq_len: int = 2048, policy: SpeculationPolicy | None = None,
-                 block_size: int | None = None, width_multiple: int = 16) -> None:
+                 block_size: int | None = None, width_multiple: int = 16, use_draft_vocab: bool = True) -> None:
         self.target = TargetAdapter(target)
         self.draft = draft
         why = unsupported_reason(self.target.model, draft)
@@ -137,6 +138,12 @@ class BatchedRuntime:
         self.capacity, self.dump = capacity, capacity - 1
         self.width_multiple = width_multiple  # mask widths rounded up: fewer distinct shapes
         self.features: torch.Tensor | None = None  # [slots, capacity, n*H] target features by position
+        # the draft argmax over the drafter's frequent-token subset when it ships one (lossless:
+        # verification keeps the full vocabulary); None: over the target's whole lm_head
+        self.draft_head: DraftVocabHead | None = None
+        if draft is not None and use_draft_vocab and draft.draft_vocab is not None:
+            head = self.target.model.get_output_embeddings()
+            self.draft_head = DraftVocabHead(head.weight, draft.draft_vocab)
         self.rows: list[BatchedSequence] = []  # rows[i].slot == i
         self.waiting: deque[BatchedSequence] = deque()
         self.steps = 0
@@ -349,7 +356,9 @@ class BatchedRuntime:
         hidden = self.draft(ctx, self.target.embed(block), draft_pos, self.draft_cache, mask)  # [n, k+1, H]
         for s in seqs:
             s.draft_len = s.start
-        return self.target.lm_head(hidden[:, 1:]).argmax(-1)  # [n, k]: slot j predicts position start+j
+        if self.draft_head is not None:
+            return self.draft_head(hidden[:, 1:])  # [n, k] token ids: slot j predicts position start+j
+        return self.target.lm_head(hidden[:, 1:]).argmax(-1)  # [n, k]
 
     def _commit(self, seq: BatchedSequence, new: list[int]) -> bool:
         """Append a step's tokens to `seq`; True when it is finished."""
@@ -424,7 +433,9 @@ class BatchedRuntime:
         """Runtime-level figures: the policy's state and inputs, batch occupancy."""
         summary = self.policy.summary() if hasattr(self.policy, "summary") else {"policy": type(self.policy).__name__}
         return {"steps": self.steps, "running": len(self.rows), "waiting": len(self.waiting),
-                "max_batch": self.max_batch, **summary}
+                "max_batch": self.max_batch,
+                "draft_vocab": self.draft_head.size if self.draft_head is not None else self.target.vocab_size,
+                **summary}
 
 
 def batched_generate(

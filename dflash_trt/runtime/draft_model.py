@@ -227,6 +227,9 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=cfg)
+        # optional frequency-ranked draft vocabulary (int64 [N]; runtime/draft_vocab.py), from
+        # draft_vocab.json beside the checkpoint; None drafts over the target's whole vocabulary
+        self.draft_vocab: torch.Tensor | None = None
         self.reset_parameters()
 
     # -- properties used by the decoding loop ----------------------------------------------
@@ -332,6 +335,7 @@ class DFlashDraftModel(nn.Module):
     ) -> "DFlashDraftModel":
         """Load a z-lab drafter directory. Reads config.json and safetensors only: no remote code."""
         from dflash_trt.runtime.checkpoint import load_state_dict, read_json
+        from dflash_trt.runtime.draft_vocab import load_draft_vocab
 
         directory = Path(directory)
         cfg = read_json(directory / CONFIG_NAME, what="drafter config")
@@ -339,6 +343,7 @@ class DFlashDraftModel(nn.Module):
         model = cls(cfg)
         state = load_state_dict(directory, allow_pickle=allow_pickle)
         model._load_checked(state, directory)
+        model.draft_vocab = load_draft_vocab(directory, int(cfg.get("vocab_size") or 0) or 2**31 - 1)
         return model.to(device=device, dtype=dtype).eval()
 
     def _load_checked(self, state: dict[str, torch.Tensor], where: Path) -> None:

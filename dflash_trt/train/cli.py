@@ -1,4 +1,4 @@
-"""Commands of the training area: `setup-default`, `train-draft`."""
+"""Commands of the training area: `setup-default`, `train-draft`, `draft-vocab`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from dflash_trt.cli import friendly_errors
+from dflash_trt.errors import DFlashError
 
 
 @click.command("setup-default")
@@ -53,6 +54,8 @@ def setup_default(rebuild: bool) -> None:
               help="Start from this trained drafter (same mask/layer ids; extra layers start as identity).")
 @click.option("--sampled-vocab", type=click.IntRange(min=0),
               help="Sampled softmax: loss over the ids seen in the data plus N random others per step (~2x faster).")
+@click.option("--draft-vocab-size", type=click.IntRange(min=0),
+              help="Write draft_vocab.json: the N tokens the answers use most, drafted over by the batched runtime (0: none) [8192].")
 @click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype on disk [bfloat16].")
 @friendly_errors
 def train_draft(target: str | None, out: str, config_file: str | None, **flags) -> None:
@@ -104,4 +107,31 @@ def _resolve_config(target: str | None, out: str, config_file: str | None, flags
         raise DFlashError(f"train-draft config: {'.'.join(map(str, err['loc']))}: {err['msg']}")
 
 
-COMMANDS = [setup_default, train_draft]
+@click.command("draft-vocab")
+@click.argument("draft_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--data", "data_file", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="responses.pt of the drafter's self-distilled data (train-draft's <out>.data/responses.pt).")
+@click.option("--size", default=8192, show_default=True, type=click.IntRange(min=1),
+              help="At most this many token ids (all tokens the answers use, if fewer).")
+@friendly_errors
+def draft_vocab(draft_dir: str, data_file: str, size: int) -> None:
+    """Write DRAFT_DIR/draft_vocab.json for an existing drafter from its training answers.
+
+    The batched runtime then drafts over these tokens only (verification keeps the full
+    vocabulary, so output is unchanged); other loaders ignore the file."""
+    from dflash_trt.runtime.checkpoint import read_json
+    from dflash_trt.runtime.draft_vocab import draft_vocab_from_data, save_draft_vocab
+    from dflash_trt.train.data import load_data
+
+    cfg = read_json(Path(draft_dir) / "config.json", what="drafter config")
+    vocab = cfg.get("vocab_size")
+    if not isinstance(vocab, int):
+        raise DFlashError(f"{draft_dir}/config.json has no vocab_size; is this a DFlash drafter directory?")
+    seqs, _ = load_data(Path(data_file))
+    eos = cfg.get("eos_token_id")
+    ids, coverage = draft_vocab_from_data(seqs, vocab, size, always=eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    path = save_draft_vocab(draft_dir, ids, coverage)
+    click.echo(f"{path}: {ids.numel()} token ids covering {coverage:.2%} of {len(seqs)} answers' tokens")
+
+
+COMMANDS = [setup_default, train_draft, draft_vocab]

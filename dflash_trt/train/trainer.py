@@ -75,6 +75,9 @@ class TrainConfig(BaseModel):
     # most of a step's cost and an instruct model's answers use few distinct ids (SmolLM2: ~3.7k
     # of 49k), so this is ~2x faster; the random others keep every row pushed down. None: full.
     sampled_vocab: int | None = Field(None, ge=0)
+    # Write draft_vocab.json beside the drafter: the N tokens the target's answers use most (the
+    # batched runtime drafts over them only; runtime/draft_vocab.py). 0: do not write one.
+    draft_vocab_size: int = Field(8192, ge=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,6 +354,15 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     }
     with atomic_directory(out, overwrite=True) as tmp:
         draft.save_pretrained(tmp, dtype=save_dtype)
+        if cfg.draft_vocab_size:
+            from dflash_trt.runtime.draft_vocab import draft_vocab_from_data, save_draft_vocab
+
+            eos = tcfg.eos_token_id if isinstance(tcfg.eos_token_id, list) else [tcfg.eos_token_id]
+            ids, coverage = draft_vocab_from_data(seqs, int(tcfg.vocab_size), cfg.draft_vocab_size,
+                                                  always=[int(t) for t in eos if t is not None])
+            save_draft_vocab(tmp, ids, coverage)
+            manifest["draft_vocab"] = {"size": int(ids.numel()), "coverage": round(coverage, 5),
+                                       "from": "response tokens of the training data, most frequent first"}
         write_json_atomic(tmp / "MANIFEST.json", manifest)
         tmp.chmod(0o755)  # mkdtemp makes it private; this is a shareable artifact
         for f in tmp.iterdir():
