@@ -258,12 +258,27 @@ CHAT_EVAL = [
 ]
 
 
+# Third wave (appended again; ids of the first two stay valid): new phrasings of the train
+# subjects above, and more math from a third random stream. Still none of the eval subjects.
+CODE_TEMPLATES_3 = [
+    "Write a Python function that {t}, and add a few test cases.",
+    "Write a Python function that {t}. Use type hints.",
+    "Give me a simple Python example of a function that {t}.",
+]
+CHAT_TEMPLATES_3 = [
+    "Describe {t} in a few sentences.",
+    "I am curious about {t}. Can you help me understand it?",
+    "Summarize {t} in three bullet points.",
+]
+
+
 def _fill(subjects: list[str], templates: list[str]) -> list[str]:
     return [tpl.format(t=t) for t, tpl in itertools.product(subjects, templates)]
 
 
 def _code_train() -> list[str]:
-    return _fill(CODE_TASKS, CODE_TEMPLATES) + _fill(CODE_TASKS_2, CODE_TEMPLATES)
+    return (_fill(CODE_TASKS, CODE_TEMPLATES) + _fill(CODE_TASKS_2, CODE_TEMPLATES)
+            + _fill(CODE_TASKS + CODE_TASKS_2, CODE_TEMPLATES_3))
 
 
 def _math_train(rng: random.Random, n: int, templates: list[str], exclude: frozenset[str] = frozenset()) -> list[str]:
@@ -285,7 +300,8 @@ def _math_train(rng: random.Random, n: int, templates: list[str], exclude: froze
 
 def _chat_train() -> list[str]:
     return (_fill(CHAT_TOPICS, CHAT_TEMPLATES) + CHAT_TASKS
-            + _fill(CHAT_TOPICS_2, CHAT_TEMPLATES) + CHAT_TASKS_2)
+            + _fill(CHAT_TOPICS_2, CHAT_TEMPLATES) + CHAT_TASKS_2
+            + _fill(CHAT_TOPICS + CHAT_TOPICS_2, CHAT_TEMPLATES_3))
 
 
 def build(seed: int = 0) -> dict[str, list[dict]]:
@@ -293,7 +309,9 @@ def build(seed: int = 0) -> dict[str, list[dict]]:
     # the second wave draws from its own stream, so the first wave is the same with or without it
     math_second = _math_train(random.Random(seed + 1), 450, MATH_TEMPLATES + MATH_TEMPLATES_2,
                               exclude=frozenset(math_first))
-    sets = {"code": (_code_train(), CODE_EVAL), "math": (math_first + math_second, MATH_EVAL),
+    math_third = _math_train(random.Random(seed + 2), 600, MATH_TEMPLATES + MATH_TEMPLATES_2,
+                             exclude=frozenset(math_first + math_second))
+    sets = {"code": (_code_train(), CODE_EVAL), "math": (math_first + math_second + math_third, MATH_EVAL),
             "chat": (_chat_train(), CHAT_EVAL)}
     out: dict[str, list[dict]] = {}
     for cat, (train, evals) in sets.items():
