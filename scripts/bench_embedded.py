@@ -1,13 +1,17 @@
 #!/usr/bin/env python
 """Benchmark the embedded pair on the held-out (eval) prompts: DFlash vs plain decoding.
 
-Both use the same reference runtime (dflash_trt.runtime.generate), greedy, batch 1, on this CPU,
-interleaved prompt by prompt so both see the same machine load. Prints mean tau, per-category tau,
-per-position acceptance, decode speedup (plain TPOT / DFlash TPOT, token-weighted over all
+Both use the same runtime, greedy, batch 1, on this CPU, interleaved prompt by prompt so both see
+the same machine load: `--runtime reference` (default) is the reference loop
+(dflash_trt.runtime.generate: DFlash verifies the whole block every step); `--runtime batched` is
+the serving runtime at one sequence (dflash_trt.runtime.batched: adaptive draft length, calibrated
+once at start, learning acceptance across the prompts; its tau counts the steps it decoded plain
+too; plain = the same runtime without a drafter). Prints mean tau, per-category tau, per-position acceptance, decode speedup (plain TPOT / DFlash TPOT, token-weighted over all
 prompts) and whether every output is identical to plain greedy decoding.
 
     .venv/bin/python scripts/bench_embedded.py                    # all eval prompts
     .venv/bin/python scripts/bench_embedded.py --num-prompts 6    # a quick subset (all categories)
+    .venv/bin/python scripts/bench_embedded.py --runtime batched  # the serving runtime, adaptive k
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ import click
                    "a 16-token verify pass rounds differently from a 1-token step, so outputs can drift from plain greedy.")
 @click.option("--pack/--no-pack", default=True, show_default=True,
               help="oneDNN-packed linear layers for float32 on CPU (dflash_trt/runtime/cpu_packing.py).")
+@click.option("--runtime", default="reference", show_default=True, type=click.Choice(["reference", "batched"]),
+              help="reference: the reference loop (full block); batched: the serving runtime at batch 1 (adaptive k).")
 @click.option("--split", default="eval", show_default=True, type=click.Choice(["eval", "train"]))
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write every figure as JSON here.")
-def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads, dtype, pack, split, json_out) -> None:
+def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads, dtype, pack, runtime, split, json_out) -> None:
     """DFlash vs plain greedy decoding of the embedded pair on held-out prompts."""
     import torch
 
@@ -43,7 +49,6 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
     from dflash_trt.metrics import GenerationStats
     from dflash_trt.prompts import CATEGORIES, interleave, load_prompts
     from dflash_trt.runtime.cpu_packing import num_packed
-    from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
     from dflash_trt.runtime.loading import load_pair
 
     @friendly_errors
@@ -55,10 +60,11 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         stop = stop_ids_of(pair.tokenizer, pair.target.config)
         vocab = int(pair.target.config.vocab_size)
         kw = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop)
+        decode_dflash, decode_plain = _decoders(runtime, pair, block_size)
         # warm-up: first calls pay for lazy initialisation in torch and transformers
         warm = encode_prompt(pair.tokenizer, "Hello", False, vocab)
-        dflash_generate(pair.draft, pair.target, warm, max_new_tokens=8, stop_token_ids=stop)
-        autoregressive_generate(pair.target, warm, max_new_tokens=8, stop_token_ids=stop)
+        decode_dflash(warm, max_new_tokens=8, stop_token_ids=stop)
+        decode_plain(warm, max_new_tokens=8, stop_token_ids=stop)
 
         total = GenerationStats()
         per_cat = {c: GenerationStats() for c in CATEGORIES}
@@ -67,8 +73,8 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         t0 = time.time()
         for n, p in enumerate(prompts, 1):
             ids = encode_prompt(pair.tokenizer, p.prompt, False, vocab)
-            d = dflash_generate(pair.draft, pair.target, ids, block_size=block_size, **kw)
-            a = autoregressive_generate(pair.target, ids, **kw)
+            d = decode_dflash(ids, **kw)
+            a = decode_plain(ids, **kw)
             same = d.output_ids == a.output_ids
             for acc in (total, per_cat[p.category]):
                 _merge(acc, d.stats)
@@ -83,7 +89,7 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
                   file=sys.stderr, flush=True)
         tpot = {k: (s / t if t else 0.0) for k, (s, t) in dec.items()}
         result = {
-            "prompts": len(prompts), "split": split, "max_new_tokens": max_new_tokens, "threads": threads,
+            "prompts": len(prompts), "split": split, "runtime": runtime, "max_new_tokens": max_new_tokens, "threads": threads,
             "dtype": str(pair.target.dtype).removeprefix("torch."),
             "block_size": block_size or pair.draft.block_size,
             "packed_linears": num_packed(pair.target) + num_packed(pair.draft),
@@ -97,8 +103,8 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
             "wall_s": round(time.time() - t0, 1),
             "rows": rows,
         }
-        print(f"\nDFlash vs plain greedy, {len(prompts)} {split} prompts, max_new_tokens={max_new_tokens}, "
-              f"batch 1, {threads} CPU threads, {result['dtype']}, block {result['block_size']}, "
+        print(f"\nDFlash vs plain greedy, {runtime} runtime, {len(prompts)} {split} prompts, "
+              f"max_new_tokens={max_new_tokens}, batch 1, {threads} CPU threads, {result['dtype']}, block {result['block_size']}, "
               f"{result['packed_linears']} packed linear layers")
         print(f"  mean tau            {result['tau']:.2f}   (acceptance_rate {result['acceptance_rate']:.3f})")
         print("  tau per category    " + "  ".join(f"{c}={t:.2f}" for c, t in result["tau_per_category"].items()))
@@ -112,6 +118,32 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
             write_json_atomic(Path(json_out), result)
 
     run()
+
+
+def _decoders(runtime: str, pair, block_size: int | None):
+    """(dflash(ids, **kw), plain(ids, **kw)) -> GenerationResult, on the chosen runtime."""
+    from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+
+    if runtime == "reference":
+        return (lambda ids, **kw: dflash_generate(pair.draft, pair.target, ids, block_size=block_size, **kw),
+                lambda ids, **kw: autoregressive_generate(pair.target, ids, **kw))
+    from dflash_trt.runtime.batched import BatchedRuntime, batched_generate
+    from dflash_trt.runtime.policy import AdaptivePolicy
+
+    max_len = 4096
+    block = block_size or pair.draft.block_size
+    rt = BatchedRuntime(pair.target, pair.draft, max_batch=1, max_seq_len=max_len, policy=AdaptivePolicy(block),
+                        block_size=block)
+    rt.calibrate([1])
+    plain_rt = BatchedRuntime(pair.target, None, max_batch=1, max_seq_len=max_len)
+
+    def run(draft, rt_):
+        def decode(ids, max_new_tokens: int, stop_token_ids):
+            return batched_generate(draft, pair.target, [ids], max_new_tokens=max_new_tokens,
+                                    stop_token_ids=stop_token_ids, runtime=rt_)[0]
+        return decode
+
+    return run(pair.draft, rt), run(None, plain_rt)
 
 
 def _merge(acc, s) -> None:
