@@ -70,12 +70,17 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         per_cat = {c: GenerationStats() for c in CATEGORIES}
         dec = {"dflash": [0.0, 0], "plain": [0.0, 0]}  # decode seconds, decode tokens
         rows = []
+        in_vocab = out_tokens = 0  # output tokens inside the drafter's draft vocabulary (if it ships one)
+        subset = set(pair.draft.draft_vocab.tolist()) if pair.draft.draft_vocab is not None else None
         t0 = time.time()
         for n, p in enumerate(prompts, 1):
             ids = encode_prompt(pair.tokenizer, p.prompt, False, vocab)
             d = decode_dflash(ids, **kw)
             a = decode_plain(ids, **kw)
             same = d.output_ids == a.output_ids
+            if subset is not None:
+                in_vocab += sum(t in subset for t in a.output_ids)
+                out_tokens += len(a.output_ids)
             for acc in (total, per_cat[p.category]):
                 _merge(acc, d.stats)
             for name, r in (("dflash", d), ("plain", a)):
@@ -100,6 +105,9 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
             "dflash_tpot_ms": round(tpot["dflash"] * 1e3, 2), "plain_tpot_ms": round(tpot["plain"] * 1e3, 2),
             "speedup": round(tpot["plain"] / tpot["dflash"], 3) if tpot["dflash"] else 0.0,
             "identical_all": all(r["identical"] for r in rows),
+            "draft_vocab": None if subset is None else {
+                "size": len(subset), "used_by": "batched runtime" if runtime == "batched" else "nothing (reference loop)",
+                "coverage_of_outputs": round(in_vocab / max(out_tokens, 1), 4)},
             "wall_s": round(time.time() - t0, 1),
             "rows": rows,
         }
@@ -111,6 +119,9 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         print("  per-position accept " + " ".join(f"{x:.2f}" for x in result["per_position_acceptance"]))
         print(f"  TPOT                dflash={result['dflash_tpot_ms']:.1f} ms  plain={result['plain_tpot_ms']:.1f} ms"
               f"  -> decode speedup {result['speedup']:.2f}x")
+        if subset is not None:
+            print(f"  draft vocabulary    {len(subset)} ids ({result['draft_vocab']['used_by']}); they cover "
+                  f"{result['draft_vocab']['coverage_of_outputs']:.1%} of the plain outputs' tokens")
         print(f"  identical to plain greedy on every prompt: {result['identical_all']}")
         if json_out:
             from dflash_trt.fsutil import write_json_atomic
