@@ -92,6 +92,15 @@ def test_batched_output_is_unchanged_whatever_the_draft_vocabulary(tiny_pair_dir
     assert full.draft_head is None and full.stats()["draft_vocab"] == pair.target.config.vocab_size
 
 
+def test_a_draft_vocabulary_beyond_the_targets_vocabulary_is_refused(tiny_pair_dirs):
+    tdir, ddir = tiny_pair_dirs
+    pair = load_pair(tdir, ddir)
+    pair.draft.draft_vocab = torch.tensor([1, pair.target.config.vocab_size])  # e.g. made for another target
+    with pytest.raises(DFlashError, match="beyond the target's vocabulary"):
+        BatchedRuntime(pair.target, pair.draft, max_batch=1, max_seq_len=32)
+    BatchedRuntime(pair.target, pair.draft, max_batch=1, max_seq_len=32, use_draft_vocab=False)  # opting out works
+
+
 def test_draft_vocab_command_writes_the_file_and_refuses_bad_input(tiny_pair_dirs, tmp_path):
     _, ddir = tiny_pair_dirs
     draft_dir = tmp_path / "draft"

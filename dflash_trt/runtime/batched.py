@@ -142,6 +142,10 @@ class BatchedRuntime:
         # verification keeps the full vocabulary); None: over the target's whole lm_head
         self.draft_head: DraftVocabHead | None = None
         if draft is not None and use_draft_vocab and draft.draft_vocab is not None:
+            if int(draft.draft_vocab.max()) >= self.target.vocab_size:
+                raise DFlashError(f"the drafter's draft_vocab.json names token {int(draft.draft_vocab.max())}, beyond the "
+                                  f"target's vocabulary ({self.target.vocab_size}); regenerate it with "
+                                  f"`dflash-trt draft-vocab` or delete it")
             head = self.target.model.get_output_embeddings()
             self.draft_head = DraftVocabHead(head.weight, draft.draft_vocab)
         self.rows: list[BatchedSequence] = []  # rows[i].slot == i
