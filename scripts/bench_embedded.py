@@ -6,8 +6,9 @@ the same machine load: `--runtime reference` (default) is the reference loop
 (dflash_trt.runtime.generate: DFlash verifies the whole block every step); `--runtime batched` is
 the serving runtime at one sequence (dflash_trt.runtime.batched: adaptive draft length, calibrated
 once at start, learning acceptance across the prompts; its tau counts the steps it decoded plain
-too; plain = the same runtime without a drafter). Prints mean tau, per-category tau, per-position acceptance, decode speedup (plain TPOT / DFlash TPOT, token-weighted over all
-prompts) and whether every output is identical to plain greedy decoding.
+too; plain = the same runtime without a drafter). Prints mean tau, per-category tau, per-position
+acceptance, decode speedup (plain TPOT / DFlash TPOT, token-weighted over all prompts) and whether
+every output is identical to plain greedy decoding.
 
     .venv/bin/python scripts/bench_embedded.py                    # all eval prompts
     .venv/bin/python scripts/bench_embedded.py --num-prompts 6    # a quick subset (all categories)

@@ -344,7 +344,8 @@ class DFlashDraftModel(nn.Module):
         state = load_state_dict(directory, allow_pickle=allow_pickle)
         model._load_checked(state, directory)
         # bounds-checked against the drafter's vocab_size here, against the target's by the runtime
-        model.draft_vocab = load_draft_vocab(directory, int(cfg.get("vocab_size") or 2**31 - 1))
+        vocab = cfg.get("vocab_size")
+        model.draft_vocab = load_draft_vocab(directory, int(vocab) if vocab else None)
         return model.to(device=device, dtype=dtype).eval()
 
     def _load_checked(self, state: dict[str, torch.Tensor], where: Path) -> None:

@@ -72,18 +72,21 @@ def save_draft_vocab(draft_dir: str | Path, token_ids: torch.Tensor, coverage: f
     return path
 
 
-def load_draft_vocab(draft_dir: str | Path, vocab_size: int) -> torch.Tensor | None:
-    """The drafter's draft vocabulary (int64 [N]), or None when it ships none."""
+def load_draft_vocab(draft_dir: str | Path, vocab_size: int | None) -> torch.Tensor | None:
+    """The drafter's draft vocabulary (int64 [N]), or None when it ships none. `vocab_size`: the
+    upper bound for its ids (None: checked later, against the target, by the runtime)."""
     path = Path(draft_dir) / FILE
     if not path.is_file():
         return None
     from dflash_trt.runtime.checkpoint import read_json
 
     ids = read_json(path, what="draft vocabulary").get("token_ids")
+    bound = vocab_size if vocab_size is not None else float("inf")
     bad = (not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids)
-           or min(ids) < 0 or max(ids) >= vocab_size or len(set(ids)) != len(ids))
+           or min(ids) < 0 or max(ids) >= bound or len(set(ids)) != len(ids))
     if bad:
-        raise DFlashError(f"{path}: token_ids must be a non-empty list of distinct ids in 0..{vocab_size - 1}; "
+        where = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
+        raise DFlashError(f"{path}: token_ids must be a non-empty list of distinct ids in {where}; "
                           f"regenerate it for this target or delete it to draft over the full vocabulary")
     return torch.tensor(ids, dtype=torch.long)
 

@@ -119,6 +119,9 @@ def draft_vocab(draft_dir: str, data_file: str, size: int) -> None:
 
     The batched runtime then drafts over these tokens only (verification keeps the full
     vocabulary, so output is unchanged); other loaders ignore the file."""
+    from types import SimpleNamespace
+
+    from dflash_trt.generation_cli import stop_ids_of
     from dflash_trt.runtime.checkpoint import read_json
     from dflash_trt.runtime.draft_vocab import draft_vocab_from_data, save_draft_vocab
     from dflash_trt.train.data import load_data
@@ -128,8 +131,8 @@ def draft_vocab(draft_dir: str, data_file: str, size: int) -> None:
     if not isinstance(vocab, int):
         raise DFlashError(f"{draft_dir}/config.json has no vocab_size; is this a DFlash drafter directory?")
     seqs, _ = load_data(Path(data_file))
-    eos = cfg.get("eos_token_id")
-    ids, coverage = draft_vocab_from_data(seqs, vocab, size, always=eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    stops = stop_ids_of(None, SimpleNamespace(eos_token_id=cfg.get("eos_token_id")))  # the drafter config's, if any
+    ids, coverage = draft_vocab_from_data(seqs, vocab, size, always=stops)
     path = save_draft_vocab(draft_dir, ids, coverage)
     click.echo(f"{path}: {ids.numel()} token ids covering {coverage:.2%} of {len(seqs)} answers' tokens")
 

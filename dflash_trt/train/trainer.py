@@ -357,9 +357,10 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.draft_vocab_size:
             from dflash_trt.runtime.draft_vocab import draft_vocab_from_data, save_draft_vocab
 
-            eos = tcfg.eos_token_id if isinstance(tcfg.eos_token_id, list) else [tcfg.eos_token_id]
+            from dflash_trt.generation_cli import stop_ids_of
+
             ids, coverage = draft_vocab_from_data(seqs, int(tcfg.vocab_size), cfg.draft_vocab_size,
-                                                  always=[int(t) for t in eos if t is not None])
+                                                  always=stop_ids_of(tokenizer, tcfg))
             save_draft_vocab(tmp, ids, coverage)
             manifest["draft_vocab"] = {"size": int(ids.numel()), "coverage": round(coverage, 5),
                                        "from": "response tokens of the training data, most frequent first"}
