@@ -89,6 +89,8 @@ class BatchedSequence:
     t0: float = 0.0  # admission time (ttft_s and total_time_s are measured from here)
     generator: torch.Generator | None = None
     stop: frozenset[int] = frozenset()
+    # with capture_layer_ids: the target's features [fed positions, n*H] (bfloat16), set at finish
+    features: torch.Tensor | None = None
 
     @property
     def done(self) -> bool:
@@ -117,7 +119,8 @@ class BatchedRuntime:
 
     def __init__(self, target: Any, draft: DFlashDraftModel | None = None, max_batch: int = 8,
                  max_seq_len: int = 2048, policy: SpeculationPolicy | None = None,
-                 block_size: int | None = None, width_multiple: int = 16, use_draft_vocab: bool = True) -> None:
+                 block_size: int | None = None, width_multiple: int = 16, use_draft_vocab: bool = True,
+                 capture_layer_ids: Sequence[int] | None = None) -> None:
         self.target = TargetAdapter(target)
         self.draft = draft
         why = unsupported_reason(self.target.model, draft)
@@ -130,6 +133,18 @@ class BatchedRuntime:
                                                      else FixedPolicy(0))
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.layer_ids = tuple(draft.target_layer_ids) if draft is not None else ()
+        # capture_layer_ids: every finished sequence keeps the target's features at these layers
+        # for every position it fed (train-draft's data: no second target pass over the answers)
+        self.keep_features = capture_layer_ids is not None
+        if capture_layer_ids is not None:
+            ids = tuple(int(i) for i in capture_layer_ids)
+            if draft is not None and ids != self.layer_ids:
+                raise DFlashError(f"capture_layer_ids {list(ids)} differ from the drafter's target_layer_ids "
+                                  f"{list(self.layer_ids)}; capture the drafter's layers or decode without it")
+            if not ids or min(ids) < 0 or max(ids) >= self.target.num_layers:
+                raise DFlashError(f"capture_layer_ids must name target layers 0..{self.target.num_layers - 1}, "
+                                  f"got {list(ids)}")
+            self.layer_ids = ids
         self.device = self.target.device
         # positions 0..max_seq_len-1, + block padding of rows near their end, + the dump index
         capacity = max_seq_len + self.block_size + 1
@@ -381,6 +396,8 @@ class BatchedRuntime:
                 s.result = GenerationResult(list(s.request.prompt_ids), [], s.stats)
             else:
                 s.result = _finish(list(s.request.prompt_ids), s.out, set(s.stop), s.stats, s.t0)
+            if self.keep_features and self.features is not None and s.slot >= 0:
+                s.features = self.features[s.slot, : s.start].to(torch.bfloat16, copy=True)  # [fed, n*H]
         keep = [s for s in self.rows if id(s) not in gone]
         holes = sorted(s.slot for s in finished if s.slot < len(keep))
         movers = sorted((s for s in keep if s.slot >= len(keep)), key=lambda s: s.slot)

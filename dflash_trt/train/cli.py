@@ -35,7 +35,7 @@ def setup_default(rebuild: bool) -> None:
 @click.option("--data-dir", type=click.Path(file_okay=False), help="Cache for responses and target features [<out>.data].")
 @click.option("--max-prompts", type=click.IntRange(min=1), help="Use at most N train prompts (all by default).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), help="Response length cap when generating data [256].")
-@click.option("--gen-batch-size", type=click.IntRange(min=1), help="Prompts per batched generate() call [16].")
+@click.option("--gen-batch-size", type=click.IntRange(min=1), help="Answers decoded together (continuous batching: a finished answer frees its row for the next prompt) [64].")
 @click.option("--block-size", type=click.IntRange(min=2), help="Drafter block size B [16].")
 @click.option("--num-layers", type=click.IntRange(min=1), help="Drafter decoder layers [1].")
 @click.option("--intermediate-size", type=click.IntRange(min=1), help="Drafter MLP width [768].")

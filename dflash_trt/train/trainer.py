@@ -46,7 +46,7 @@ class TrainConfig(BaseModel):
     data_dir: str | None = None  # default: <out>.data (cached responses and features)
     max_new_tokens: int = Field(256, ge=1)
     max_prompts: int | None = Field(None, ge=1)  # use at most this many train prompts
-    gen_batch_size: int = Field(16, ge=1)
+    gen_batch_size: int = Field(64, ge=1)
     block_size: int = Field(16, ge=2)
     num_layers: int = Field(1, ge=1)
     intermediate_size: int = Field(768, ge=1)

@@ -1,0 +1,69 @@
+"""train-draft's data stage: the target's greedy answers and its features, from the
+continuous-batching runtime (and the HF ``generate`` fallback), checked against batch-1 greedy
+decoding and against a separate target pass over the finished sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.prompts import Prompt
+from dflash_trt.runtime.batched import BatchedRuntime
+from dflash_trt.runtime.generate import autoregressive_generate
+from dflash_trt.runtime.tiny import tiny_target
+from dflash_trt.train.data import _generate_hf, chat_prompt_ids, compute_features, generate_responses
+
+LAYERS = [0, 2, 3]
+TEXTS = ["hi", "a longer prompt than the others", "x", "mid length one", "??", "seven", "tokens!"]
+
+
+def _prompts() -> list[Prompt]:
+    return [Prompt(f"p{i}", "chat", "train", t) for i, t in enumerate(TEXTS)]
+
+
+def test_answers_are_batch1_greedy_and_features_match_a_separate_target_pass():
+    """7 prompts of mixed lengths through 3 rows (rows are reused as answers finish): every answer
+    equals single-sequence greedy decoding, stops at eos, and the captured features equal the
+    features of a fresh target pass over the finished sequence at every fed position."""
+    target = tiny_target("llama", seed=3, num_layers=4)
+    vocab = int(target.config.vocab_size)
+    # an eos that the first prompt's answer really emits, so stopping early is exercised
+    eos = autoregressive_generate(target, chat_prompt_ids(None, TEXTS[0], vocab), max_new_tokens=4).output_ids[2]
+    target.config.eos_token_id = eos
+    saved: list[int] = []
+    rows = generate_responses(target, None, _prompts(), max_new_tokens=12, batch_size=3,
+                              capture_layer_ids=LAYERS, on_batch=lambda done: saved.append(len(done)))
+    assert sorted(r["id"] for r in rows) == [p.id for p in _prompts()]
+    assert saved == [3, 6, 7]  # partial results after every `batch_size` answers, then the rest
+    hit_eos = 0
+    for r in rows:
+        prompt = chat_prompt_ids(None, TEXTS[int(r["id"][1:])], vocab)
+        ref = autoregressive_generate(target, prompt, max_new_tokens=12, stop_token_ids=[eos])
+        assert r["prompt_len"] == len(prompt) and r["ids"] == prompt + ref.output_ids
+        hit_eos += r["ids"][-1] == eos
+        assert r["feats"].dtype == torch.bfloat16 and r["feats"].shape == (len(r["ids"]) - 1, 3 * 64)
+    full = compute_features(target, rows, LAYERS, dtype=torch.float32)
+    for r, f in zip(rows, full):
+        torch.testing.assert_close(r["feats"].float(), f[: len(r["ids"]) - 1], rtol=2e-2, atol=2e-2)
+    assert hit_eos >= 1
+
+
+def test_hf_fallback_gives_the_same_rows():
+    """The HF ``generate`` path (used for targets the runtime refuses) writes the same rows."""
+    target = tiny_target("llama", seed=4, num_layers=4)
+    rows = generate_responses(target, None, _prompts(), max_new_tokens=10, batch_size=4, capture_layer_ids=LAYERS)
+    vocab = int(target.config.vocab_size)
+    encoded = [(p, chat_prompt_ids(None, p.prompt, vocab)) for p in _prompts()]
+    hf = _generate_hf(target, encoded, int(target.config.eos_token_id), 10, 4, None, LAYERS)
+    by_id = {r["id"]: r for r in rows}
+    for h in hf:
+        r = by_id[h["id"]]
+        assert h["ids"] == r["ids"] and h["prompt_len"] == r["prompt_len"]
+        torch.testing.assert_close(h["feats"].float(), r["feats"].float(), rtol=2e-2, atol=2e-2)
+
+
+def test_capture_layer_ids_are_checked():
+    target = tiny_target("llama", seed=0, num_layers=4)
+    with pytest.raises(DFlashError, match="must name target layers 0..3"):
+        BatchedRuntime(target, None, max_batch=2, max_seq_len=32, capture_layer_ids=[1, 4])
