@@ -272,13 +272,117 @@ CHAT_TEMPLATES_3 = [
 ]
 
 
+# Fourth wave (appended again; earlier ids stay valid): NEW subjects, for breadth, since a drafter
+# scores ~0.25 tokens/step better on train prompts than on held-out ones. Still none of the eval
+# subjects (the assert in build() checks exact prompts; the lists below were checked by hand).
+CODE_TASKS_4 = [
+    "returns the nth row of Pascal's triangle", "checks whether a string contains only digits",
+    "counts the islands in a grid of 0s and 1s", "converts a string to title case without using title()",
+    "returns the running maximum of a list", "finds the first non-repeating character in a string",
+    "computes the Levenshtein distance between two strings", "returns the k most frequent words in a text",
+    "checks whether a number is a happy number", "formats a number with thousands separators",
+    "implements a min-heap with push and pop", "reverses a linked list",
+    "finds the maximum subarray sum", "checks whether a Sudoku row is valid",
+    "converts snake_case to camelCase", "returns the depth of a nested dictionary",
+    "computes the area of a polygon from its vertices", "counts the characters in a file",
+    "implements a simple LRU cache", "removes the None values from a list",
+    "rounds every number in a list to two decimals", "finds the longest increasing subsequence",
+    "returns the sum of a matrix's diagonal", "checks whether a string is a valid IPv4 address",
+    "implements run-length encoding of a string", "decodes a run-length encoded string",
+    "finds the duplicate number in a list", "computes the nth Catalan number",
+    "returns the words of a sentence sorted by length", "checks whether two rectangles overlap",
+    "generates all permutations of a string", "returns the binary representation of a number without bin()",
+    "implements a queue using two stacks", "counts the paths in a grid from the top left to the bottom right",
+    "converts a dictionary to a JSON string", "loads a JSON file and prints its keys",
+    "computes the moving average of a list with window k", "finds the peak element of a list",
+    "checks whether a graph given as an adjacency list has a cycle", "performs a breadth-first search on a graph",
+    "performs a depth-first search on a graph", "computes the shortest path in an unweighted graph",
+    "returns the number of vowels and consonants in a string", "validates a password against simple rules",
+    "converts a time in 24-hour format to 12-hour format", "returns the day of the week for a date",
+    "implements a class for a bank account with deposit and withdraw", "implements a class for a 2D point with a distance method",
+    "implements a class for a rectangle with area and perimeter methods", "counts the frequency of each letter in a string",
+    "splits a string into words without using split()", "finds the common elements of three lists",
+    "returns the sum of all numbers in a nested list", "checks whether a list is a palindrome",
+    "removes the adjacent duplicates from a string", "computes the square root of a number with Newton's method",
+    "computes the integer logarithm base 2 of a number", "converts an integer to a Roman numeral",
+    "returns the largest prime factor of a number", "finds the smallest missing positive integer in a list",
+    "checks whether a string has all unique characters", "compresses a list of numbers into ranges",
+    "pads a string to a fixed width", "returns the Hamming distance between two strings",
+    "implements the sieve of Eratosthenes", "returns the n smallest numbers in a list",
+    "builds a frequency table of dice rolls", "simulates flipping a coin n times",
+    "generates a random list of integers", "normalises a list of numbers to the range 0 to 1",
+    "counts the sentences in a paragraph", "extracts all the numbers from a string",
+    "finds the longest palindromic substring", "checks whether one string is a rotation of another",
+    "returns the angle between the hands of a clock", "computes the total price of a shopping cart given as a dictionary",
+    "merges k sorted lists", "implements quicksort", "implements merge sort",
+    "returns the leaves of a binary tree", "computes the height of a binary tree",
+]
+CHAT_TOPICS_4 = [
+    "how a plane stays in the air", "what a calendar year is", "how honeybees communicate", "what a comet is",
+    "how a camera takes a picture", "what a library is for", "how salt dissolves in water", "what a glacier is",
+    "how recycling plastic works", "what the Great Wall of China is", "how a piano makes sound",
+    "what a hurricane is", "how a credit card works", "what an allergy is", "how a wind turbine makes electricity",
+    "how the lungs work", "what a fossil is", "how a map is made", "what a planet is", "how cheese is made",
+    "what a vaccine trial is", "how a canal lock works", "what a mortgage is", "how a spider spins a web",
+    "what an eclipse is", "how a bridge holds weight", "what a rainforest is", "how a satellite orbits the Earth",
+    "what a password manager is", "how a heat pump works", "what a tsunami is", "how ice cream is made",
+    "what the Industrial Revolution was", "how a 3D printer works", "what a carbon footprint is",
+    "how birds migrate", "what a constitution is", "how soap removes dirt", "what a pandemic is",
+    "how a search engine works", "what a marathon is", "how a kite flies", "what a sonnet is",
+    "how a vaccine is stored", "what a nebula is", "how the kidneys work", "what a museum curator does",
+    "how a steam engine works", "what an orchestra is", "how yeast works in baking", "what a coral is",
+    "how a lock and key work", "what a savings account is", "how a traffic light works", "what a cell is",
+    "how an elevator works", "what a haiku is", "how a hot air balloon flies", "what the Silk Road was",
+    "how a dishwasher cleans dishes",
+]
+CHAT_TASKS_4 = [
+    "Give me five tips for a long car journey with children.", "Suggest a cheap and healthy lunch for work.",
+    "Write a polite email declining a job offer.", "List some ways to make mornings less rushed.",
+    "How can I get better at public speaking?", "Write a haiku about a mountain lake.",
+    "Give me ideas for a relaxing day at the beach.", "How do I start running if I have never run before?",
+    "Write a short thank-you note for a birthday gift.", "What are some good habits for a healthy back?",
+    "Suggest a name for a pet turtle.", "Write a short story about a snowman who wants to see summer.",
+    "How can I organise my wardrobe?", "Give me tips for a video call interview.",
+    "What are the benefits of walking every day?", "Write a limerick about a clumsy penguin.",
+    "How do I make a simple fruit salad?", "Give me a packing list for a business trip.",
+    "How can I keep my plants alive while on holiday?", "Write a short poem about the first snow.",
+    "What are some fun things to do in a small town?", "How do I write a good birthday card message?",
+    "Give me advice for learning to cook rice.", "Write a friendly reminder about a team lunch.",
+    "How can I remember names better?", "Suggest three board games for a family evening.",
+    "How do I ask my manager for feedback?", "Give me tips for sleeping in a noisy city.",
+    "Write a short speech to thank volunteers.", "How can I eat more vegetables?",
+    "What are some ways to relax after work?", "Write a short story about a clock that runs backwards.",
+    "How do I teach a child to ride a bike?", "Give me ideas for a class presentation topic.",
+    "Write a product description for a wooden desk lamp.", "Suggest a stretching routine for the morning.",
+    "Write a short review of a walking tour.", "How do I prepare for a job fair?",
+    "Give me tips for writing a short story.", "Write an encouraging note for a friend starting university.",
+    "What are some easy ways to save water at home?", "How do I make a simple omelette?",
+    "Write a short poem about rivers.", "Give me advice on buying a used car.",
+    "How can I become more patient?", "Write a short fable about a tortoise and an eagle.",
+    "How do I plan a small garden party?", "Write the opening of a welcome speech for a school year.",
+    "How do I keep my phone battery healthy?", "Suggest a theme for a book club this month.",
+]
+MATH_TEMPLATES_4 = [
+    "{n} buys {d} notebooks at {a} dollars each and pays with {e} dollars. How much change does {n} get? Explain step by step.",
+    "A library has {e} books and lends out {a} of them. Then {b} are returned. How many books are in the library now?",
+    "What is {a} times {d}, minus {b}? Show the calculation.",
+    "A field is {a} meters by {b} meters. What is its area in square meters? Show your work.",
+    "{n} walks {d} km in the morning and {b} km in the evening. How far does {n} walk in total in {a} days?",
+    "A ticket costs {a} dollars. How much do {d} tickets cost with a {p} percent discount? Explain step by step.",
+    "Solve for x: x - {a} = {e}. Show each step.",
+    "{n} collects {a} {i} on Monday and twice as many on Tuesday. How many {i} does {n} have? Show your work.",
+    "A jar holds {c} candies. {n} eats {d} candies a day. How many days do the candies last?",
+    "What is {e} minus {a}, divided by {d}? Round to two decimals and explain.",
+]
+
+
 def _fill(subjects: list[str], templates: list[str]) -> list[str]:
     return [tpl.format(t=t) for t, tpl in itertools.product(subjects, templates)]
 
 
 def _code_train() -> list[str]:
     return (_fill(CODE_TASKS, CODE_TEMPLATES) + _fill(CODE_TASKS_2, CODE_TEMPLATES)
-            + _fill(CODE_TASKS + CODE_TASKS_2, CODE_TEMPLATES_3))
+            + _fill(CODE_TASKS + CODE_TASKS_2, CODE_TEMPLATES_3) + _fill(CODE_TASKS_4, CODE_TEMPLATES))
 
 
 def _math_train(rng: random.Random, n: int, templates: list[str], exclude: frozenset[str] = frozenset()) -> list[str]:
@@ -301,7 +405,8 @@ def _math_train(rng: random.Random, n: int, templates: list[str], exclude: froze
 def _chat_train() -> list[str]:
     return (_fill(CHAT_TOPICS, CHAT_TEMPLATES) + CHAT_TASKS
             + _fill(CHAT_TOPICS_2, CHAT_TEMPLATES) + CHAT_TASKS_2
-            + _fill(CHAT_TOPICS + CHAT_TOPICS_2, CHAT_TEMPLATES_3))
+            + _fill(CHAT_TOPICS + CHAT_TOPICS_2, CHAT_TEMPLATES_3)
+            + _fill(CHAT_TOPICS_4, CHAT_TEMPLATES) + CHAT_TASKS_4)
 
 
 def build(seed: int = 0) -> dict[str, list[dict]]:
@@ -311,7 +416,10 @@ def build(seed: int = 0) -> dict[str, list[dict]]:
                               exclude=frozenset(math_first))
     math_third = _math_train(random.Random(seed + 2), 600, MATH_TEMPLATES + MATH_TEMPLATES_2,
                              exclude=frozenset(math_first + math_second))
-    sets = {"code": (_code_train(), CODE_EVAL), "math": (math_first + math_second + math_third, MATH_EVAL),
+    math_fourth = _math_train(random.Random(seed + 3), 500, MATH_TEMPLATES_4,
+                              exclude=frozenset(math_first + math_second + math_third))
+    sets = {"code": (_code_train(), CODE_EVAL),
+            "math": (math_first + math_second + math_third + math_fourth, MATH_EVAL),
             "chat": (_chat_train(), CHAT_EVAL)}
     out: dict[str, list[dict]] = {}
     for cat, (train, evals) in sets.items():
