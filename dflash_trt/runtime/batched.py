@@ -39,12 +39,14 @@ from dflash_trt.metrics import GenerationStats
 from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache, additive_mask
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.draft_vocab import DraftVocabHead
+from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
 from dflash_trt.runtime.generate import GenerationResult, StepCallback, _finish, _truncate_at_stop
 from dflash_trt.runtime.policy import AdaptivePolicy, Decision, FixedPolicy, SpeculationPolicy
 from dflash_trt.runtime.sampling import sample
 from dflash_trt.runtime.target import TargetAdapter
 
-MASK_ATTENTION = ("sdpa", "eager")  # HF attention implementations that take an explicit 4D mask
+# HF attention implementations that take an explicit 4D mask
+MASK_ATTENTION = ("sdpa", "eager", GROUPED_SDPA)
 
 
 def unsupported_reason(target: Any, draft: DFlashDraftModel | None = None) -> str | None:

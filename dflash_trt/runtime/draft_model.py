@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
@@ -26,6 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.runtime.gqa_attention import grouped_attention
 
 if TYPE_CHECKING:
     from dflash_trt.runtime.target import TargetAdapter
@@ -172,11 +172,7 @@ class DFlashAttention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, K, hd], K = cached + C + S
         if attn_mask is None and (self.is_causal or self.sliding_window is not None):
             attn_mask = block_attention_mask(s, k.shape[-2], self.is_causal, self.sliding_window, x.device)
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=hd**-0.5)
+        out = grouped_attention(q, k, v, attn_mask, scale=hd**-0.5)  # [B, nh, S, hd], no KV copy per head
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from dflash_trt.runtime.gqa_attention import use_grouped_attention
+
 
 class TargetAdapter:
     """Wraps a frozen HF causal LM. Captures decoder-layer outputs with forward hooks."""
@@ -36,6 +38,10 @@ class TargetAdapter:
             for idx, layer in enumerate(self._decoder_layers):
                 layer.register_forward_hook(state.hook(idx))
             model.__dict__["_dflash_capture"] = state
+            # SDPA models attend to the KV cache as it is instead of copying it per query head
+            # (dflash_trt/runtime/gqa_attention.py): the batched runtime always passes a mask,
+            # which sends transformers' own SDPA path through repeat_kv
+            use_grouped_attention(model)
         self._state: _CaptureState = state
 
     # -- facts --------------------------------------------------------------------------------
