@@ -40,9 +40,10 @@ def generate_responses(model: Any, tokenizer: Any, prompts: list[Any], max_new_t
 
     Runs on the continuous-batching runtime (`batch_size` rows; a finished row takes the next
     prompt at once, float32 linears packed on CPU): every answer is exactly the batch-1 greedy
-    answer, and on the 2-core CPU it is ~1.9x faster than HF ``generate`` over fixed batches,
-    which keeps stepping finished rows until the longest answer of the batch ends. Targets the
-    runtime does not handle fall back to HF ``generate``.
+    answer, and on the 2-core CPU it is about twice as fast as HF ``generate`` over fixed batches,
+    which keeps stepping finished rows until the longest answer of the batch ends (the embedded
+    drafter's data: 0.96 s per answer at 64 rows, against 1.9 s with HF in batches of 32).
+    Targets the runtime does not handle fall back to HF ``generate``.
     """
     from dflash_trt.runtime.batched import unsupported_reason
 
