@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_trt.generation_cli import encode_prompt, stop_ids_of
     from dflash_trt.prompts import load_prompts
     from dflash_trt.runtime import autoregressive_generate
-    from dflash_trt.runtime.batched import BatchedRuntime, batched_generate
+    from dflash_trt.runtime.batched import BatchedRuntime, batched_generate, calibration_tokens
     from dflash_trt.runtime.loading import load_pair
     from dflash_trt.runtime.policy import AdaptivePolicy
 
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     cmax = max(args.concurrency)
     texts = (texts * (cmax // max(1, len(texts)) + 1))[:cmax]
     prompts = [encode_prompt(tok, t, False, int(target.config.vocab_size)) for t in texts]
-    # room for the requests, and for calibration's dummy sequences (each candidate k, 3 steps)
-    calib_len = 16 + 2 + 3 * len(AdaptivePolicy(draft.block_size).candidates or []) * draft.block_size
+    # room for the requests, and for calibration's dummy sequences (16-token prompts)
+    calib_len = 16 + calibration_tokens(len(AdaptivePolicy(draft.block_size).candidates or []), draft.block_size)
     max_len = max(max(map(len, prompts)) + args.max_tokens, calib_len)
 
     truth: list[list[int]] = []
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         policy = AdaptivePolicy(draft.block_size)
         rt = BatchedRuntime(target, draft, max_batch=c, max_seq_len=max_len, policy=policy)
         t = time.perf_counter()
-        rt.calibrate([c], reps=2)
+        rt.calibrate([c])
         calib_s = time.perf_counter() - t
         plain_s = dflash_s = float("inf")
         for _ in range(args.repeats):  # alternate, so load from other processes hits both alike

@@ -26,6 +26,7 @@ and attention implementations that reject a 4D mask (flash_attention_2).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -105,6 +106,12 @@ class BatchedSequence:
     @property
     def remaining(self) -> int:
         return self.request.max_new_tokens - len(self.out)
+
+
+def calibration_tokens(num_candidates: int, block_size: int, reps: int = 3) -> int:
+    """Tokens each dummy sequence of :meth:`BatchedRuntime.calibrate` may generate (its prompt
+    comes on top): prefill, one untimed pass, then `reps` rounds over the candidates."""
+    return 2 + (1 + reps) * num_candidates * block_size
 
 
 def _round_up(x: int, m: int, cap: int) -> int:
@@ -415,7 +422,7 @@ class BatchedRuntime:
             s.slot = -1
 
     @torch.inference_mode()
-    def calibrate(self, batch_sizes: Sequence[int], prompt_len: int = 16, reps: int = 2,
+    def calibrate(self, batch_sizes: Sequence[int], prompt_len: int = 16, reps: int = 3,
                   progress: Any = None) -> None:
         """Measure the step cost of every candidate k at each batch size (dummy prompts, greedy)
         into the adaptive policy's cost table; online measurements refine it afterwards."""
@@ -423,7 +430,7 @@ class BatchedRuntime:
         if not isinstance(policy, AdaptivePolicy) or self.has_work():
             raise DFlashError("calibrate() needs an idle runtime with the adaptive policy")
         cands = list(policy.candidates or [0])
-        budget = 2 + (1 + reps) * len(cands) * self.block_size
+        budget = calibration_tokens(len(cands), self.block_size, reps)
         if prompt_len + budget > self.max_seq_len:
             raise DFlashError(f"max_seq_len={self.max_seq_len} is too small to calibrate ({prompt_len + budget} needed)")
         gen = torch.Generator().manual_seed(0)
@@ -435,16 +442,22 @@ class BatchedRuntime:
                 self.policy = FixedPolicy(max(cands))
                 self.step()  # prefill
                 self.step()  # first decode pass also drafts the whole prompt's context: not timed
-                for k in cands:
-                    self.policy = FixedPolicy(k)
-                    best = float("inf")
-                    for _ in range(reps):
+                # Rounds over all candidates, not all reps of one k after another, and the median,
+                # not the minimum: k = 0 is re-measured online on every plain step (an average under
+                # whatever load the machine has), so a k > 0 entry kept at its luckiest sample would
+                # look cheaper than it is next to it, and the policy would speculate where it loses.
+                samples: dict[int, list[float]] = {k: [] for k in cands}
+                for _ in range(reps):
+                    for k in cands:
+                        self.policy = FixedPolicy(k)
                         t = time.perf_counter()
                         self.step()
-                        best = min(best, time.perf_counter() - t)
-                    policy.costs.set(n, k, best)
+                        samples[k].append(time.perf_counter() - t)
+                for k in cands:
+                    cost = statistics.median(samples[k])
+                    policy.costs.set(n, k, cost)
                     if progress is not None:
-                        progress(n, k, best)
+                        progress(n, k, cost)
                 for s in seqs:
                     self.cancel(s)
         finally:
