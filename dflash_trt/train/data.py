@@ -28,7 +28,7 @@ def chat_prompt_ids(tokenizer: Any | None, prompt: str, vocab_size: int) -> list
 
 
 def generate_responses(model: Any, tokenizer: Any, prompts: list[Any], max_new_tokens: int = 256,
-                       batch_size: int = 16, on_batch=None,
+                       batch_size: int = 64, on_batch=None,
                        capture_layer_ids: list[int] | None = None) -> list[dict[str, Any]]:
     """Greedy answers of `model` for `prompts` (objects with .id/.category/.prompt), batched.
 
