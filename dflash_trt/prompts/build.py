@@ -376,13 +376,72 @@ MATH_TEMPLATES_4 = [
 ]
 
 
+# Fifth wave (appended again; earlier ids stay valid): new phrasings across every train subject,
+# task templates over new activity/story/email subjects, and more math. None of the eval subjects
+# (moon, compass, trees, apartments, winter, flights, apologies, phone photos, earthquakes,
+# birthday parties, computer security, dragons, gardening were left out by hand).
+CODE_TEMPLATES_5 = [
+    "Write a Python function that {t}. Keep it short and explain how it works.",
+    "Can you write Python code that {t}? Show an example call.",
+    "Write a Python function that {t}, with a comment on each step.",
+]
+CHAT_TEMPLATES_5 = [
+    "Tell me about {t}.",
+    "Explain {t} step by step.",
+    "Write a short explanation of {t} for a student.",
+]
+CHAT_ACTIVITIES_5 = [
+    "learning to knit", "keeping a tidy kitchen", "writing a weekly plan", "training for a half marathon",
+    "hosting a dinner for friends", "learning to play chess", "saving for a new bike", "starting a podcast",
+    "studying for a history test", "making bread at home", "painting a room", "choosing a new laptop",
+    "caring for a rabbit", "learning to juggle", "reading more books", "cycling to work",
+    "baking cookies with children", "working from home", "starting a small business", "writing a blog",
+    "learning to sew", "preparing for a driving test", "volunteering at a food bank", "visiting a museum with kids",
+    "shopping at a farmers market", "keeping a budget as a student", "learning to meditate",
+    "fixing a flat bike tire", "moving to a new city", "learning to play the piano",
+]
+CHAT_ACTIVITY_TEMPLATES_5 = [
+    "Give me five tips for {t}.",
+    "How do I get started with {t}?",
+    "What are common mistakes people make when {t}?",
+]
+CHAT_STORY_SUBJECTS_5 = [
+    "a cat who wants to fly", "an old bookshop", "a robot chef", "a windy afternoon", "a lost umbrella",
+    "a busy market", "a village by the sea", "a train at night", "a quiet library", "a young inventor",
+    "a brave little mouse", "a field of sunflowers", "a kite stuck in a tree", "a rainy bus stop", "a friendly ghost",
+    "the last day of school", "a mountain path", "a talking parrot", "a lighthouse in a storm",
+    "a balloon that floats away",
+]
+CHAT_STORY_TEMPLATES_5 = ["Write a short poem about {t}.", "Write a short story about {t}."]
+CHAT_EMAIL_PURPOSES_5 = [
+    "asking a landlord to fix a leaking tap", "inviting a speaker to a school event", "asking for a day off",
+    "thanking a client for their order", "requesting a refund for a broken kettle",
+    "introducing yourself to a new team", "asking a professor for a recommendation letter",
+    "confirming a dentist appointment", "following up after an interview", "asking a neighbour to keep the noise down",
+]
+MATH_TEMPLATES_5 = [
+    "{n} has {e} dollars and spends {a} dollars on {i}. How much money is left? Explain step by step.",
+    "A school orders {d} boxes of {i} with {a} in each box. How many {i} is that in total? Show your work.",
+    "What is {b} percent of {e}? Show the calculation.",
+    "A car travels {e} km in {d} hours. What is its average speed? Explain step by step.",
+    "{n} cuts a {e} cm ribbon into pieces of {d} cm. How many whole pieces are there, and how much is left over?",
+    "The price of a game goes up from {a} dollars to {e} dollars. By how many dollars did it rise, and by what percent?",
+    "Solve for x: {d}x = {c}. Show each step.",
+    "What is the perimeter of a rectangle that is {a} m long and {b} m wide? Explain how you computed it.",
+    "{n} plants {d} rows of {a} flowers. {b} flowers do not grow. How many flowers grow? Show your work.",
+    "A water bottle holds {d} liters. How many bottles are needed to fill a {c} liter tank?",
+]
+
+
 def _fill(subjects: list[str], templates: list[str]) -> list[str]:
     return [tpl.format(t=t) for t, tpl in itertools.product(subjects, templates)]
 
 
 def _code_train() -> list[str]:
     return (_fill(CODE_TASKS, CODE_TEMPLATES) + _fill(CODE_TASKS_2, CODE_TEMPLATES)
-            + _fill(CODE_TASKS + CODE_TASKS_2, CODE_TEMPLATES_3) + _fill(CODE_TASKS_4, CODE_TEMPLATES))
+            + _fill(CODE_TASKS + CODE_TASKS_2, CODE_TEMPLATES_3) + _fill(CODE_TASKS_4, CODE_TEMPLATES)
+            + _fill(CODE_TASKS_4, CODE_TEMPLATES_3)
+            + _fill(CODE_TASKS + CODE_TASKS_2 + CODE_TASKS_4, CODE_TEMPLATES_5))
 
 
 def _math_train(rng: random.Random, n: int, templates: list[str], exclude: frozenset[str] = frozenset()) -> list[str]:
@@ -406,7 +465,12 @@ def _chat_train() -> list[str]:
     return (_fill(CHAT_TOPICS, CHAT_TEMPLATES) + CHAT_TASKS
             + _fill(CHAT_TOPICS_2, CHAT_TEMPLATES) + CHAT_TASKS_2
             + _fill(CHAT_TOPICS + CHAT_TOPICS_2, CHAT_TEMPLATES_3)
-            + _fill(CHAT_TOPICS_4, CHAT_TEMPLATES) + CHAT_TASKS_4)
+            + _fill(CHAT_TOPICS_4, CHAT_TEMPLATES) + CHAT_TASKS_4
+            + _fill(CHAT_TOPICS_4, CHAT_TEMPLATES_3)
+            + _fill(CHAT_TOPICS + CHAT_TOPICS_2 + CHAT_TOPICS_4, CHAT_TEMPLATES_5)
+            + _fill(CHAT_ACTIVITIES_5, CHAT_ACTIVITY_TEMPLATES_5)
+            + _fill(CHAT_STORY_SUBJECTS_5, CHAT_STORY_TEMPLATES_5)
+            + [f"Write a polite email {t}." for t in CHAT_EMAIL_PURPOSES_5])
 
 
 def build(seed: int = 0) -> dict[str, list[dict]]:
@@ -418,8 +482,10 @@ def build(seed: int = 0) -> dict[str, list[dict]]:
                              exclude=frozenset(math_first + math_second))
     math_fourth = _math_train(random.Random(seed + 3), 500, MATH_TEMPLATES_4,
                               exclude=frozenset(math_first + math_second + math_third))
+    math_fifth = _math_train(random.Random(seed + 4), 700, MATH_TEMPLATES_5,
+                             exclude=frozenset(math_first + math_second + math_third + math_fourth))
     sets = {"code": (_code_train(), CODE_EVAL),
-            "math": (math_first + math_second + math_third + math_fourth, MATH_EVAL),
+            "math": (math_first + math_second + math_third + math_fourth + math_fifth, MATH_EVAL),
             "chat": (_chat_train(), CHAT_EVAL)}
     out: dict[str, list[dict]] = {}
     for cat, (train, evals) in sets.items():
