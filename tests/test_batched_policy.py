@@ -187,3 +187,25 @@ def test_plain_decoding_reexplores_and_recovers_when_acceptance_returns():
     assert set(ks[:first]) == {0} and first == 10  # 10 plain steps, then one re-exploration
     assert "re-explore" in policy.decisions[first].reason
     assert all(k > 0 for k in ks[first + 1 :])  # the refreshed estimate keeps it speculating
+
+
+def test_drafting_costs_follow_the_plain_cost_when_the_machine_slows_down():
+    """Calibrated on a fast minute (plain 1.0, k=1 1.3), then the shared machine slows to plain
+    2.0. k=1 is still estimated at 1.3x plain (2.6), not at its stale 1.3 s, so an expected
+    1.25 tokens per row does not make it look 1.9x faster than plain decoding."""
+    costs = CostTable()
+    for k, s in {0: 1.0, 1: 1.3}.items():
+        costs.set(4, k, s)
+    policy = AdaptivePolicy(4, costs=costs, candidates=[0, 1], prior_weight=1e-9, reexplore_every=0)
+    for i in range(100):
+        policy.observe_acceptance(1, int(i % 4 == 0))  # P(a >= 1) = 0.25
+    assert policy.choose(4, 3).k == 0
+    for _ in range(30):
+        policy.observe_step(4, 0, 2.0)
+    assert costs.estimate(4, 1) == pytest.approx(1.3 * costs.estimate(4, 0))
+    assert costs.estimate(4, 0) == pytest.approx(2.0, rel=0.01)
+    assert policy.choose(4, 3).k == 0
+    # an online drafting step updates the ratio against the plain cost of its own moment
+    policy.observe_step(4, 1, 2.0)
+    assert costs.ratio(4, 1) == pytest.approx(0.8 * 1.3 + 0.2 * 1.0, rel=0.01)
+    assert policy.summary()["step_cost_vs_plain"]["1"]["4"] == pytest.approx(costs.ratio(4, 1), abs=1e-3)

@@ -13,7 +13,8 @@ maximises expected output tokens per second for the whole batch:
 dflash_trt.metrics: a step accepts slot j only if it accepted every slot before it), decayed so
 it follows the current traffic. ``cost(n, k)`` is the measured wall time of one decoding step
 (draft pass + verification pass) with n rows and k draft tokens each: from a short calibration
-at start-up and refined online (EMA of every step). k = 0 costs exactly a plain decoding step,
+at start-up and refined online (EMA of every step); for k > 0 it is kept as a ratio to the plain
+step measured at the same time (see CostTable), so the comparison survives machine-speed drift. k = 0 costs exactly a plain decoding step,
 so when the cost model is right the policy is never slower than plain decoding.
 """
 
@@ -68,18 +69,55 @@ class FixedPolicy:
         pass
 
 
+def _interpolate(row: dict[int, float], batch: int, proportional_above: bool) -> float:
+    """Value at `batch` from measurements at some row counts: linear between them, the smallest's
+    below them (a step has a fixed overhead: fewer rows are no cheaper), and above the largest
+    either proportional to rows (absolute step costs) or held (ratios between step costs)."""
+    if batch in row:
+        return row[batch]
+    ns = sorted(row)
+    i = bisect.bisect_left(ns, batch)
+    if i == 0:
+        return row[ns[0]]
+    if i == len(ns):
+        return row[ns[-1]] * batch / ns[-1] if proportional_above else row[ns[-1]]
+    lo, hi = ns[i - 1], ns[i]
+    w = (batch - lo) / (hi - lo)
+    return (1 - w) * row[lo] + w * row[hi]
+
+
 @dataclass
 class CostTable:
-    """Measured seconds per decoding step, keyed by (rows, k). Interpolates between measured row
-    counts (linear in rows), extrapolates proportionally above the largest one."""
+    """Measured seconds per decoding step, keyed by (rows, k).
+
+    A drafting step (k > 0) is estimated as plain step x ratio, not from its own absolute seconds:
+    the plain cost is re-measured online on every plain step, while a k > 0 entry is refreshed
+    only when the policy drafts. On a shared machine whose speed drifts (here +-10% within
+    minutes), absolute entries measured at different times compare two different machines, and a
+    stale k > 0 entry from a fast minute looks cheap next to a plain cost from a slow one. Ratios
+    are taken within one moment: calibration measures all k in the same round, and an online
+    k > 0 step is divided by the plain cost the table holds at that time."""
 
     ema: float = 0.2  # weight of a new online measurement
     table: dict[int, dict[int, float]] = field(default_factory=dict)  # k -> {rows: seconds}
+    ratios: dict[int, dict[int, float]] = field(default_factory=dict)  # k > 0 -> {rows: cost / plain cost}
 
     def set(self, batch: int, k: int, seconds: float) -> None:
         self.table.setdefault(k, {})[batch] = seconds
+        plain = self.table.get(0, {}).get(batch)
+        if k > 0 and plain:
+            self.ratios.setdefault(k, {})[batch] = seconds / plain
+        elif k == 0 and seconds > 0:  # calibration may set the plain cost after the others
+            for kk, row in self.table.items():
+                if kk > 0 and batch in row:
+                    self.ratios.setdefault(kk, {})[batch] = row[batch] / seconds
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
+        if k > 0 and self.known(0):
+            ratio = seconds / self.estimate(batch, 0)
+            row = self.ratios.setdefault(k, {})
+            old = row.get(batch)
+            row[batch] = ratio if old is None else (1 - self.ema) * old + self.ema * ratio
         row = self.table.setdefault(k, {})
         old = row.get(batch)
         row[batch] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
@@ -87,24 +125,23 @@ class CostTable:
     def known(self, k: int) -> bool:
         return bool(self.table.get(k))
 
+    def ratio(self, batch: int, k: int) -> float | None:
+        """Estimated cost(batch, k) / cost(batch, 0), or None when never measured side by side."""
+        row = self.ratios.get(k)
+        return _interpolate(row, batch, proportional_above=False) if row else None
+
     def estimate(self, batch: int, k: int) -> float | None:
+        ratio = self.ratio(batch, k) if k > 0 else None
+        if ratio is not None:
+            return ratio * _interpolate(self.table[0], batch, proportional_above=True)
         row = self.table.get(k)
-        if not row:
-            return None
-        if batch in row:
-            return row[batch]
-        ns = sorted(row)
-        i = bisect.bisect_left(ns, batch)
-        if i == 0:  # below the smallest measurement: assume no cheaper (fixed per-step overhead)
-            return row[ns[0]]
-        if i == len(ns):
-            return row[ns[-1]] * batch / ns[-1]
-        lo, hi = ns[i - 1], ns[i]
-        w = (batch - lo) / (hi - lo)
-        return (1 - w) * row[lo] + w * row[hi]
+        return _interpolate(row, batch, proportional_above=True) if row else None
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         return {str(k): {str(n): round(s, 6) for n, s in sorted(v.items())} for k, v in sorted(self.table.items())}
+
+    def ratios_dict(self) -> dict[str, dict[str, float]]:
+        return {str(k): {str(n): round(r, 4) for n, r in sorted(v.items())} for k, v in sorted(self.ratios.items())}
 
 
 def default_candidates(block_size: int) -> list[int]:
@@ -200,9 +237,8 @@ class AdaptivePolicy:
             return False
         if k == 0:  # the baseline every draft length is compared with
             return True
-        plain = self.costs.table.get(0, {})
         gain = 1.0 + sum(q[:k])
-        return not any(n in plain and row[n] / plain[n] >= gain for n in row)
+        return not any(r >= gain for r in self.costs.ratios.get(k, {}).values())
 
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, batch: int, k_max: int) -> Decision:
@@ -258,6 +294,7 @@ class AdaptivePolicy:
             "candidates": list(self.candidates or ()),
             "position_acceptance": [round(p, 4) for p in self.position_acceptance()],
             "step_cost_s": self.costs.to_dict(),
+            "step_cost_vs_plain": self.costs.ratios_dict(),
             "recent_k_counts": {str(k): v for k, v in sorted(counts.items())},
             "last_decision": self.decisions[-1].to_dict() if self.decisions else None,
         }
