@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             "calibration_s": calib_s,
             "k_counts": ks,
             "step_cost_s": policy.costs.to_dict(),
+            "step_cost_vs_plain": policy.costs.ratios_dict(),
             "plain_equals_single": [r.output_ids for r in plain] == truth[:c] if truth else None,
             "dflash_equals_single": [r.output_ids for r in dfl] == truth[:c] if truth else None,
         }
