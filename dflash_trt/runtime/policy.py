@@ -16,6 +16,12 @@ it follows the current traffic. ``cost(n, k)`` is the measured wall time of one 
 at start-up and refined online (EMA of every step); for k > 0 it is kept as a ratio to the plain
 step measured at the same time (see CostTable), so the comparison survives machine-speed drift. k = 0 costs exactly a plain decoding step,
 so when the cost model is right the policy is never slower than plain decoding.
+
+Not charged separately: the drafter's catch-up after plain steps (its pass first consumes the
+context those steps committed). The drafter consumes every committed token once, whichever kind
+of step produced it, so switching does not add to that work; it only moves it to the step that
+drafts next. A per-step charge for it would make the policy refuse to draft after any long
+streak, a long prompt included, until the next re-exploration.
 """
 
 from __future__ import annotations
