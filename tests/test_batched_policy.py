@@ -7,7 +7,7 @@ import pytest
 
 from dflash_trt.runtime import dflash_generate
 from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
-from dflash_trt.runtime.policy import AdaptivePolicy, CostTable, default_candidates
+from dflash_trt.runtime.policy import AdaptivePolicy, CostTable, Decision, FixedPolicy, default_candidates
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8, 9, 10, 11], [3, 3]]
@@ -209,3 +209,38 @@ def test_drafting_costs_follow_the_plain_cost_when_the_machine_slows_down():
     policy.observe_step(4, 1, 2.0)
     assert costs.ratio(4, 1) == pytest.approx(0.8 * 1.3 + 0.2 * 1.0, rel=0.01)
     assert policy.summary()["step_cost_vs_plain"]["1"]["4"] == pytest.approx(costs.ratio(4, 1), abs=1e-3)
+
+
+class _Recorder(FixedPolicy):
+    """Alternates plain and 1-draft steps and records which steps the runtime times."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.chosen: list[int] = []
+        self.timed: list[int] = []
+
+    def choose(self, batch, k_max):
+        k = min(len(self.chosen) // 3 % 2, k_max)  # 0 0 0 1 1 1 0 0 0 ...
+        self.chosen.append(k)
+        return Decision(batch, k, reason="test")
+
+    def observe_step(self, batch, k, seconds):
+        self.timed.append(len(self.chosen) - 1)
+
+
+def test_drafting_steps_that_catch_the_drafter_up_are_not_timed():
+    """The first drafting step after plain steps also drafts over their commits (the first one
+    after the prompt: over the prompt). Its cost is not a steady drafting step's, and feeding it to
+    the cost table would price drafting out after every re-exploration probe."""
+    target = tiny_target("llama", seed=4)
+    draft = random_draft(target.config, block_size=4, seed=4)
+    policy = _Recorder()
+    rt = BatchedRuntime(target, draft, max_batch=1, max_seq_len=64, policy=policy)
+    rt.add(SequenceRequest([1, 2, 3, 4, 5], 14))
+    rt.run()
+    ks = policy.chosen
+    catch_up = {i for i, k in enumerate(ks) if k > 0 and (i == 0 or ks[i - 1] == 0)}
+    assert catch_up and any(k > 0 and i not in catch_up for i, k in enumerate(ks))
+    # every decode step is timed (the prompt's prefill had a step of its own) except the drafting
+    # steps that catch up
+    assert set(policy.timed) == {i for i in range(len(ks)) if i not in catch_up}

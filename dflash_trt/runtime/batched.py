@@ -88,6 +88,7 @@ class BatchedSequence:
     out: list[int] = field(default_factory=list)
     start: int = 0  # positions in the target KV cache (committed tokens minus the pending one)
     draft_len: int = 0  # context positions already in the draft KV cache
+    drafted_last: bool = False  # its previous step drafted: the drafter's backlog is that step's commits only
     stats: GenerationStats = field(default_factory=GenerationStats)
     t0: float = 0.0  # admission time (ttft_s and total_time_s are measured from here)
     generator: torch.Generator | None = None
@@ -176,6 +177,7 @@ class BatchedRuntime:
         self.waiting: deque[BatchedSequence] = deque()
         self.steps = 0
         self.last_decision: Decision | None = None
+        self._catching_up = False  # this step's draft pass also consumes a prompt or plain steps' commits
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, request: SequenceRequest) -> BatchedSequence:
@@ -244,7 +246,10 @@ class BatchedRuntime:
                 seq.start += a + 1  # block[0..a] stay in the cache; posterior[a] is the new pending
                 if self._commit(seq, [int(t) for t in flat[i * width: i * width + a + 1]]):
                     finished.append(seq)
-            if first is None:  # steps with a prefill would bias the decode cost
+            # Untimed: steps with a prefill, and drafting steps that first catch the drafter up on a
+            # prompt or on plain steps' commits (their cost says nothing about steady drafting, and
+            # a re-exploration probe after a long plain streak would otherwise price drafting out)
+            if first is None and not self._catching_up:
                 self.policy.observe_step(n_old, self.last_decision.k if self.last_decision else 0, now - t_step)
         if first is not None:
             for seq, tok in zip(new, host[len(host) - len(new):]):
@@ -340,6 +345,9 @@ class BatchedRuntime:
             decision = self.policy.choose(n, k_max)
         self.last_decision = decision
         k = decision.k
+        self._catching_up = k > 0 and not all(s.drafted_last for s in seqs)
+        for s in seqs:
+            s.drafted_last = k > 0
         k_rows = [min(k, s.remaining - 1) for s in seqs]
         starts = torch.tensor([s.start for s in seqs], device=dev)  # [n]
         arange = torch.arange(k + 1, device=dev)
