@@ -158,15 +158,16 @@ def test_a_marginal_estimated_gain_keeps_plain_decoding():
 
 
 def test_reexploration_backs_off_while_plain_decoding_stays_best():
-    """A drafter that never pays is probed after 8, then 16, then 32 plain steps, not every 8."""
+    """A drafter that never pays is probed after 8, then 16, then 32 plain steps, not every 8. A
+    probe is two drafting steps: the runtime does not time the first (it catches the drafter up)."""
     policy = AdaptivePolicy(8, costs=_costs(lambda n, k: 1.0 + 0.5 * k), candidates=[0, 1, 3, 7], reexplore_every=8)
     probes = []
-    for step in range(8 + 16 + 32 + 3):
+    for step in range(8 + 16 + 32 + 6):
         d = policy.choose(1, 7)
         if d.k:
             probes.append(step)
             policy.observe_acceptance(d.k, 0)
-    assert probes == [8, 8 + 16 + 1, 8 + 16 + 32 + 2]
+    assert probes == [8, 9, 8 + 16 + 2, 8 + 16 + 3, 8 + 16 + 32 + 4, 8 + 16 + 32 + 5]
 
 
 def test_plain_decoding_reexplores_and_recovers_when_acceptance_returns():
@@ -244,3 +245,27 @@ def test_drafting_steps_that_catch_the_drafter_up_are_not_timed():
     # every decode step is timed (the prompt's prefill had a step of its own) except the drafting
     # steps that catch up
     assert set(policy.timed) == {i for i in range(len(ks)) if i not in catch_up}
+
+
+def test_stale_low_acceptance_fades_during_plain_decoding():
+    """One unpredictable stretch drove the estimate to ~0 and the policy to plain decoding. Plain
+    steps age that evidence, so the policy drafts again on its own (well before the re-exploration
+    interval) and lets fresh acceptance decide."""
+    policy = AdaptivePolicy(8, costs=_costs(lambda n, k: 1.0 + 0.05 * k), candidates=[0, 1, 3, 7],
+                            reexplore_every=10_000)
+    for _ in range(200):
+        policy.observe_acceptance(7, 0)
+    ks = [policy.choose(1, 7).k for _ in range(2000)]
+    first = next((i for i, k in enumerate(ks) if k), None)
+    assert ks[0] == 0 and first is not None and first < 2000
+    assert policy.decisions[-1].reason == "max est_tokens_per_s"
+
+
+def test_one_slow_drafting_step_moves_the_cost_ratio_a_little():
+    costs = CostTable()
+    costs.set(1, 0, 1.0)
+    costs.set(1, 3, 1.3)
+    costs.observe(1, 3, 10.0)  # the shared machine stalled during this step
+    assert costs.ratio(1, 3) == pytest.approx(0.8 * 1.3 + 0.2 * 1.3 * 1.25)
+    costs.observe(1, 0, 3.0)  # plain costs follow the machine unclipped
+    assert costs.estimate(1, 0) == pytest.approx(0.8 + 0.2 * 3.0)

@@ -105,6 +105,7 @@ class CostTable:
     k > 0 step is divided by the plain cost the table holds at that time."""
 
     ema: float = 0.2  # weight of a new online measurement
+    clip: float = 1.25  # an online ratio sample counts as at most this factor off the estimate
     table: dict[int, dict[int, float]] = field(default_factory=dict)  # k -> {rows: seconds}
     ratios: dict[int, dict[int, float]] = field(default_factory=dict)  # k > 0 -> {rows: cost / plain cost}
 
@@ -120,13 +121,21 @@ class CostTable:
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         if k > 0 and self.known(0):
-            ratio = seconds / self.estimate(batch, 0)
-            row = self.ratios.setdefault(k, {})
-            old = row.get(batch)
-            row[batch] = ratio if old is None else (1 - self.ema) * old + self.ema * ratio
-        row = self.table.setdefault(k, {})
+            self._blend(self.ratios.setdefault(k, {}), batch, seconds / self.estimate(batch, 0), self.clip)
+        self._blend(self.table.setdefault(k, {}), batch, seconds)
+
+    def _blend(self, row: dict[int, float], batch: int, sample: float, clip: float | None = None) -> None:
+        """EMA; with `clip`, each sample counts as at most clip x off the estimate, so one step
+        slowed by the shared machine moves a ratio by a few percent only. (Ratios are clipped: a
+        drafting cost is refreshed only while the policy drafts, so one unclipped hiccup could stop
+        it for good. Plain costs are refreshed on every plain step and follow the machine freely.)"""
         old = row.get(batch)
-        row[batch] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        if old is None:
+            row[batch] = sample
+            return
+        if clip:
+            sample = min(max(sample, old / clip), old * clip)
+        row[batch] = (1 - self.ema) * old + self.ema * sample
 
     def known(self, k: int) -> bool:
         return bool(self.table.get(k))
@@ -177,18 +186,20 @@ class AdaptivePolicy:
     prior: float = 0.5
     prior_weight: float = 4.0
     decay: float = 0.995  # per observed row-step: forget old traffic slowly
+    forget: float = 0.99  # per plain row-step: unobserved time ages the evidence faster (see _forget)
     log_size: int = 256
     # speculate only when its estimate beats plain decoding by this fraction: estimates are noisy,
     # and a marginal "win" that is really a loss would break the never-slower-than-plain promise
     margin: float = 0.1
     explore: bool = True  # measure each candidate online where the cost table cannot vouch for it
     explore_growth: float = 1.5  # a batch this much larger than any measured one is measured anew
-    # After this many plain steps in a row, speculate once with the best positive k: acceptance is
+    # After this many plain steps in a row, speculate (two steps) with the best positive k: acceptance is
     # only learned from steps that draft, so without this a policy that settled on plain decoding
     # would never notice that traffic became predictable again. The wait doubles after each probe
     # that changes nothing (64, 128, ... 1024 steps), so a useless drafter costs almost nothing.
     reexplore_every: int = 64
     _plain_streak: int = field(default=0, init=False)
+    _probe_again: int = field(default=0, init=False)  # k of a probe's second step (0: none due)
     _reexplore_interval: int = field(default=0, init=False)
     _drafted: list[float] = field(init=False)
     _accepted: list[float] = field(init=False)
@@ -209,6 +220,16 @@ class AdaptivePolicy:
         for j in range(drafted):
             self._drafted[j] = self._drafted[j] * self.decay + 1.0
             self._accepted[j] = self._accepted[j] * self.decay + float(j < accepted)
+
+    def _forget(self, rows: int) -> None:
+        """Age the acceptance evidence by a plain step's row-steps, as if they had been observed.
+        Acceptance is only learned from drafting steps; without this, one stretch of unpredictable
+        text (a chat answer) would pin the estimate low for every later request, and a
+        re-exploration probe adds too little evidence to move it. As old evidence fades the estimate
+        returns towards the prior, the policy drafts again, and fresh observations decide."""
+        f = self.forget ** rows
+        self._drafted = [d * f for d in self._drafted]
+        self._accepted = [a * f for a in self._accepted]
 
     def position_acceptance(self) -> list[float]:
         """Estimated P(a >= j) for j = 1..block_size-1, non-increasing."""
@@ -249,6 +270,14 @@ class AdaptivePolicy:
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, batch: int, k_max: int) -> Decision:
         q = self.position_acceptance()
+        if self._probe_again and min(self._probe_again, k_max) > 0:
+            # A probe's first step drafts over the plain streak's commits too, so the runtime does
+            # not time it (BatchedRuntime.step); the second step gives a clean cost measurement.
+            k, self._probe_again = min(self._probe_again, k_max), 0
+            d = Decision(batch, k, 1.0 + sum(q[:k]), reason="re-explore, second step: measure the cost")
+            self.decisions.append(d)
+            return d
+        self._probe_again = 0
         ks = sorted({min(k, k_max) for k in self.candidates or ()})
         if self.explore:  # measure a candidate online when the table cannot vouch for its cost here
             unmeasured = [k for k in ks if k in (self.candidates or ()) and self._needs_measurement(batch, k, q)]
@@ -271,6 +300,7 @@ class AdaptivePolicy:
                 best_drafting = d
         if best is not None and best.k == 0:
             self._plain_streak += 1
+            self._forget(batch)
         else:  # speculation pays again: probe at the base rate next time it stops paying
             self._plain_streak, self._reexplore_interval = 0, self.reexplore_every
         if best_drafting is not None and self.reexplore_every and self._plain_streak > self._reexplore_interval:
@@ -279,6 +309,7 @@ class AdaptivePolicy:
             # each probe that finds plain decoding still best doubles the wait (up to 16x), so a
             # drafter that never pays costs a vanishing fraction of steps
             self._reexplore_interval = min(2 * self._reexplore_interval, 16 * self.reexplore_every)
+            self._probe_again = best_drafting.k
             self.decisions.append(best_drafting)
             return best_drafting
         if best is None:  # nothing measured yet: speculate fully (the reference loop's choice)
