@@ -269,3 +269,21 @@ def test_one_slow_drafting_step_moves_the_cost_ratio_a_little():
     assert costs.ratio(1, 3) == pytest.approx(0.8 * 1.3 + 0.2 * 1.3 * 1.25)
     costs.observe(1, 0, 3.0)  # plain costs follow the machine unclipped
     assert costs.estimate(1, 0) == pytest.approx(0.8 + 0.2 * 3.0)
+
+
+def test_a_stale_plain_cost_does_not_rescale_drafting_costs():
+    """While the policy drafts on every step the plain cost is not re-measured; ratio samples taken
+    against it stop after `fresh_within` steps, and resume after the next plain step."""
+    costs = CostTable(fresh_within=4)
+    costs.set(8, 0, 1.0)
+    costs.set(8, 1, 1.4)
+    for _ in range(4):
+        costs.observe(8, 1, 1.0)  # looks cheaper than calibrated: the plain cost may be stale
+    frozen = costs.ratio(8, 1)
+    assert frozen < 1.4
+    for _ in range(10):
+        costs.observe(8, 1, 1.0)
+    assert costs.ratio(8, 1) == frozen and costs.table[1][8] < 1.4  # the absolute entry still follows
+    costs.observe(8, 0, 0.8)
+    costs.observe(8, 1, 1.0)
+    assert costs.ratio(8, 1) != frozen

@@ -102,15 +102,21 @@ class CostTable:
     minutes), absolute entries measured at different times compare two different machines, and a
     stale k > 0 entry from a fast minute looks cheap next to a plain cost from a slow one. Ratios
     are taken within one moment: calibration measures all k in the same round, and an online
-    k > 0 step is divided by the plain cost the table holds at that time."""
+    k > 0 step is divided by the plain cost at the same row count, if that was measured recently
+    (otherwise the step refreshes only its absolute entry)."""
 
     ema: float = 0.2  # weight of a new online measurement
     clip: float = 1.25  # an online ratio sample counts as at most this factor off the estimate
+    fresh_within: int = 32  # a plain cost measured this many observed steps ago still counts as current
+    _observed: int = field(default=0, init=False)
+    _plain_seen: dict[int, int] = field(default_factory=dict, init=False)  # rows -> _observed at the last plain step
     table: dict[int, dict[int, float]] = field(default_factory=dict)  # k -> {rows: seconds}
     ratios: dict[int, dict[int, float]] = field(default_factory=dict)  # k > 0 -> {rows: cost / plain cost}
 
     def set(self, batch: int, k: int, seconds: float) -> None:
         self.table.setdefault(k, {})[batch] = seconds
+        if k == 0:
+            self._plain_seen[batch] = self._observed
         plain = self.table.get(0, {}).get(batch)
         if k > 0 and plain:
             self.ratios.setdefault(k, {})[batch] = seconds / plain
@@ -120,8 +126,14 @@ class CostTable:
                     self.ratios.setdefault(kk, {})[batch] = row[batch] / seconds
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
-        if k > 0 and self.known(0):
-            self._blend(self.ratios.setdefault(k, {}), batch, seconds / self.estimate(batch, 0), self.clip)
+        self._observed += 1
+        if k == 0:
+            self._plain_seen[batch] = self._observed
+        elif self._observed - self._plain_seen.get(batch, -self.fresh_within - 1) <= self.fresh_within:
+            # a ratio sample needs a plain cost of this moment: while the policy drafts on every
+            # step the plain entry goes stale, and dividing by a plain cost from a slow minute
+            # would make drafting look cheap (seen: k=1 "0.9x plain" at 4-6 rows)
+            self._blend(self.ratios.setdefault(k, {}), batch, seconds / self.table[0][batch], self.clip)
         self._blend(self.table.setdefault(k, {}), batch, seconds)
 
     def _blend(self, row: dict[int, float], batch: int, sample: float, clip: float | None = None) -> None:
