@@ -14,8 +14,9 @@ dflash_trt.metrics: a step accepts slot j only if it accepted every slot before 
 it follows the current traffic. ``cost(n, k)`` is the measured wall time of one decoding step
 (draft pass + verification pass) with n rows and k draft tokens each: from a short calibration
 at start-up and refined online (EMA of every step); for k > 0 it is kept as a ratio to the plain
-step measured at the same time (see CostTable), so the comparison survives machine-speed drift. k = 0 costs exactly a plain decoding step,
-so when the cost model is right the policy is never slower than plain decoding.
+step measured at the same time (see CostTable), so the comparison survives machine-speed drift.
+k = 0 costs exactly a plain decoding step, so when the cost model is right the policy is never
+slower than plain decoding.
 
 Not charged separately: the drafter's catch-up after plain steps (its pass first consumes the
 context those steps committed). The drafter consumes every committed token once, whichever kind
@@ -118,12 +119,10 @@ class CostTable:
         if k == 0:
             self._plain_seen[batch] = self._observed
         plain = self.table.get(0, {}).get(batch)
-        if k > 0 and plain:
-            self.ratios.setdefault(k, {})[batch] = seconds / plain
-        elif k == 0 and seconds > 0:  # calibration may set the plain cost after the others
+        if plain:  # whichever of a round's entries comes last completes the ratios at this batch
             for kk, row in self.table.items():
                 if kk > 0 and batch in row:
-                    self.ratios.setdefault(kk, {})[batch] = row[batch] / seconds
+                    self.ratios.setdefault(kk, {})[batch] = row[batch] / plain
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         self._observed += 1
@@ -282,14 +281,13 @@ class AdaptivePolicy:
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, batch: int, k_max: int) -> Decision:
         q = self.position_acceptance()
-        if self._probe_again and min(self._probe_again, k_max) > 0:
+        probe, self._probe_again = min(self._probe_again, k_max), 0
+        if probe > 0:
             # A probe's first step drafts over the plain streak's commits too, so the runtime does
             # not time it (BatchedRuntime.step); the second step gives a clean cost measurement.
-            k, self._probe_again = min(self._probe_again, k_max), 0
-            d = Decision(batch, k, 1.0 + sum(q[:k]), reason="re-explore, second step: measure the cost")
+            d = Decision(batch, probe, 1.0 + sum(q[:probe]), reason="re-explore, second step: measure the cost")
             self.decisions.append(d)
             return d
-        self._probe_again = 0
         ks = sorted({min(k, k_max) for k in self.candidates or ()})
         if self.explore:  # measure a candidate online when the table cannot vouch for its cost here
             unmeasured = [k for k in ks if k in (self.candidates or ()) and self._needs_measurement(batch, k, q)]
