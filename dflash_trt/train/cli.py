@@ -56,6 +56,12 @@ def setup_default(rebuild: bool) -> None:
               help="Sampled softmax: loss over the ids seen in the data plus N random others per step (~2x faster).")
 @click.option("--draft-vocab-size", type=click.IntRange(min=0),
               help="Write draft_vocab.json: the N tokens the answers use most, drafted over by the batched runtime (0: none) [8192].")
+@click.option("--device", help="Train on cpu, cuda or cuda:N [cpu]. On a GPU the target computes each step's features itself.")
+@click.option("--batch-sequences", type=click.IntRange(min=1), help="Sequences per optimizer step, in one padded forward [1; 16-64 on a GPU].")
+@click.option("--features", type=click.Choice(["cached", "online"]),
+              help="Target features computed once before training (cached) or in every step (online) [cached on cpu, else online].")
+@click.option("--extra-data", multiple=True, type=click.Path(dir_okay=False, exists=True),
+              help="More sequences to train on (responses.pt from `python -m dflash_trt.train.sampled`); repeatable.")
 @click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype on disk [bfloat16].")
 @friendly_errors
 def train_draft(target: str | None, out: str, config_file: str | None, **flags) -> None:
@@ -92,6 +98,10 @@ def _resolve_config(target: str | None, out: str, config_file: str | None, flags
             flags["target_layer_ids"] = [int(x) for x in ids.split(",")]
         except ValueError:
             raise DFlashError(f"--target-layer-ids {ids!r}: give comma-separated integers, e.g. 1,14,27")
+    if not flags.get("extra_data"):
+        flags.pop("extra_data", None)  # an empty tuple from click: keep the file's list, if any
+    else:
+        flags["extra_data"] = list(flags["extra_data"])
     base.update({k: v for k, v in flags.items() if v is not None})
     if target is None and "target" not in base:
         from dflash_trt.embedded import ensure_default_target

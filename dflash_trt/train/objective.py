@@ -47,25 +47,42 @@ def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: t
 
 def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
     """Block tokens, positions, labels and label validity for anchors. Shapes: [A, B] each."""
-    T = ids.shape[0]
-    offs = torch.arange(block_size)
-    pos = anchors[:, None] + offs[None]  # [A, B]
+    lens = torch.tensor([ids.shape[0]], device=ids.device)
+    return tuple(t[0] for t in batch_block_inputs(ids[None], lens, anchors[None], None, block_size, mask_token_id))
+
+
+def batch_block_inputs(ids: torch.Tensor, lens: torch.Tensor, anchors: torch.Tensor,
+                       anchor_ok: torch.Tensor | None, block_size: int, mask_token_id: int):
+    """`block_inputs` for S right-padded sequences: ids [S, T], lens [S], anchors [S, A] (rows
+    with fewer anchors are padded; `anchor_ok` [S, A] marks the real ones). Returns [S, A, B] each."""
+    T = ids.shape[1]
+    offs = torch.arange(block_size, device=ids.device)
+    pos = anchors[..., None] + offs  # [S, A, B]
     tokens = torch.full_like(pos, mask_token_id)
-    tokens[:, 0] = ids[anchors]
-    valid = pos < T
-    labels = torch.where(valid, ids[pos.clamp(max=T - 1)], torch.zeros_like(pos))
-    valid[:, 0] = False  # slot 0 is the given anchor, not a prediction
+    tokens[..., 0] = ids.gather(1, anchors)
+    valid = pos < lens[:, None, None]
+    if anchor_ok is not None:
+        valid &= anchor_ok[..., None]
+    labels = torch.where(valid, ids.gather(1, pos.clamp(max=T - 1).flatten(1)).view_as(pos), torch.zeros_like(pos))
+    valid[..., 0] = False  # slot 0 is the given anchor, not a prediction
     return tokens, pos, labels, valid
 
 
 def attention_mask(seq_len: int, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """Bool [1, 1, A*B, T + A*B]: context strictly before the anchor, plus the query's own block."""
-    A = anchors.shape[0]
-    q_anchor = anchors.repeat_interleave(block_size)  # [A*B]
-    ctx_vis = torch.arange(seq_len)[None, :] < q_anchor[:, None]  # [A*B, T]
-    q_block = torch.arange(A).repeat_interleave(block_size)  # [A*B]
-    blk_vis = q_block[:, None] == q_block[None, :]  # [A*B, A*B]
-    return torch.cat([ctx_vis, blk_vis], dim=1)[None, None]
+    return batch_attention_mask(seq_len, anchors[None], block_size)
+
+
+def batch_attention_mask(ctx_len: int, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Bool [S, 1, A*B, C + A*B] for anchors [S, A]. Padded context columns (>= a row's own
+    length) are never visible: every anchor lies inside its row, and context must precede it."""
+    S, A = anchors.shape
+    dev = anchors.device
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [S, A*B]
+    ctx_vis = torch.arange(ctx_len, device=dev)[None, None, :] < q_anchor[:, :, None]  # [S, A*B, C]
+    q_block = torch.arange(A, device=dev).repeat_interleave(block_size)  # [A*B]
+    blk_vis = (q_block[:, None] == q_block[None, :]).expand(S, -1, -1)  # [S, A*B, A*B]
+    return torch.cat([ctx_vis, blk_vis], dim=2)[:, None]
 
 
 def dflash_loss(
@@ -83,17 +100,38 @@ def dflash_loss(
     With `label_map`, `lm_head` scores only a subset of the vocabulary (a sampled softmax) and
     labels are translated into that subset; a label outside it is dropped from the loss.
     """
-    B, C = draft.block_size, feats.shape[0]
-    tokens, pos, labels, valid = block_inputs(ids, anchors, B, draft.mask_token_id)
-    position_ids = torch.cat([torch.arange(C), pos.reshape(-1)])[None]  # [1, C + A*B]
-    mask = attention_mask(C, anchors, B)
+    lens = torch.tensor([ids.shape[0]], device=ids.device)
+    return dflash_loss_batch(draft, embed, lm_head, ids[None], lens, feats[None], anchors[None], None, gamma, label_map)
+
+
+def dflash_loss_batch(
+    draft: DFlashDraftModel,
+    embed: torch.nn.Module,
+    lm_head: torch.nn.Module,
+    ids: torch.Tensor,  # [S, T] right-padded
+    lens: torch.Tensor,  # [S] real lengths
+    feats: torch.Tensor,  # [S, C, n*H] (rows padded past their own length; never visible there)
+    anchors: torch.Tensor,  # [S, A] (padded rows: any in-range position, with anchor_ok False)
+    anchor_ok: torch.Tensor | None,  # [S, A] bool, or None when every anchor is real
+    gamma: float,
+    label_map: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`dflash_loss` over S sequences in ONE drafter forward (the GPU trainer's step).
+
+    Every label of every sequence weighs the same: the loss is the weighted mean over all of them.
+    """
+    B, C, dev = draft.block_size, feats.shape[1], feats.device
+    S = ids.shape[0]
+    tokens, pos, labels, valid = batch_block_inputs(ids, lens, anchors, anchor_ok, B, draft.mask_token_id)
+    position_ids = torch.cat([torch.arange(C, device=dev).expand(S, -1), pos.flatten(1)], dim=1)  # [S, C + A*B]
+    mask = batch_attention_mask(C, anchors, B)
     with torch.no_grad():
-        noise = embed(tokens.reshape(1, -1))  # [1, A*B, H]
-    hidden = draft(feats[None].float(), noise, position_ids, None, mask)[0]  # [A*B, H]
+        noise = embed(tokens.flatten(1))  # [S, A*B, H]
+    hidden = draft(feats.float(), noise, position_ids, None, mask)  # [S, A*B, H]
     sel = valid.reshape(-1)
-    logits = lm_head(hidden[sel])  # [N, V]: only masked slots pay for the big head
+    logits = lm_head(hidden.reshape(-1, hidden.shape[-1])[sel])  # [N, V]: only masked slots pay for the big head
     target = labels.reshape(-1)[sel]
-    k = (torch.arange(B)[None].expand_as(valid)).reshape(-1)[sel]  # slot index 1..B-1
+    k = torch.arange(B, device=dev).expand_as(valid).reshape(-1)[sel]  # slot index 1..B-1
     if label_map is not None:
         target = label_map[target]
         keep = target >= 0
@@ -107,7 +145,8 @@ def dflash_loss(
         # expected accepted length under "accept until first miss" for these blocks
         hits = torch.zeros_like(valid, dtype=torch.float)
         hits[valid] = hit
-        run = torch.cumprod(torch.where(valid, hits, torch.zeros_like(hits))[:, 1:], dim=1).sum(1)
+        run = torch.cumprod(torch.where(valid, hits, torch.zeros_like(hits))[..., 1:], dim=-1).sum(-1)  # [S, A]
+        real = anchor_ok if anchor_ok is not None else torch.ones_like(run, dtype=torch.bool)
         stats = {"acc1": float(hit[k == 1].mean()) if (k == 1).any() else math.nan,
-                 "tau_est": float(1 + run.mean())}
+                 "tau_est": float(1 + run[real].mean())}
     return loss, stats

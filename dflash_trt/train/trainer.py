@@ -29,7 +29,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -78,6 +78,18 @@ class TrainConfig(BaseModel):
     # Write draft_vocab.json beside the drafter: the N tokens the target's answers use most (the
     # batched runtime drafts over them only; runtime/draft_vocab.py). 0: do not write one.
     draft_vocab_size: int = Field(8192, ge=0)
+    # Where training runs ("cpu", "cuda", "cuda:1"). On a GPU the target computes each step's
+    # features itself (online), so no feature cache is written and any amount of data fits.
+    device: str = "cpu"
+    # Sequences per optimizer step, trained in one padded drafter forward (1 on a 2-core CPU;
+    # 16-64 fill a GPU).
+    batch_sequences: int = Field(1, ge=1)
+    # Features: "cached" (the target runs once per sequence, before training) or "online" (the
+    # target runs on every step's batch). Default: cached on CPU, online elsewhere.
+    features: Literal["cached", "online"] | None = None
+    # More sequences (responses.pt files as written by dflash_trt.train.data/.sampled), e.g. the
+    # target's sampled answers to the same train prompts; trained on alongside the greedy ones.
+    extra_data: list[str] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,9 +185,10 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     from dflash_trt.fsutil import atomic_directory, write_json_atomic
     from dflash_trt.runtime.draft_model import DFlashDraftModel, build_target_layer_ids, make_draft_config
     from dflash_trt.runtime.loading import load_target, load_tokenizer, parse_dtype
+    from dflash_trt.runtime.target import TargetAdapter
     from dflash_trt.runtime.validate import validate_pair
     from dflash_trt.train.data import load_data
-    from dflash_trt.train.objective import default_gamma, dflash_loss, sample_anchors
+    from dflash_trt.train.objective import default_gamma, dflash_loss_batch
 
     t_start = time.time()
     if cfg.threads:
@@ -183,7 +196,12 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     save_dtype = parse_dtype(cfg.save_dtype)
     out = Path(cfg.out)
     data_dir = Path(cfg.data_dir) if cfg.data_dir else out.with_name(out.name + ".data")
-    target = load_target(cfg.target)
+    device = _training_device(cfg.device)
+    online = (cfg.features or ("cached" if device.type == "cpu" else "online")) == "online"
+    if device.type == "cuda":  # tf32 matmuls: the features and the drafter tolerate them (bf16 is stored)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    target = load_target(cfg.target, device=str(device))
     for p in target.parameters():
         p.requires_grad_(False)
     tokenizer = load_tokenizer(cfg.target)
@@ -198,8 +216,9 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     validate_pair(make_draft_config(tcfg, mask_token_id=cfg.mask_token_id if cfg.mask_token_id is not None
                                     else int(tcfg.vocab_size) - 1, **shape), tcfg, where="train-draft")
 
-    seqs = load_or_generate_data(cfg, target, tokenizer, data_dir, layer_ids)
-    seqs = [s for s in seqs if len(s["ids"]) - s["prompt_len"] >= 2]
+    extra = [s for s in load_extra_data(cfg.extra_data) if len(s["ids"]) - s["prompt_len"] >= 2]
+    seqs = [s for s in load_or_generate_data(cfg, target, tokenizer, data_dir, layer_ids)
+            if len(s["ids"]) - s["prompt_len"] >= 2] + extra
     if not seqs:
         raise DFlashError(f"no usable training sequences in {data_dir} (every response is shorter than 2 tokens)")
     seen = {t for s in seqs for t in s["ids"][s["prompt_len"]:]}
@@ -215,9 +234,11 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     draft.reset_parameters(seed=cfg.seed)
     if cfg.init_from:
         init_from(draft, Path(cfg.init_from))
-    draft.train()
+    draft.to(device).train()
 
-    feats = features_of(target, seqs, layer_ids)
+    # cached: per-sequence [>= T-1, n*H] tensors made now; online: the target runs in every step
+    feats = [None] * len(seqs) if online else features_of(target, seqs, layer_ids)
+    adapter = TargetAdapter(target)
     n_start = len(seqs)
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     embed = target.get_input_embeddings()
@@ -241,7 +262,7 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         rows = torch.cat([seen, extra])
         label_map = torch.full((vocab,), -1, dtype=torch.long)
         label_map[rows] = torch.arange(rows.numel())
-        head_rows["w"], head_rows["map"] = head_w[rows], label_map
+        head_rows["w"], head_rows["map"] = head_w[rows.to(device)], label_map.to(device)
 
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
@@ -270,12 +291,12 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         stored, meta = load_data(data_path)
         if meta.get("capture_layer_ids") != layer_ids:
             return
-        new = [s for s in stored if s["id"] not in known and "feats" in s
+        new = [s for s in stored if s["id"] not in known and (online or "feats" in s)
                and len(s["ids"]) - s["prompt_len"] >= 2]
         for s in new:
             known.add(s["id"])
             order.append(len(seqs))  # seen in the current epoch already
-            feats.append(s.pop("feats"))
+            feats.append(s.pop("feats", None))
             seqs.append(s)
         if new:
             _log(f"picked up {len(new)} new sequences ({len(seqs)} in all)")
@@ -295,17 +316,21 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.data_reload_s and time.time() - last_check > cfg.data_reload_s:
             last_check = time.time()
             pick_up_new_data()
-        if not order:
-            order = torch.randperm(len(seqs), generator=gen).tolist()
-        i = order.pop()
-        s = seqs[i]
-        ids = torch.tensor(s["ids"])
-        anchors = sample_anchors(s["prompt_len"], len(s["ids"]), cfg.anchors_per_seq, gen)
+        picked = []
+        for _ in range(cfg.batch_sequences):
+            if not order:
+                order = torch.randperm(len(seqs), generator=gen).tolist()
+            picked.append(order.pop())
+        batch = make_batch([seqs[i] for i in picked], None if online else [feats[i] for i in picked],
+                           cfg.anchors_per_seq, gen, device)
+        if online:
+            batch["feats"] = online_features(adapter, batch["ids"], layer_ids)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, time.time() - t_train)
         if cfg.sampled_vocab is not None:
             draw_vocab(seen_ids)
-        loss, st = dflash_loss(draft, embed, lm_head, ids, feats[i], anchors, gamma, head_rows["map"])
+        loss, st = dflash_loss_batch(draft, embed, lm_head, batch["ids"], batch["lens"], batch["feats"],
+                                     batch["anchors"], batch["anchor_ok"], gamma, head_rows["map"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -325,7 +350,7 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         l = sum(x[0] for x in window) / len(window)
         history.append({"step": done, "loss": round(l, 4), "elapsed_s": round(time.time() - t_train, 1)})
 
-    draft.eval()
+    draft.to("cpu").eval()
     manifest = {
         "what": "DFlash drafter (z-lab format) trained by dflash-trt train-draft",
         "target": {"path": str(cfg.target), "architectures": list(getattr(tcfg, "architectures", None) or []),
@@ -340,7 +365,8 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         "config": cfg.model_dump(),
         "data": {"sequences": len(seqs), "sequences_at_start": n_start, "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
                  "prompts": "dflash_trt/prompts/*.jsonl split=train",
-                 "responses": f"target greedy, chat template, max_new_tokens={cfg.max_new_tokens}"},
+                 "responses": f"target greedy, chat template, max_new_tokens={cfg.max_new_tokens}",
+                 "extra_sequences": len(extra), "extra_data": list(cfg.extra_data)},
         "steps": done,
         "final_loss": history[-1]["loss"] if history else None,
         "history": history,
@@ -349,7 +375,9 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         "train_time_s": round(time.time() - t_train, 1),
         "total_time_s": round(time.time() - t_start, 1),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()},
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+                    "device": str(device), "features": "online" if online else "cached",
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
         "seed": cfg.seed,
     }
     with atomic_directory(out, overwrite=True) as tmp:
@@ -370,6 +398,77 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
             f.chmod(0o644)
     _log(f"wrote {out} ({draft.num_parameters() / 1e6:.2f}M params, final loss {manifest['final_loss']})")
     return manifest
+
+
+def _training_device(name: str) -> Any:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise DFlashError(f"--device {name!r}: give cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DFlashError(f"--device {name}: this torch build or machine has no CUDA GPU; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise DFlashError(f"--device {name}: training runs on cpu or cuda")
+    return device
+
+
+def load_extra_data(paths: list[str]) -> list[dict[str, Any]]:
+    """Sequences of `--extra-data` files (features dropped: made the same way as the main data's)."""
+    from dflash_trt.train.data import load_data
+
+    out: list[dict[str, Any]] = []
+    for p in paths:
+        if not Path(p).is_file():
+            raise DFlashError(f"--extra-data {p}: no such file (a responses.pt from dflash_trt.train.data or .sampled)")
+        stored, _ = load_data(Path(p))
+        for s in stored:
+            s.pop("feats", None)
+        _log(f"{len(stored)} extra sequences from {p}")
+        out.extend(stored)
+    return out
+
+
+def make_batch(seqs: list[dict[str, Any]], feats: list[Any] | None, anchors_per_seq: int, gen: Any,
+               device: Any) -> dict[str, Any]:
+    """Right-padded tensors for :func:`dflash_loss_batch` on `device`: ids [S, T], lens [S],
+    anchors and anchor_ok [S, A] (a row with fewer anchors repeats its first, marked not ok),
+    and, with cached `feats`, feats [S, C, n*H] (zeros past each row's own features)."""
+    import torch
+
+    from dflash_trt.train.objective import sample_anchors
+
+    S, T = len(seqs), max(len(s["ids"]) for s in seqs)
+    ids = torch.zeros((S, T), dtype=torch.long)
+    picks = [sample_anchors(s["prompt_len"], len(s["ids"]), anchors_per_seq, gen) for s in seqs]
+    A = max(p.numel() for p in picks)
+    anchors = torch.zeros((S, A), dtype=torch.long)
+    ok = torch.zeros((S, A), dtype=torch.bool)
+    for r, (s, p) in enumerate(zip(seqs, picks)):
+        ids[r, : len(s["ids"])] = torch.tensor(s["ids"])
+        anchors[r] = p[0]
+        anchors[r, : p.numel()] = p
+        ok[r, : p.numel()] = True
+    batch = {"ids": ids, "lens": torch.tensor([len(s["ids"]) for s in seqs]), "anchors": anchors, "anchor_ok": ok}
+    if feats is not None:
+        C = max(f.shape[0] for f in feats)
+        padded = torch.zeros((S, C, feats[0].shape[1]), dtype=feats[0].dtype)
+        for r, f in enumerate(feats):
+            padded[r, : f.shape[0]] = f
+        batch["feats"] = padded
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def online_features(adapter: Any, ids: Any, layer_ids: list[int]) -> Any:
+    """The frozen target's features [S, T, n*H] of a right-padded batch (causal: padding after a
+    row never changes that row's positions)."""
+    import torch
+
+    with torch.no_grad():
+        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        _, f = adapter.forward(ids, pos, adapter.new_cache(), layer_ids, logits_to_keep=1)
+    return f
 
 
 def init_from(draft: Any, source: Path) -> None:

@@ -1,0 +1,116 @@
+"""More self-distilled data: the target's SAMPLED answers to the train prompts (a GPU job).
+
+The greedy answers (:mod:`dflash_trt.train.data`) give one sequence per prompt, and the project's
+prompts are few thousand. Sampling K answers per prompt at a moderate temperature gives K
+different contexts per prompt, every one of them written by the target itself, and the DFlash
+objective then teaches the drafter the target's most likely continuation of each (at
+temperature <= 1 most sampled tokens are the greedy one). Eval prompts are never used.
+
+    python -m dflash_trt.train.sampled TARGET_DIR OUT.pt --samples 8 --temperature 0.7 --device cuda
+
+Output: the same file format as :mod:`dflash_trt.train.data` (ids only, no features), with ids
+``<prompt id>#s<j>``; pass it to ``dflash-trt train-draft --extra-data OUT.pt``. Resumable: the
+prompts already answered in OUT.pt are skipped. HF ``generate`` over left-padded batches; a row
+that ends early is padded until its batch ends (fine on a GPU, where a step costs the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@torch.inference_mode()
+def generate_sampled(model: Any, tokenizer: Any, prompts: list[Any], samples: int, temperature: float,
+                     max_new_tokens: int = 256, batch_prompts: int = 64, seed: int = 0,
+                     time_limit_s: float | None = None, on_batch=None) -> list[dict[str, Any]]:
+    """`samples` sampled answers per prompt (objects with .id/.category/.prompt), rows as in data.py."""
+    from tqdm import tqdm
+
+    from dflash_trt.train.data import _row, chat_prompt_ids
+
+    eos_cfg = model.config.eos_token_id
+    eos = int(eos_cfg if isinstance(eos_cfg, int) else (eos_cfg or [0])[0])
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    out: list[dict[str, Any]] = []
+    t0 = time.time()
+    for i in tqdm(range(0, len(prompts), batch_prompts), desc=f"sampling {samples} answers per prompt", unit="batch"):
+        if time_limit_s is not None and time.time() - t0 > time_limit_s:
+            break
+        chunk = [(p, chat_prompt_ids(tokenizer, p.prompt, int(model.config.vocab_size)))
+                 for p in prompts[i : i + batch_prompts]]
+        width = max(len(ids) for _, ids in chunk)
+        input_ids = torch.full((len(chunk), width), eos, dtype=torch.long)
+        attention = torch.zeros((len(chunk), width), dtype=torch.long)
+        for r, (_, ids) in enumerate(chunk):  # left padding: every prompt ends at column width-1
+            input_ids[r, width - len(ids) :] = torch.tensor(ids)
+            attention[r, width - len(ids) :] = 1
+        gen = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                             max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                             top_p=1.0, top_k=0, num_return_sequences=samples, eos_token_id=eos,
+                             pad_token_id=eos).cpu()  # [len(chunk) * samples, width + new]
+        for r, (p, ids) in enumerate(chunk):
+            for j in range(samples):
+                resp = gen[r * samples + j, width:].tolist()
+                if eos in resp:
+                    resp = resp[: resp.index(eos) + 1]
+                row = _row(p, ids, resp, None)
+                row["id"] = f"{p.id}#s{j}"
+                out.append(row)
+        if on_batch is not None:
+            on_batch(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    from dflash_trt.prompts import interleave, load_prompts
+    from dflash_trt.runtime.loading import load_target, load_tokenizer
+    from dflash_trt.train.data import load_data, save_data
+
+    ap = argparse.ArgumentParser(description="The target's sampled answers to the train prompts (resumable).")
+    ap.add_argument("target_dir", type=Path)
+    ap.add_argument("out_file", type=Path)
+    ap.add_argument("--samples", type=int, default=8, help="answers per prompt")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-prompts", type=int, default=64, help="prompts per generate call (x samples rows)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-limit", type=float, help="start no new batch after this many seconds")
+    args = ap.parse_args(argv)
+    if args.samples < 1 or args.temperature <= 0:
+        ap.error("--samples must be >= 1 and --temperature > 0")
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+    t0 = time.time()
+    model = load_target(args.target_dir, torch.float32, device=args.device)
+    tok = load_tokenizer(args.target_dir)
+    prompts = load_prompts("train")
+    random.Random(args.seed).shuffle(prompts)
+    meta = {"max_new_tokens": args.max_new_tokens, "capture_layer_ids": None, "sampled": True,
+            "samples": args.samples, "temperature": args.temperature, "seed": args.seed}
+    have: list[dict[str, Any]] = load_data(args.out_file)[0] if args.out_file.is_file() else []
+    done = {s["id"].split("#")[0] for s in have}
+    todo = [p for p in interleave(prompts) if p.id not in done]
+    print(f"{len(have)} sequences kept from {args.out_file}, {len(todo)} prompts to sample", flush=True)
+    last_save = [time.time()]
+
+    def checkpoint(got: list[dict[str, Any]], force: bool = False) -> None:
+        if force or time.time() - last_save[0] > 60:  # pickling the whole list is seconds: once a minute
+            save_data(args.out_file, have + got, {**meta, "seconds": time.time() - t0})
+            last_save[0] = time.time()
+
+    seqs = generate_sampled(model, tok, todo, args.samples, args.temperature, args.max_new_tokens,
+                            args.batch_prompts, args.seed, args.time_limit, on_batch=checkpoint)
+    checkpoint(seqs, force=True)
+    print(f"wrote {len(have) + len(seqs)} sequences to {args.out_file} in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

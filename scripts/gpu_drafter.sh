@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Grow a DFlash drafter on one GPU: the target's sampled answers to the train prompts, then
+# online-feature training (the target computes every step's features; nothing is cached), one
+# process per drafter shape, side by side on the same GPU.
+#
+#   TARGET=~/.cache/dflash-trt/smollm2-135m-instruct GREEDY_DIR=.cache/train WORK=/tmp/gpu-drafter \
+#       scripts/gpu_drafter.sh
+#
+# GREEDY_DIR holds the greedy answers (responses.pt from `python -m dflash_trt.train.data`, or
+# train-draft's <out>.data); the features in it are not needed. Drafters land in $WORK/<name>.
+# Knobs (environment): PY, SAMPLES, TEMPERATURE, GEN_SECONDS, TRAIN_SECONDS, BATCH, LR, SEED,
+# INIT_FROM, VARIANTS ("name:layers:intermediate ..."), DEVICE (cuda), BATCH_PROMPTS (128).
+set -euo pipefail
+: "${TARGET:?set TARGET to the target checkpoint directory}"
+: "${GREEDY_DIR:?set GREEDY_DIR to the directory holding the greedy responses.pt}"
+PY=${PY:-python3}
+WORK=${WORK:-/tmp/gpu-drafter}
+SAMPLES=${SAMPLES:-8}
+TEMPERATURE=${TEMPERATURE:-0.7}
+GEN_SECONDS=${GEN_SECONDS:-200}
+TRAIN_SECONDS=${TRAIN_SECONDS:-450}
+BATCH=${BATCH:-32}
+LR=${LR:-1e-3}
+SEED=${SEED:-7}
+INIT_FROM=${INIT_FROM:-dflash_trt/assets/smollm2-135m-dflash}
+VARIANTS=${VARIANTS:-"A:2:768"}
+DEVICE=${DEVICE:-cuda}
+BATCH_PROMPTS=${BATCH_PROMPTS:-128}
+mkdir -p "$WORK"
+[[ -f "$GREEDY_DIR/responses.pt" ]] || { echo "error: $GREEDY_DIR/responses.pt not found" >&2; exit 2; }
+
+echo "[gpu-drafter] sampling $SAMPLES answers per train prompt at T=$TEMPERATURE for ${GEN_SECONDS}s"
+"$PY" -m dflash_trt.train.sampled "$TARGET" "$WORK/sampled.pt" --samples "$SAMPLES" \
+    --temperature "$TEMPERATURE" --batch-prompts "$BATCH_PROMPTS" --device "$DEVICE" --seed "$SEED" --time-limit "$GEN_SECONDS"
+
+pids=()
+for v in $VARIANTS; do
+    IFS=: read -r name layers inter <<<"$v"
+    echo "[gpu-drafter] training $name: $layers layers, MLP $inter, ${TRAIN_SECONDS}s"
+    "$PY" -m dflash_trt.cli train-draft --target "$TARGET" --out "$WORK/$name" --data-dir "$GREEDY_DIR" \
+        --extra-data "$WORK/sampled.pt" --device "$DEVICE" --batch-sequences "$BATCH" --features online \
+        --num-layers "$layers" --intermediate-size "$inter" --init-from "$INIT_FROM" --sampled-vocab 4096 \
+        --steps 1000000 --time-limit "$TRAIN_SECONDS" --warmup-steps 100 --lr "$LR" --seed "$SEED" \
+        >"$WORK/$name.log" 2>&1 &
+    pids+=($!)
+done
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+for v in $VARIANTS; do tail -n 2 "$WORK/${v%%:*}.log"; done
+exit $status
