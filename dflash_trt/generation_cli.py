@@ -43,8 +43,11 @@ def decode(tokenizer: Any, ids: list[int]) -> str:
 
 
 def resolve_pair(target_dir: str | None, draft_dir: str | None, tiny: bool, dtype: str, allow_pickle: bool,
-                 engine_dir: str | None = None):
-    """The pair to run: an engine directory, explicit directories, a tiny random pair, or the embedded default."""
+                 engine_dir: str | None = None, device: str = "cpu"):
+    """The pair to run: an engine directory, explicit directories, a tiny random pair, or the embedded default.
+
+    Loaded straight onto `device`: CPU-packed linear layers (runtime/cpu_packing.py) cannot be
+    moved to a GPU afterwards, so a pair must never be loaded on CPU and then moved."""
     from dflash_trt.runtime.loading import LoadedPair, load_pair
 
     if engine_dir is not None:
@@ -52,19 +55,19 @@ def resolve_pair(target_dir: str | None, draft_dir: str | None, tiny: bool, dtyp
             raise DFlashError("--engine already holds the target and drafter; drop --target/--draft/--tiny")
         from dflash_trt.engine.loader import load_engine
 
-        return load_engine(engine_dir, dtype=dtype)
+        return load_engine(engine_dir, dtype=dtype, device=device)
     if tiny:
         from dflash_trt.runtime.tiny import random_draft, tiny_target
 
         target = tiny_target("llama")
-        return LoadedPair(target, random_draft(target.config, num_layers=1, block_size=8), None)
+        return LoadedPair(target.to(device), random_draft(target.config, num_layers=1, block_size=8).to(device), None)
     if bool(target_dir) != bool(draft_dir):
         raise DFlashError("pass both --target and --draft, or neither (to use the embedded default pair)")
     if target_dir is None:
         from dflash_trt.embedded import default_pair_dirs
 
         target_dir, draft_dir = default_pair_dirs()
-    return load_pair(target_dir, draft_dir, dtype=dtype, allow_pickle=allow_pickle)
+    return load_pair(target_dir, draft_dir, dtype=dtype, device=device, allow_pickle=allow_pickle)
 
 
 def run_generate(*, prompt: str, target_dir: str | None, draft_dir: str | None, engine_dir: str | None, tiny: bool,

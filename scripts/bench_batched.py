@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2,
                     help="timed runs per path, alternating plain/DFlash; the fastest counts (shared machines are noisy)")
     ap.add_argument("--dtype", default="float32", help="model dtype")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--no-check", action="store_true", help="skip the single-sequence greedy check")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(stderr=True)
     tdir, ddir = pair_dirs_or_default(args.target, args.draft)
-    pair = load_pair(tdir, ddir, dtype=args.dtype)
+    pair = load_pair(tdir, ddir, dtype=args.dtype, device=args.device)
     target, draft, tok = pair.target, pair.draft, pair.tokenizer
     stop = stop_ids_of(tok, target.config)
     texts = [p.prompt for p in load_prompts("eval", [args.category])]

@@ -71,10 +71,7 @@ def _source(cfg: BenchConfig) -> tuple[Any, dict[str, Any], dict[str, Any] | Non
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    pair = resolve_pair(cfg.target, cfg.draft, False, cfg.dtype, False, cfg.engine)
-    if cfg.device != "cpu":
-        pair.target.to(cfg.device)
-        pair.draft.to(cfg.device)
+    pair = resolve_pair(cfg.target, cfg.draft, False, cfg.dtype, False, cfg.engine, device=cfg.device)
     source: dict[str, Any] = {"kind": "in_process", "engine": cfg.engine, "target": cfg.target, "draft": cfg.draft,
                               "engine_manifest_sha256": None, "block_size": pair.draft.block_size}
     weights = "none"
