@@ -361,7 +361,7 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
                        "why": MASK_TOKEN_NOTE if tokenizer is not None else "last vocabulary id (no tokenizer)"},
         "block_size": cfg.block_size,
         "target_layer_ids": layer_ids,
-        "command": "dflash-trt " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("dflash-trt") else " ".join(sys.argv),
+        "command": "dflash-trt " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith(("dflash-trt", "dflash_trt/cli.py")) else " ".join(sys.argv),
         "config": cfg.model_dump(),
         "data": {"sequences": len(seqs), "sequences_at_start": n_start, "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
                  "prompts": "dflash_trt/prompts/*.jsonl split=train",
