@@ -15,7 +15,7 @@ from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.train.data import compute_features, save_data
 from dflash_trt.train.objective import block_inputs, dflash_loss, dflash_loss_batch
-from dflash_trt.train.sampled import generate_sampled
+from dflash_trt.train.sampled import _sample_hf, generate_sampled
 from dflash_trt.train.trainer import make_batch, online_features
 
 
@@ -90,12 +90,26 @@ def test_sampled_answers_are_k_per_prompt_reproducible_and_diverse():
                              batch_prompts=2, seed=3)
     assert [r["id"] for r in rows] == [f"code-train-{i:03d}#s{j}" for i in range(3) for j in range(4)]
     assert [r["ids"] for r in rows] == [r["ids"] for r in again]  # the seed fixes the samples
+    alone = generate_sampled(target, None, _prompts(3), samples=4, temperature=1.0, max_new_tokens=12,
+                             batch_prompts=1, seed=3)
+    assert [r["ids"] for r in alone] == [r["ids"] for r in rows]  # each answer seeded on its own, batch aside
     prompt0 = rows[0]["ids"][: rows[0]["prompt_len"]]
     assert all(r["ids"][: r["prompt_len"]] == prompt0 for r in rows[:4])  # the prompt, unpadded
     assert len({tuple(r["ids"]) for r in rows[:4]}) > 1  # different answers to one prompt
     for r in rows:
         resp = r["ids"][r["prompt_len"]:]
         assert 1 <= len(resp) <= 12 and (eos not in resp or resp.index(eos) == len(resp) - 1)
+
+
+def test_hf_fallback_samples_the_same_row_format():
+    """Targets the batched runtime does not run (sliding windows, sinks) sample through HF generate."""
+    target, _ = _pair()
+    eos = int(target.config.eos_token_id)
+    jobs = [(p, j, [5, 6, 7 + i]) for i, p in enumerate(_prompts(2)) for j in range(3)]
+    rows = _sample_hf(target, jobs, 3, 1.0, 10, 2, 0, eos, None, None)
+    assert [r["id"] for r in rows] == [f"code-train-{i:03d}#s{j}" for i in range(2) for j in range(3)]
+    assert all(r["ids"][:3] == [5, 6, 7 + i // 3] and r["prompt_len"] == 3 for i, r in enumerate(rows))
+    assert all(1 <= len(r["ids"]) - 3 <= 10 for r in rows)
 
 
 def test_train_draft_online_batched_with_sampled_extra_data(tiny_pair_dirs, tmp_path):

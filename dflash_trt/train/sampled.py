@@ -10,8 +10,8 @@ temperature <= 1 most sampled tokens are the greedy one). Eval prompts are never
 
 Output: the same file format as :mod:`dflash_trt.train.data` (ids only, no features), with ids
 ``<prompt id>#s<j>``; pass it to ``dflash-trt train-draft --extra-data OUT.pt``. Resumable: the
-prompts already answered in OUT.pt are skipped. HF ``generate`` over left-padded batches; a row
-that ends early is padded until its batch ends (fine on a GPU, where a step costs the same).
+prompts already answered in OUT.pt are skipped. Runs on the continuous-batching runtime (a
+finished answer's row takes the next at once), every answer seeded on its own.
 """
 
 from __future__ import annotations
@@ -25,26 +25,99 @@ from typing import Any
 import torch
 
 
-@torch.inference_mode()
+def request_seed(seed: int, index: int) -> int:
+    """The seed of the `index`-th answer: each answer is reproducible on its own, whatever else
+    is decoded beside it (every row of the runtime samples with its own generator)."""
+    return (seed * 1_000_003 + index) % (2**63)
+
+
 def generate_sampled(model: Any, tokenizer: Any, prompts: list[Any], samples: int, temperature: float,
                      max_new_tokens: int = 256, batch_prompts: int = 64, seed: int = 0,
                      time_limit_s: float | None = None, on_batch=None) -> list[dict[str, Any]]:
-    """`samples` sampled answers per prompt (objects with .id/.category/.prompt), rows as in data.py."""
-    from tqdm import tqdm
+    """`samples` sampled answers per prompt (objects with .id/.category/.prompt), rows as in data.py.
 
-    from dflash_trt.train.data import _row, chat_prompt_ids
+    Runs on the continuous-batching runtime with ``batch_prompts * samples`` rows (a finished
+    answer frees its row for the next at once); targets it does not run use HF ``generate``."""
+    from dflash_trt.runtime.batched import unsupported_reason
+    from dflash_trt.train.data import chat_prompt_ids
 
     eos_cfg = model.config.eos_token_id
     eos = int(eos_cfg if isinstance(eos_cfg, int) else (eos_cfg or [0])[0])
+    vocab = int(model.config.vocab_size)
+    jobs = [(p, j, chat_prompt_ids(tokenizer, p.prompt, vocab)) for p in prompts for j in range(samples)]
+    if not jobs:
+        return []
+    gen = _sample_hf if unsupported_reason(model) else _sample_continuous
+    return gen(model, jobs, samples, temperature, max_new_tokens, batch_prompts, seed, eos, time_limit_s, on_batch)
+
+
+def _row_of(p: Any, j: int, ids: list[int], resp: list[int], eos: int) -> dict[str, Any]:
+    from dflash_trt.train.data import _row
+
+    if eos in resp:
+        resp = resp[: resp.index(eos) + 1]
+    row = _row(p, ids, resp, None)
+    row["id"] = f"{p.id}#s{j}"
+    return row
+
+
+@torch.inference_mode()
+def _sample_continuous(model: Any, jobs: list, samples: int, temperature: float, max_new_tokens: int,
+                       batch_prompts: int, seed: int, eos: int, time_limit_s: float | None,
+                       on_batch) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest
+    from dflash_trt.runtime.cpu_packing import pack_cpu_linears
+
+    pack_cpu_linears(model)  # float32 on CPU only; transparent elsewhere (frozen target)
+    runtime = BatchedRuntime(model, None, max_batch=batch_prompts * samples,
+                             max_seq_len=max(len(ids) for *_, ids in jobs) + max_new_tokens)
+    queue = list(enumerate(jobs))[::-1]  # popped from the end: in order
+    pending: dict[int, tuple[int, Any, int, list[int]]] = {}
+    done: dict[int, dict[str, Any]] = {}
+    t0 = time.time()
+
+    def admit() -> None:  # keep about one batch waiting beyond the rows in use, not the whole queue
+        while queue and len(pending) < 2 * runtime.max_batch:
+            if time_limit_s is not None and time.time() - t0 > time_limit_s:
+                queue.clear()
+                return
+            i, (p, j, ids) = queue.pop()
+            req = SequenceRequest(ids, max_new_tokens, temperature=temperature, seed=request_seed(seed, i),
+                                  stop_token_ids=(eos,))
+            pending[id(runtime.add(req))] = (i, p, j, ids)
+
+    admit()
+    with tqdm(total=len(jobs), desc=f"sampling {samples} answers per prompt", unit="answer") as bar:
+        while runtime.has_work():
+            finished = runtime.step()
+            for seq in finished:
+                i, p, j, ids = pending.pop(id(seq))
+                done[i] = _row_of(p, j, ids, seq.result.output_ids, eos)
+                bar.update(1)
+            admit()
+            if finished and on_batch is not None:
+                on_batch([done[i] for i in sorted(done)])
+    return [done[i] for i in sorted(done)]
+
+
+@torch.inference_mode()
+def _sample_hf(model: Any, jobs: list, samples: int, temperature: float, max_new_tokens: int,
+               batch_prompts: int, seed: int, eos: int, time_limit_s: float | None,
+               on_batch) -> list[dict[str, Any]]:
+    """HF ``generate`` over left-padded batches of prompts (samples drawn from one global seed)."""
+    from tqdm import tqdm
+
     device = next(model.parameters()).device
     torch.manual_seed(seed)
+    prompts = [(p, ids) for p, j, ids in jobs if j == 0]
     out: list[dict[str, Any]] = []
     t0 = time.time()
     for i in tqdm(range(0, len(prompts), batch_prompts), desc=f"sampling {samples} answers per prompt", unit="batch"):
         if time_limit_s is not None and time.time() - t0 > time_limit_s:
             break
-        chunk = [(p, chat_prompt_ids(tokenizer, p.prompt, int(model.config.vocab_size)))
-                 for p in prompts[i : i + batch_prompts]]
+        chunk = prompts[i : i + batch_prompts]
         width = max(len(ids) for _, ids in chunk)
         input_ids = torch.full((len(chunk), width), eos, dtype=torch.long)
         attention = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -55,14 +128,8 @@ def generate_sampled(model: Any, tokenizer: Any, prompts: list[Any], samples: in
                              max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
                              top_p=1.0, top_k=0, num_return_sequences=samples, eos_token_id=eos,
                              pad_token_id=eos).cpu()  # [len(chunk) * samples, width + new]
-        for r, (p, ids) in enumerate(chunk):
-            for j in range(samples):
-                resp = gen[r * samples + j, width:].tolist()
-                if eos in resp:
-                    resp = resp[: resp.index(eos) + 1]
-                row = _row(p, ids, resp, None)
-                row["id"] = f"{p.id}#s{j}"
-                out.append(row)
+        out.extend(_row_of(p, j, ids, gen[r * samples + j, width:].tolist(), eos)
+                   for r, (p, ids) in enumerate(chunk) for j in range(samples))
         if on_batch is not None:
             on_batch(out)
     return out
@@ -82,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-prompts", type=int, default=64, help="prompts per generate call (x samples rows)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-limit", type=float, help="start no new batch after this many seconds")
+    ap.add_argument("--time-limit", type=float, help="start no new answer after this many seconds")
     args = ap.parse_args(argv)
     if args.samples < 1 or args.temperature <= 0:
         ap.error("--samples must be >= 1 and --temperature > 0")
