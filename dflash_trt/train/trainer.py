@@ -216,9 +216,9 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     validate_pair(make_draft_config(tcfg, mask_token_id=cfg.mask_token_id if cfg.mask_token_id is not None
                                     else int(tcfg.vocab_size) - 1, **shape), tcfg, where="train-draft")
 
-    extra = [s for s in load_extra_data(cfg.extra_data) if len(s["ids"]) - s["prompt_len"] >= 2]
+    extra_seqs = [s for s in load_extra_data(cfg.extra_data) if len(s["ids"]) - s["prompt_len"] >= 2]
     seqs = [s for s in load_or_generate_data(cfg, target, tokenizer, data_dir, layer_ids)
-            if len(s["ids"]) - s["prompt_len"] >= 2] + extra
+            if len(s["ids"]) - s["prompt_len"] >= 2] + extra_seqs
     if not seqs:
         raise DFlashError(f"no usable training sequences in {data_dir} (every response is shorter than 2 tokens)")
     seen = {t for s in seqs for t in s["ids"][s["prompt_len"]:]}
@@ -237,6 +237,9 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
     draft.to(device).train()
 
     # cached: per-sequence [>= T-1, n*H] tensors made now; online: the target runs in every step
+    if online:
+        for s in seqs:
+            s.pop("feats", None)  # stored features are not used (nor kept in memory)
     feats = [None] * len(seqs) if online else features_of(target, seqs, layer_ids)
     adapter = TargetAdapter(target)
     n_start = len(seqs)
@@ -289,7 +292,7 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
             return
         data_mtime = data_path.stat().st_mtime
         stored, meta = load_data(data_path)
-        if meta.get("capture_layer_ids") != layer_ids:
+        if not online and meta.get("capture_layer_ids") != layer_ids:
             return
         new = [s for s in stored if s["id"] not in known and (online or "feats" in s)
                and len(s["ids"]) - s["prompt_len"] >= 2]
@@ -366,7 +369,7 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         "data": {"sequences": len(seqs), "sequences_at_start": n_start, "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
                  "prompts": "dflash_trt/prompts/*.jsonl split=train",
                  "responses": f"target greedy, chat template, max_new_tokens={cfg.max_new_tokens}",
-                 "extra_sequences": len(extra), "extra_data": list(cfg.extra_data)},
+                 "extra_sequences": len(extra_seqs), "extra_data": list(cfg.extra_data)},
         "steps": done,
         "final_loss": history[-1]["loss"] if history else None,
         "history": history,
