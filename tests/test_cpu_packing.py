@@ -94,3 +94,16 @@ def test_fallback_without_the_pointwise_op_computes_the_same(monkeypatch):
         monkeypatch.setattr(cp, "_LINEAR_POINTWISE", None)
         slow = PackedCPULinear(lin)(x)
     torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pair_for_another_device_is_loaded_there_unpacked(tiny_pair_dirs):
+    """Regression (seen on an H100): `bench --device cuda` loaded the pair on CPU, packed it, then
+    moved it, and the first GPU forward failed inside oneDNN. resolve_pair now loads on the device,
+    where packing declines. "meta" stands in for a GPU here (no GPU in CI): any non-CPU device."""
+    from dflash_trt.generation_cli import resolve_pair
+
+    on_cpu = resolve_pair(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]), False, "float32", False)
+    assert num_packed(on_cpu.target) > 0
+    pair = resolve_pair(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]), False, "float32", False, device="meta")
+    assert num_packed(pair.target) == 0 and num_packed(pair.draft) == 0
+    assert {p.device.type for m in (pair.target, pair.draft) for p in m.parameters()} == {"meta"}
