@@ -433,6 +433,106 @@ MATH_TEMPLATES_5 = [
 ]
 
 
+# Sixth wave (appended again; earlier ids stay valid): NEW subjects only, for breadth: the GPU-trained
+# leg-7 drafter scores tau 2.54 on train prompts and 2.12 on held-out ones, so it still generalises
+# only as far as its prompts reach. None of the eval subjects (checked by hand as for the fifth wave;
+# build() asserts that no eval prompt and no duplicate is among the train prompts).
+CODE_TASKS_6 = [
+    "parses a date string like 2024-03-15 into year, month and day",
+    "merges two dictionaries, adding the values of shared keys", "flattens a nested list of any depth",
+    "removes duplicate words from a sentence, keeping the order",
+    "converts a temperature from Celsius to Fahrenheit and back", "returns the median of a list of numbers",
+    "computes the standard deviation of a list", "checks whether a string is a pangram",
+    "counts the words in a text file", "returns the longest word in a sentence",
+    "checks whether brackets in a string are balanced", "multiplies two matrices",
+    "finds the second largest number in a list", "returns the intersection of two lists without duplicates",
+    "reads a CSV file and returns the rows as dictionaries", "writes a list of dictionaries to a CSV file",
+    "returns the file extension of a path", "counts how often each letter occurs in a string",
+    "implements bubble sort", "checks whether a linked list has a cycle",
+    "computes the greatest common divisor with Euclid's algorithm",
+    "returns the digits of a number as a list", "converts a hex color like #ff8800 to an RGB tuple",
+    "masks all but the last four digits of a card number",
+    "validates an email address with a regular expression", "extracts all numbers from a string",
+    "returns the n largest values of a dictionary", "implements a stack with push, pop and peek",
+    "computes the factorial of a number iteratively", "returns a histogram of word lengths in a text",
+    "shuffles a list without using random.shuffle",
+    "simulates rolling two dice many times and counts the sums",
+    "converts seconds to hours, minutes and seconds", "computes the distance between two points",
+    "checks whether a point lies inside a circle", "returns the common prefix of two strings",
+    "finds the missing number in a list of 1 to n", "builds a multiplication table as a list of lists",
+    "truncates a string to n characters and adds an ellipsis", "returns the mode of a list",
+    "converts a list of tuples to a dictionary", "finds the longest palindrome inside a string",
+    "computes the sum of the digits of a number until one digit is left",
+    "checks whether a string is a valid hexadecimal number",
+    "returns the elements that appear in only one of two lists",
+    "draws a right triangle of stars with n rows", "returns every third element of a list",
+    "counts the lines, words and characters of a string",
+    "checks whether a list contains a pair of equal neighbours",
+    "converts kilometers to miles for a list of distances",
+    "finds the index of the smallest element of a list", "returns the sum of the even numbers in a list",
+    "builds an acronym from a phrase", "checks whether a tic-tac-toe board has a winner",
+    "returns the number of trailing zeros of a factorial", "splits a full name into first and last name",
+    "returns the words that appear in both of two sentences",
+    "converts a number of minutes to a string like 2h 05m",
+    "computes the grade letter for a score from 0 to 100",
+]
+CHAT_TOPICS_6 = [
+    "how a submarine dives and surfaces", "what photosynthesis is", "what the water cycle is",
+    "how a battery stores energy", "what an election is", "how a bicycle gear system works",
+    "what a volcano is", "how vaccines train the immune system", "how a compost heap works",
+    "what a rainbow is", "what a stock market is", "how a thermostat works", "what a food chain is",
+    "how a lighthouse guides ships", "how an electric car works", "how glass is made", "what a time zone is",
+    "what a migraine is", "how a vending machine works", "what a coral reef is", "what a leap year is",
+    "how a printer prints", "what a tide is", "what an insurance policy is", "what erosion is",
+    "how a zipper works", "how a bread machine works", "what a cloud is made of",
+    "how a smoke detector works", "what a bank loan is", "how tea is grown", "what sleep is for",
+    "how a parachute slows a fall", "what a species is", "how the internet sends data", "what a marsh is",
+    "how a fridge magnet works", "what a pension is", "how a sailboat sails against the wind",
+    "what a meteor is", "how a barcode scanner works", "what a lunar calendar is",
+    "how a dam makes electricity", "what a symphony is", "how a hearing aid works",
+    "what a wetland does for a river", "how a sewing machine works", "what an avalanche is",
+    "how a seed grows into a plant", "what a referendum is", "how noise-cancelling headphones work",
+    "what an aurora is", "how a toaster works", "what a mountain glacier leaves behind",
+    "how a fire extinguisher works", "what a cooperative is", "how a wind chime makes music",
+    "what a geyser is", "how an escalator works", "what a nature reserve is",
+]
+CHAT_ACTIVITIES_6 = [
+    "learning a new language", "learning to fold origami", "planning a camping trip", "keeping a journal",
+    "learning to swim as an adult", "cooking for one person", "decluttering a garage", "learning to draw",
+    "running a book club", "training a puppy", "planning a wedding on a budget", "learning to code",
+    "learning to play the guitar", "organising a family reunion", "learning to skateboard", "packing for a move",
+    "writing a cover letter", "planning a road trip", "making a photo album", "learning to bake a cake",
+    "teaching a child to ride a bike", "keeping a study timetable", "hosting a board game night",
+    "cooking soup for the week", "learning to type faster",
+]
+CHAT_STORY_SUBJECTS_6 = [
+    "a clock tower in a small town", "a penguin in the city", "a secret garden door", "a snail who wants to race",
+    "an old map in the attic", "a musician on a street corner", "a paper boat on a river", "a fox and a crow",
+    "a lost kite on the beach", "a tiny dragonfly", "a bakery at dawn", "a forgotten toy", "a storm over the fields",
+    "a girl who collects stones", "a spaceship made of cardboard", "a sleepy owl", "a lonely scarecrow",
+    "a bridge between two villages", "a whale who sings", "a bicycle with a bell",
+]
+CHAT_EMAIL_PURPOSES_6 = [
+    "asking a colleague to review a report", "inviting neighbours to a street party",
+    "asking a shop about a delayed delivery", "thanking a teacher at the end of the year",
+    "asking for a quote to paint a fence", "welcoming a new member to a club",
+    "asking a hotel about late check-in", "reminding a friend to return a book",
+    "asking the city about a broken street light", "thanking a host after a dinner",
+]
+MATH_TEMPLATES_6 = [
+    "{n} saves {a} dollars a week. How many weeks does it take to save {e} dollars? Explain step by step.",
+    "A bus has {e} seats. {a} people get on at the first stop and {b} at the second. How many seats are still free?",
+    "What is {a} squared minus {b}? Show the calculation.",
+    "A garden is {a} m long and {d} m wide. Fencing costs {b} dollars per meter. How much does fencing it cost?",
+    "{n} runs {d} laps of a {e} m track. How many meters is that, and how many kilometers?",
+    "A phone plan costs {a} dollars a month plus {d} dollars per gigabyte. What is the bill for {b} gigabytes?",
+    "Solve for x: {d}(x + {a}) = {c}. Show each step.",
+    "{n} has {e} {i} and puts them in bags of {d}. How many full bags are there, and how many {i} are left?",
+    "A movie starts at 7:{b:02d} pm and lasts {e} minutes. When does it end? Explain how you worked it out.",
+    "What is the sum of all whole numbers from {d} to {e}? Show your reasoning.",
+]
+
+
 def _fill(subjects: list[str], templates: list[str]) -> list[str]:
     return [tpl.format(t=t) for t, tpl in itertools.product(subjects, templates)]
 
@@ -441,7 +541,8 @@ def _code_train() -> list[str]:
     return (_fill(CODE_TASKS, CODE_TEMPLATES) + _fill(CODE_TASKS_2, CODE_TEMPLATES)
             + _fill(CODE_TASKS + CODE_TASKS_2, CODE_TEMPLATES_3) + _fill(CODE_TASKS_4, CODE_TEMPLATES)
             + _fill(CODE_TASKS_4, CODE_TEMPLATES_3)
-            + _fill(CODE_TASKS + CODE_TASKS_2 + CODE_TASKS_4, CODE_TEMPLATES_5))
+            + _fill(CODE_TASKS + CODE_TASKS_2 + CODE_TASKS_4, CODE_TEMPLATES_5)
+            + _fill(CODE_TASKS_6, CODE_TEMPLATES + CODE_TEMPLATES_5))
 
 
 def _math_train(rng: random.Random, n: int, templates: list[str], exclude: frozenset[str] = frozenset()) -> list[str]:
@@ -470,7 +571,11 @@ def _chat_train() -> list[str]:
             + _fill(CHAT_TOPICS + CHAT_TOPICS_2 + CHAT_TOPICS_4, CHAT_TEMPLATES_5)
             + _fill(CHAT_ACTIVITIES_5, CHAT_ACTIVITY_TEMPLATES_5)
             + _fill(CHAT_STORY_SUBJECTS_5, CHAT_STORY_TEMPLATES_5)
-            + [f"Write a polite email {t}." for t in CHAT_EMAIL_PURPOSES_5])
+            + [f"Write a polite email {t}." for t in CHAT_EMAIL_PURPOSES_5]
+            + _fill(CHAT_TOPICS_6, CHAT_TEMPLATES + CHAT_TEMPLATES_5)
+            + _fill(CHAT_ACTIVITIES_6, CHAT_ACTIVITY_TEMPLATES_5)
+            + _fill(CHAT_STORY_SUBJECTS_6, CHAT_STORY_TEMPLATES_5)
+            + [f"Write a polite email {t}." for t in CHAT_EMAIL_PURPOSES_6])
 
 
 def build(seed: int = 0) -> dict[str, list[dict]]:
@@ -484,12 +589,15 @@ def build(seed: int = 0) -> dict[str, list[dict]]:
                               exclude=frozenset(math_first + math_second + math_third))
     math_fifth = _math_train(random.Random(seed + 4), 700, MATH_TEMPLATES_5,
                              exclude=frozenset(math_first + math_second + math_third + math_fourth))
+    math_before = math_first + math_second + math_third + math_fourth + math_fifth
+    math_sixth = _math_train(random.Random(seed + 5), 700, MATH_TEMPLATES_6, exclude=frozenset(math_before))
     sets = {"code": (_code_train(), CODE_EVAL),
-            "math": (math_first + math_second + math_third + math_fourth + math_fifth, MATH_EVAL),
+            "math": (math_before + math_sixth, MATH_EVAL),
             "chat": (_chat_train(), CHAT_EVAL)}
     out: dict[str, list[dict]] = {}
     for cat, (train, evals) in sets.items():
         assert not set(train) & set(evals), cat
+        assert len(set(train)) == len(train), f"{cat}: a train prompt occurs twice"
         rows = [{"id": f"{cat}-train-{i:03d}", "category": cat, "split": "train", "prompt": p} for i, p in enumerate(train)]
         rows += [{"id": f"{cat}-eval-{i:03d}", "category": cat, "split": "eval", "prompt": p} for i, p in enumerate(evals)]
         out[cat] = rows
