@@ -7,6 +7,8 @@ The CLI prints it and exits non-zero; it never shows a traceback from inside a l
 
 from __future__ import annotations
 
+from typing import Callable
+
 
 class DFlashError(Exception):
     """An error the user can fix. `str(err)` is a single actionable line."""
@@ -15,3 +17,15 @@ class DFlashError(Exception):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))  # always one line
+
+
+def run_module_main(main: Callable[[], None]) -> None:
+    """Run a ``python -m`` job's `main` with the CLI's contract: a DFlashError prints one line
+    (``error: ...``) and exits with its code, never a traceback."""
+    import sys
+
+    try:
+        main()
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

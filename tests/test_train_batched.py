@@ -136,3 +136,17 @@ def test_train_draft_online_batched_with_sampled_extra_data(tiny_pair_dirs, tmp_
     res = CliRunner().invoke(main, ["train-draft", "--target", str(target_dir), "--out", str(out),
                                     "--device", "cuda:0" if not torch.cuda.is_available() else "tpu"])
     assert res.exit_code != 0 and "--device" in res.output and "Traceback" not in res.output
+
+
+def test_sampled_job_bad_input_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "dflash_trt.train.sampled", str(tmp_path / "nope"),
+                          str(tmp_path / "out.pt"), "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("error: target config not found")
+    assert not (tmp_path / "out.pt").exists()
+    run = subprocess.run([sys.executable, "-m", "dflash_trt.train.sampled", str(tmp_path), str(tmp_path / "o.pt"),
+                          "--temperature", "0"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--temperature > 0" in run.stderr

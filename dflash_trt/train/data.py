@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dflash_trt.errors import DFlashError
+from dflash_trt.errors import DFlashError, run_module_main
 
 
 def chat_prompt_ids(tokenizer: Any | None, prompt: str, vocab_size: int) -> list[int]:
@@ -235,4 +235,4 @@ def save_data(path: Path, sequences: list[dict[str, Any]], meta: dict[str, Any])
 
 
 if __name__ == "__main__":
-    main()
+    run_module_main(main)

@@ -146,13 +146,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--samples", type=int, default=8, help="answers per prompt")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--batch-prompts", type=int, default=64, help="prompts per generate call (x samples rows)")
+    ap.add_argument("--batch-prompts", type=int, default=64, help="rows decoded together = this x --samples")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-limit", type=float, help="start no new answer after this many seconds")
     args = ap.parse_args(argv)
-    if args.samples < 1 or args.temperature <= 0:
-        ap.error("--samples must be >= 1 and --temperature > 0")
+    if args.samples < 1 or args.temperature <= 0 or args.batch_prompts < 1:
+        ap.error("--samples and --batch-prompts must be >= 1 and --temperature > 0")
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.time()
@@ -180,4 +180,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_trt.errors import run_module_main
+
+    run_module_main(main)
