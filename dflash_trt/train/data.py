@@ -47,14 +47,36 @@ def generate_responses(model: Any, tokenizer: Any, prompts: list[Any], max_new_t
     """
     from dflash_trt.runtime.batched import unsupported_reason
 
-    eos_cfg = model.config.eos_token_id
-    eos = int(eos_cfg if isinstance(eos_cfg, int) else (eos_cfg or [0])[0])
+    eos = first_eos(model.config)
     vocab = int(model.config.vocab_size)
     encoded = [(p, chat_prompt_ids(tokenizer, p.prompt, vocab)) for p in prompts]
     if not encoded:
         return []
     gen = _generate_hf if unsupported_reason(model) else _generate_continuous
     return gen(model, encoded, eos, max_new_tokens, batch_size, on_batch, capture_layer_ids)
+
+
+def first_eos(config: Any) -> int:
+    """The target's (first) end-of-sequence id: what the data jobs stop on and pad with."""
+    eos = config.eos_token_id
+    return int(eos if isinstance(eos, int) else (eos or [0])[0])
+
+
+def left_padded(id_lists: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both [len(id_lists), longest], left-padded for HF ``generate``:
+    every prompt ends at the last column, so generated tokens start at the same column in every row."""
+    width = max(len(ids) for ids in id_lists)
+    input_ids = torch.full((len(id_lists), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(id_lists), width), dtype=torch.long)
+    for r, ids in enumerate(id_lists):
+        input_ids[r, width - len(ids) :] = torch.tensor(ids)
+        attention[r, width - len(ids) :] = 1
+    return input_ids, attention
+
+
+def up_to_stop(response: list[int], eos: int) -> list[int]:
+    """`response` cut after its first `eos` (kept), or whole when it has none."""
+    return response[: response.index(eos) + 1] if eos in response else response
 
 
 def _row(p: Any, prompt_ids: list[int], response: list[int], feats: torch.Tensor | None) -> dict[str, Any]:
@@ -121,12 +143,8 @@ def _generate_hf(model: Any, encoded: list[tuple[Any, list[int]]], eos: int, max
     try:
         for i in tqdm(range(0, len(encoded), batch_size), desc="generating responses", unit="batch"):
             chunk = encoded[i : i + batch_size]
-            width = max(len(ids) for _, ids in chunk)
-            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            attention = torch.zeros((len(chunk), width), dtype=torch.long)
-            for r, (_, ids) in enumerate(chunk):  # left padding: every prompt ends at column width-1
-                input_ids[r, width - len(ids) :] = torch.tensor(ids)
-                attention[r, width - len(ids) :] = 1
+            input_ids, attention = left_padded([ids for _, ids in chunk], pad)
+            width = input_ids.shape[1]
             captured.clear()
             gen = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
                                  do_sample=False, eos_token_id=eos, pad_token_id=pad)
@@ -134,9 +152,7 @@ def _generate_hf(model: Any, encoded: list[tuple[Any, list[int]]], eos: int, max
             if capture_layer_ids:  # [b, width + fed steps, n*H], left-padded like input_ids
                 feats = torch.cat([torch.cat([c[j] for j in capture_layer_ids], dim=-1) for c in captured], dim=1)
             for r, (p, ids) in enumerate(chunk):
-                resp = gen[r, width:].tolist()
-                if eos in resp:
-                    resp = resp[: resp.index(eos) + 1]
+                resp = up_to_stop(gen[r, width:].tolist(), eos)
                 n_fed = len(ids) + len(resp) - 1
                 out.append(_row(p, ids, resp, None if feats is None
                                 else feats[r, width - len(ids) : width - len(ids) + n_fed].clone()))

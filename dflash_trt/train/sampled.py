@@ -39,10 +39,9 @@ def generate_sampled(model: Any, tokenizer: Any, prompts: list[Any], samples: in
     Runs on the continuous-batching runtime with ``batch_prompts * samples`` rows (a finished
     answer frees its row for the next at once); targets it does not run use HF ``generate``."""
     from dflash_trt.runtime.batched import unsupported_reason
-    from dflash_trt.train.data import chat_prompt_ids
+    from dflash_trt.train.data import chat_prompt_ids, first_eos
 
-    eos_cfg = model.config.eos_token_id
-    eos = int(eos_cfg if isinstance(eos_cfg, int) else (eos_cfg or [0])[0])
+    eos = first_eos(model.config)
     vocab = int(model.config.vocab_size)
     jobs = [(p, j, chat_prompt_ids(tokenizer, p.prompt, vocab)) for p in prompts for j in range(samples)]
     if not jobs:
@@ -52,11 +51,9 @@ def generate_sampled(model: Any, tokenizer: Any, prompts: list[Any], samples: in
 
 
 def _row_of(p: Any, j: int, ids: list[int], resp: list[int], eos: int) -> dict[str, Any]:
-    from dflash_trt.train.data import _row
+    from dflash_trt.train.data import _row, up_to_stop
 
-    if eos in resp:
-        resp = resp[: resp.index(eos) + 1]
-    row = _row(p, ids, resp, None)
+    row = _row(p, ids, up_to_stop(resp, eos), None)
     row["id"] = f"{p.id}#s{j}"
     return row
 
@@ -109,6 +106,8 @@ def _sample_hf(model: Any, jobs: list, samples: int, temperature: float, max_new
     """HF ``generate`` over left-padded batches of prompts (samples drawn from one global seed)."""
     from tqdm import tqdm
 
+    from dflash_trt.train.data import left_padded
+
     device = next(model.parameters()).device
     torch.manual_seed(seed)
     prompts = [(p, ids) for p, j, ids in jobs if j == 0]
@@ -118,12 +117,8 @@ def _sample_hf(model: Any, jobs: list, samples: int, temperature: float, max_new
         if time_limit_s is not None and time.time() - t0 > time_limit_s:
             break
         chunk = prompts[i : i + batch_prompts]
-        width = max(len(ids) for _, ids in chunk)
-        input_ids = torch.full((len(chunk), width), eos, dtype=torch.long)
-        attention = torch.zeros((len(chunk), width), dtype=torch.long)
-        for r, (_, ids) in enumerate(chunk):  # left padding: every prompt ends at column width-1
-            input_ids[r, width - len(ids) :] = torch.tensor(ids)
-            attention[r, width - len(ids) :] = 1
+        input_ids, attention = left_padded([ids for _, ids in chunk], eos)
+        width = input_ids.shape[1]
         gen = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                              max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
                              top_p=1.0, top_k=0, num_return_sequences=samples, eos_token_id=eos,
