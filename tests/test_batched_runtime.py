@@ -71,6 +71,34 @@ def test_seeded_sampling_matches_the_reference_loop():
     assert [r.output_ids for r in results] == ref
 
 
+def test_unseeded_sampled_rows_share_one_draw_and_land_on_their_own_rows():
+    """Unseeded sampled rows are drawn together (one call per temperature/top_p group), next to
+    greedy and seeded rows in the same batch. At a temperature of 1e-6 a draw is the argmax, so
+    every unseeded row must equal its greedy decoding: a draw written to the wrong row, or a row
+    left out of its group, shows as a different output."""
+    target, draft = _pair("llama", seed=9)
+    greedy = [dflash_generate(draft, target, p, max_new_tokens=m).output_ids for p, m in zip(PROMPTS, BUDGETS)]
+    seeded = dflash_generate(draft, target, PROMPTS[1], max_new_tokens=BUDGETS[1], temperature=0.9, seed=5).output_ids
+    temps = [1e-6, 0.9, 0.0, 1e-6, 1e-6, 0.0]  # rows 0, 3, 4 unseeded; row 1 seeded; rows 2, 5 greedy
+    top_ps = [1.0, 1.0, 1.0, 0.5, 1.0, 1.0]  # two unseeded groups: (1e-6, 1.0) and (1e-6, 0.5)
+    rt = BatchedRuntime(target, draft, max_batch=6, max_seq_len=64, policy=FixedPolicy(draft.block_size - 1))
+    handles = [rt.add(SequenceRequest(p, m, temperature=t, top_p=tp, seed=5 if i == 1 else None))
+               for i, (p, m, t, tp) in enumerate(zip(PROMPTS, BUDGETS, temps, top_ps))]
+    rt.run()
+    got = [h.result.output_ids for h in handles]
+    assert got[1] == seeded
+    assert [got[i] for i in (0, 2, 3, 4, 5)] == [greedy[i] for i in (0, 2, 3, 4, 5)]
+
+    def hot(global_seed: int) -> list[list[int]]:  # at temperature 1.5 the group really samples
+        torch.manual_seed(global_seed)
+        return [r.output_ids for r in batched_generate(draft, target, PROMPTS, max_new_tokens=BUDGETS,
+                                                       temperature=1.5)]
+
+    first = hot(0)
+    assert hot(0) == first  # the global seed fixes the draws
+    assert hot(1) != first and first != greedy
+
+
 class BatchedOracle(DFlashDraftModel):
     """Proposes row_sequences[i][p] at block position p of row i (hidden = pinv(W_lm) @ big onehot).
     The test sets row_sequences to the running rows' true continuations before each step."""

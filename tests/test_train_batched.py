@@ -90,9 +90,9 @@ def test_sampled_answers_are_k_per_prompt_reproducible_and_diverse():
                              batch_prompts=2, seed=3)
     assert [r["id"] for r in rows] == [f"code-train-{i:03d}#s{j}" for i in range(3) for j in range(4)]
     assert [r["ids"] for r in rows] == [r["ids"] for r in again]  # the seed fixes the samples
-    alone = generate_sampled(target, None, _prompts(3), samples=4, temperature=1.0, max_new_tokens=12,
-                             batch_prompts=1, seed=3)
-    assert [r["ids"] for r in alone] == [r["ids"] for r in rows]  # each answer seeded on its own, batch aside
+    other = generate_sampled(target, None, _prompts(3), samples=4, temperature=1.0, max_new_tokens=12,
+                             batch_prompts=2, seed=4)
+    assert [r["ids"] for r in other] != [r["ids"] for r in rows]  # and another seed draws others
     prompt0 = rows[0]["ids"][: rows[0]["prompt_len"]]
     assert all(r["ids"][: r["prompt_len"]] == prompt0 for r in rows[:4])  # the prompt, unpadded
     assert len({tuple(r["ids"]) for r in rows[:4]}) > 1  # different answers to one prompt

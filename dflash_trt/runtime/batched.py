@@ -299,14 +299,25 @@ class BatchedRuntime:
 
     def _sample_rows(self, logits: torch.Tensor, seqs: Sequence[BatchedSequence],
                      lengths: Sequence[int] | None = None) -> torch.Tensor:
-        # logits [n, S, V] -> tokens [n, S]; greedy rows in one argmax, sampled rows one by one,
-        # each over its own real length only (a row's generator is consumed as the reference does)
+        # logits [n, S, V] -> tokens [n, S]. Greedy rows: one argmax. Seeded rows: one by one, each
+        # over its own real length only (its generator is consumed exactly as the reference loop
+        # does). Unseeded sampled rows: one draw per (temperature, top_p) group from the global
+        # generator; per-row calls cost ~10 kernel launches each, which at hundreds of sampled rows
+        # on a GPU took longer than the target's forward.
         tokens = logits.argmax(-1)
+        groups: dict[tuple[float, float], list[int]] = {}
         for i, seq in enumerate(seqs):
             r = seq.request
-            if r.temperature > 0:
-                s = lengths[i] if lengths is not None else logits.shape[1]
-                tokens[i, :s] = sample(logits[i, :s], r.temperature, r.top_p, seq.generator)
+            if r.temperature <= 0:
+                continue
+            if seq.generator is None:
+                groups.setdefault((r.temperature, r.top_p), []).append(i)
+                continue
+            s = lengths[i] if lengths is not None else logits.shape[1]
+            tokens[i, :s] = sample(logits[i, :s], r.temperature, r.top_p, seq.generator)
+        for (temperature, top_p), idx in groups.items():
+            rows = torch.tensor(idx, device=logits.device)
+            tokens[rows] = sample(logits[rows], temperature, top_p)  # [m, S]
         return tokens
 
     def _prefill(self, new: list[BatchedSequence]) -> torch.Tensor:
