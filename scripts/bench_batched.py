@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="timed runs per path, alternating plain/DFlash; the fastest counts (shared machines are noisy)")
     ap.add_argument("--dtype", default="float32", help="model dtype")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="static-shape passes, replayed as CUDA graphs on a GPU (both paths: plain decoding too)")
     ap.add_argument("--no-check", action="store_true", help="skip the single-sequence greedy check")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -72,10 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for c in args.concurrency:
         ps = prompts[:c]
-        plain_rt = BatchedRuntime(target, None, max_batch=c, max_seq_len=max_len)
+        plain_rt = BatchedRuntime(target, None, max_batch=c, max_seq_len=max_len, cuda_graphs=args.cuda_graphs)
         batched_generate(None, target, ps[:1], max_new_tokens=2, runtime=plain_rt)  # warm-up
         policy = AdaptivePolicy(draft.block_size)
-        rt = BatchedRuntime(target, draft, max_batch=c, max_seq_len=max_len, policy=policy)
+        rt = BatchedRuntime(target, draft, max_batch=c, max_seq_len=max_len, policy=policy,
+                            cuda_graphs=args.cuda_graphs)
         t = time.perf_counter()
         rt.calibrate([c])
         calib_s = time.perf_counter() - t
@@ -115,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         console.log(f"C={c}: plain {row['plain_tokens_per_s']:.1f} tok/s, dflash {row['dflash_tokens_per_s']:.1f} "
                     f"tok/s (x{row['ratio']:.2f}), tau {tau:.2f}, k chosen {ks}")
 
+    graphs = ", CUDA graphs" if args.cuda_graphs and args.device.startswith("cuda") else ""
     table = Table(title=f"batched DFlash vs batched plain decoding ({Path(str(tdir)).name}, greedy, "
-                        f"{args.max_tokens} tokens, {args.threads} threads)")
+                        f"{args.max_tokens} tokens, {args.device}{graphs}, {args.threads} threads)")
     for col in ("C", "plain tok/s", "DFlash tok/s", "ratio", "tau", "k chosen", "== single"):
         table.add_column(col, justify="right")
     for r in rows:

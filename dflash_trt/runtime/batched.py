@@ -38,6 +38,7 @@ import torch
 from dflash_trt.errors import DFlashError
 from dflash_trt.metrics import GenerationStats
 from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache, additive_mask
+from dflash_trt.runtime.cuda_graphs import StepGraphs
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.draft_vocab import DraftVocabHead
 from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
@@ -111,12 +112,18 @@ class BatchedSequence:
 
 def calibration_tokens(num_candidates: int, block_size: int, reps: int = 3) -> int:
     """Tokens each dummy sequence of :meth:`BatchedRuntime.calibrate` may generate (its prompt
-    comes on top): prefill, one untimed pass, then `reps` rounds over the candidates."""
-    return 2 + (1 + reps) * num_candidates * block_size
+    comes on top): prefill, one untimed pass, then `reps` rounds over the candidates and one
+    spare round (with CUDA graphs, samples of steps that captured a graph are retaken)."""
+    return 2 + (2 + reps) * num_candidates * block_size
 
 
 def _round_up(x: int, m: int, cap: int) -> int:
     return min(cap, -(-x // m) * m)
+
+
+# With static shapes, mask widths are rounded up to this: a few graphs per (rows, k) over a
+# max_seq_len, and attending to <= 127 masked keys more costs a GPU next to nothing
+GRAPH_WIDTH_MULTIPLE = 128
 
 
 class BatchedRuntime:
@@ -125,12 +132,19 @@ class BatchedRuntime:
 
     Caches are allocated once for `max_batch` rows of `max_seq_len` positions (prompt + output).
     Not thread-safe: one thread calls add() and step() (the server's scheduler thread).
+
+    cuda_graphs: run the draft and verify passes of greedy batches in static shapes (rows padded
+    to a power of two <= max_batch on free slots that write only to the dump index, mask widths
+    to multiples of 128, the drafter's context to the block) and, on a CUDA device, replay each
+    shape as a captured CUDA graph (runtime/cuda_graphs.py). On a CPU the padded passes run
+    eagerly: what the tests check token for token. Prefills, steps with sampled rows, and a
+    drafter's catch-up over a long backlog stay eager.
     """
 
     def __init__(self, target: Any, draft: DFlashDraftModel | None = None, max_batch: int = 8,
                  max_seq_len: int = 2048, policy: SpeculationPolicy | None = None,
                  block_size: int | None = None, width_multiple: int = 16, use_draft_vocab: bool = True,
-                 capture_layer_ids: Sequence[int] | None = None) -> None:
+                 capture_layer_ids: Sequence[int] | None = None, cuda_graphs: bool = False) -> None:
         self.target = TargetAdapter(target)
         self.draft = draft
         why = unsupported_reason(self.target.model, draft)
@@ -162,6 +176,10 @@ class BatchedRuntime:
         self.draft_cache = BatchedDraftCache(len(draft.layers), max_batch, capacity) if draft is not None else None
         self.capacity, self.dump = capacity, capacity - 1
         self.width_multiple = width_multiple  # mask widths rounded up: fewer distinct shapes
+        self.static_shapes = cuda_graphs
+        if cuda_graphs:
+            self.width_multiple = max(width_multiple, GRAPH_WIDTH_MULTIPLE)
+        self.graphs: StepGraphs | None = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
         self.features: torch.Tensor | None = None  # [slots, capacity, n*H] target features by position
         # the draft argmax over the drafter's frequent-token subset when it ships one (lossless:
         # verification keeps the full vocabulary); None: over the target's whole lm_head
@@ -249,7 +267,8 @@ class BatchedRuntime:
             # Untimed: steps with a prefill, and drafting steps that first catch the drafter up on a
             # prompt or on plain steps' commits (their cost says nothing about steady drafting, and
             # a re-exploration probe after a long plain streak would otherwise price drafting out)
-            if first is None and not self._catching_up:
+            captured = self.graphs is not None and self.graphs.take_captured_flag()
+            if first is None and not self._catching_up and not captured:
                 self.policy.observe_step(n_old, self.last_decision.k if self.last_decision else 0, now - t_step)
         if first is not None:
             for seq, tok in zip(new, host[len(host) - len(new):]):
@@ -283,11 +302,10 @@ class BatchedRuntime:
         return new
 
     def _forward(self, rows: slice, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
-                 visible: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        """Target pass over `rows`: ids/positions/write [n, S], visible [n, 1, S, W] -> logits.
+                 mask: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+        """Target pass over `rows`: ids/positions/write [n, S], additive mask [n, 1, S, W] -> logits.
         Captured features go to self.features at the write indices."""
-        self.cache.kv.prepare(rows, write, visible.shape[-1])
-        mask = additive_mask(visible, self.target.dtype)
+        self.cache.kv.prepare(rows, write, mask.shape[-1])
         logits, feats = self.target.forward(ids, positions, self.cache, self.layer_ids, logits_to_keep, mask)
         if feats is not None:  # [n, S, n_ctx*H]
             if self.features is None:
@@ -338,7 +356,8 @@ class BatchedRuntime:
         visible = (keys[None, None, None, :] <= pos[:, None, :, None]) & (write[:, None, :, None] != self.dump)
         visible = visible | (keys == 0)  # pad queries: see something (their output is discarded)
         rows = slice(new[0].slot, new[-1].slot + 1)
-        logits = self._forward(rows, ids, pos, write, visible, logits_to_keep=1)  # [m, 1, V]
+        logits = self._forward(rows, ids, pos, write, additive_mask(visible, self.target.dtype),
+                               logits_to_keep=1)  # [m, 1, V]
         return self._sample_rows(logits, new)[:, -1]
 
     def _decode(self, n: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
@@ -360,52 +379,100 @@ class BatchedRuntime:
         for s in seqs:
             s.drafted_last = k > 0
         k_rows = [min(k, s.remaining - 1) for s in seqs]
-        starts = torch.tensor([s.start for s in seqs], device=dev)  # [n]
+        greedy = all(s.request.temperature <= 0 for s in seqs)
+        N = self._pass_rows(n) if greedy else n  # rows n..N-1: padding on free slots (static shapes)
+        pad = N - n
+        starts = torch.tensor([s.start for s in seqs] + [0] * pad, device=dev)  # [N]
         arange = torch.arange(k + 1, device=dev)
-        positions = starts[:, None] + arange  # [n, k+1]
-        block = torch.tensor([[s.out[-1]] for s in seqs], device=dev)  # [n, 1] pending tokens
+        positions = starts[:, None] + arange  # [N, k+1]
+        write = positions  # padding rows write only to the dump index
+        if pad:
+            write = torch.cat([positions[:n], torch.full((pad, k + 1), self.dump, device=dev)])
+        block = torch.tensor([[s.out[-1]] for s in seqs] + [[0]] * pad, device=dev)  # [N, 1] pending tokens
         if k > 0:
-            block = torch.cat([block, self._draft(seqs, starts, positions, block, k, k_rows)], dim=1)
-        W = _round_up(max(s.start for s in seqs) + k + 1, self.width_multiple, self.dump)
+            block = torch.cat([block, self._draft(seqs, N, starts, write, block, k, k_rows)], dim=1)
+        W = self._width(max(s.start for s in seqs) + k + 1)
         keys = torch.arange(W, device=dev)
         visible = keys[None, None, None, :] <= positions[:, None, :, None]  # causal, per-row offset
-        logits = self._forward(slice(0, n), block, positions, positions, visible)  # [n, k+1, V]
-        post = self._sample_rows(logits, seqs, [k_i + 1 for k_i in k_rows])  # [n, k+1]: post[j] = the target's token after block[j]
+        mask = additive_mask(visible, self.target.dtype)  # [N, 1, k+1, W]
+        if greedy:
+            post = self._verify_greedy(block, positions, write, mask)[:n]  # [n, k+1]
+        else:
+            logits = self._forward(slice(0, n), block, positions, write, mask)  # [n, k+1, V]
+            post = self._sample_rows(logits, seqs, [k_i + 1 for k_i in k_rows])
+        # post[j] = the target's token after block[j]
         if k > 0:
             k_t = torch.tensor(k_rows, device=dev)[:, None]
-            matches = (block[:, 1:] == post[:, :-1]) & (arange[None, :k] < k_t)  # [n, k]
+            matches = (block[:n, 1:] == post[:, :-1]) & (arange[None, :k] < k_t)  # [n, k]
             accepted = matches.int().cumprod(dim=1).sum(dim=1)
         else:
             accepted = torch.zeros(n, dtype=torch.long, device=dev)
         return k_rows, post, accepted
 
-    def _draft(self, seqs: list[BatchedSequence], starts: torch.Tensor, positions: torch.Tensor,
+    def _pass_rows(self, n: int) -> int:
+        """Rows a pass runs with: n, or with static shapes the next power of two (<= max_batch)."""
+        return min(1 << (n - 1).bit_length(), self.max_batch) if self.static_shapes else n
+
+    def _width(self, length: int) -> int:
+        """Mask width (keys a pass attends over) for the longest row's `length` positions."""
+        return _round_up(length, self.width_multiple, self.dump)
+
+    def _verify_greedy(self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Target pass over rows 0..N-1 -> the greedy posterior [N, S] (a graph per shape if enabled)."""
+        N = ids.shape[0]
+
+        def verify(ids, positions, write, mask):
+            return (self._forward(slice(0, N), ids, positions, write, mask).argmax(-1),)
+
+        if self.graphs is None:
+            return verify(ids, positions, write, mask)[0]
+        return self.graphs(("verify", N, ids.shape[1], mask.shape[-1]), verify, ids, positions, write, mask)[0]
+
+    def _draft(self, seqs: list[BatchedSequence], N: int, starts: torch.Tensor, block_write: torch.Tensor,
                pending: torch.Tensor, k: int, k_rows: list[int]) -> torch.Tensor:
-        """One drafter pass over every row's unconsumed context and its block -> drafts [n, k]."""
+        """One drafter pass over every row's unconsumed context and its block -> drafts [N, k].
+        starts [N], block_write [N, k+1] (the block's cache indices), pending [N, 1]; rows >= len(seqs)
+        are padding (their context and block go to the dump index)."""
         assert self.draft is not None and self.draft_cache is not None and self.features is not None
         dev, n = self.device, len(seqs)
-        backlog = [s.start - s.draft_len for s in seqs]  # >= 1: context not yet in the draft cache
+        pad = N - n
+        backlog = [s.start - s.draft_len for s in seqs] + [0] * pad  # >= 1 for real rows
         C = max(backlog)
-        ctx_pos = torch.tensor([s.draft_len for s in seqs], device=dev)[:, None] + torch.arange(C, device=dev)
-        ctx_ok = torch.arange(C, device=dev)[None, :] < torch.tensor(backlog, device=dev)[:, None]  # [n, C]
-        ctx_pos = torch.where(ctx_ok, ctx_pos, starts[:, None] - 1)  # padding reads a real row: finite values
-        r = torch.arange(n, device=dev)[:, None]
-        ctx = self.features[r.expand_as(ctx_pos), ctx_pos]  # [n, C, n_ctx*H]
-        block = torch.full((n, k + 1), self.draft.mask_token_id, device=dev)
+        # steady drafting consumes <= k+1 new positions a row: one static context width per k
+        graphed = self.static_shapes and C <= k + 1
+        if graphed:
+            C = k + 1
+        cols = torch.arange(C, device=dev)
+        ctx_pos = torch.tensor([s.draft_len for s in seqs] + [0] * pad, device=dev)[:, None] + cols  # [N, C]
+        ctx_ok = cols[None, :] < torch.tensor(backlog, device=dev)[:, None]  # [N, C]
+        ctx_pos = torch.where(ctx_ok, ctx_pos, (starts[:, None] - 1).clamp(min=0))  # padding reads a real row: finite
+        block = torch.full((N, k + 1), self.draft.mask_token_id, device=dev)
         block[:, :1] = pending
-        draft_pos = torch.cat([ctx_pos, positions], dim=1)  # [n, C+k+1]
-        write = torch.cat([torch.where(ctx_ok, ctx_pos, self.dump), positions], dim=1)
-        ends = starts + torch.tensor(k_rows, device=dev) + 1  # [n]: keys < end are context or this row's block
-        W = _round_up(max(s.start for s in seqs) + k + 1, self.width_multiple, self.dump)
-        visible = (torch.arange(W, device=dev)[None, :] < ends[:, None])[:, None, None, :]  # [n, 1, 1, W]
-        self.draft_cache.kv.prepare(slice(0, n), write, W)
+        draft_pos = torch.cat([ctx_pos, starts[:, None] + torch.arange(k + 1, device=dev)], dim=1)  # [N, C+k+1]
+        write = torch.cat([torch.where(ctx_ok, ctx_pos, self.dump), block_write], dim=1)
+        ends = starts + torch.tensor(k_rows + [0] * pad, device=dev) + 1  # [N]: keys < end: context or own block
+        W = self._width(max(s.start for s in seqs) + k + 1)
+        visible = (torch.arange(W, device=dev)[None, :] < ends[:, None])[:, None, None, :]  # [N, 1, 1, W]
         mask = additive_mask(visible, self.target.dtype)
-        hidden = self.draft(ctx, self.target.embed(block), draft_pos, self.draft_cache, mask)  # [n, k+1, H]
+
+        def draft(ctx_pos, block, draft_pos, write, mask):  # a graph reads only its inputs and persistent buffers
+            self.draft_cache.kv.prepare(slice(0, N), write, W)
+            rows = torch.arange(N, device=ctx_pos.device)[:, None].expand_as(ctx_pos)
+            ctx = self.features[rows, ctx_pos]  # [N, C, n_ctx*H]
+            hidden = self.draft(ctx, self.target.embed(block), draft_pos, self.draft_cache, mask)  # [N, k+1, H]
+            if self.draft_head is not None:
+                return (self.draft_head(hidden[:, 1:]),)  # [N, k] token ids: slot j predicts position start+j
+            return (self.target.lm_head(hidden[:, 1:]).argmax(-1),)  # [N, k]
+
+        inputs = (ctx_pos, block, draft_pos, write, mask)
+        if graphed and self.graphs is not None:
+            drafts = self.graphs(("draft", N, k, W), draft, *inputs)[0]
+        else:
+            drafts = draft(*inputs)[0]
         for s in seqs:
             s.draft_len = s.start
-        if self.draft_head is not None:
-            return self.draft_head(hidden[:, 1:])  # [n, k] token ids: slot j predicts position start+j
-        return self.target.lm_head(hidden[:, 1:]).argmax(-1)  # [n, k]
+        return drafts
 
     def _commit(self, seq: BatchedSequence, new: list[int]) -> bool:
         """Append a step's tokens to `seq`; True when it is finished."""
@@ -465,14 +532,25 @@ class BatchedRuntime:
                 # not the minimum: k = 0 is re-measured online on every plain step (an average under
                 # whatever load the machine has), so a k > 0 entry kept at its luckiest sample would
                 # look cheaper than it is next to it, and the policy would speculate where it loses.
+                # With CUDA graphs a step that captured one is not a sample (it includes the
+                # capture); a spare round retakes it.
                 samples: dict[int, list[float]] = {k: [] for k in cands}
-                for _ in range(reps):
+                for _ in range(reps + (1 if self.graphs is not None else 0)):
                     for k in cands:
+                        if len(samples[k]) >= reps:
+                            continue
+                        self.policy = FixedPolicy(k)
+                        t = time.perf_counter()
+                        self.step()
+                        seconds = time.perf_counter() - t
+                        if self.graphs is None or not self.graphs.take_captured_flag():
+                            samples[k].append(seconds)
+                for k in cands:
+                    if not samples[k]:  # every round captured a new shape (widths grew): measure once more
                         self.policy = FixedPolicy(k)
                         t = time.perf_counter()
                         self.step()
                         samples[k].append(time.perf_counter() - t)
-                for k in cands:
                     cost = statistics.median(samples[k])
                     policy.costs.set(n, k, cost)
                     if progress is not None:
@@ -507,6 +585,7 @@ def batched_generate(
     policy: SpeculationPolicy | None = None,
     arrivals: Sequence[int] | None = None,
     runtime: BatchedRuntime | None = None,
+    cuda_graphs: bool = False,
 ) -> list[GenerationResult]:
     """Decode `prompts` together; prompt i joins at step `arrivals[i]` (default: all at once).
     draft=None decodes without speculation. Results in prompt order."""
@@ -515,7 +594,7 @@ def batched_generate(
     if runtime is None:
         need = max(len(p) + b for p, b in zip(prompts, budgets))
         runtime = BatchedRuntime(target, draft, max_batch=max_batch or n, max_seq_len=max_seq_len or need,
-                                 policy=policy)
+                                 policy=policy, cuda_graphs=cuda_graphs)
     arrivals = list(arrivals) if arrivals is not None else [0] * n
     order = sorted(range(n), key=lambda i: arrivals[i])
     handles: dict[int, BatchedSequence] = {}

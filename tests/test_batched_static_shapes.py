@@ -1,0 +1,116 @@
+"""Static shapes (the CUDA-graph path of the batched runtime) decode exactly as the reference loop.
+
+With ``cuda_graphs=True`` the draft and verify passes of greedy batches run padded: rows to a
+power of two on free slots that write only to the dump index, mask widths to multiples of 128,
+the drafter's context to the block. On a CUDA device each shape is then captured once and
+replayed (dflash_trt/runtime/cuda_graphs.py); there is no GPU here, so these tests run the padded
+passes eagerly on CPU and check them token for token, and check that every pass that would be
+captured traces as ONE graph (torch.compile fullgraph=True, eager backend): a host sync or a
+data-dependent Python branch inside a pass would make CUDA-graph capture fail, and fails here.
+The capture and replay calls themselves (torch.cuda.graph) only run on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trt.runtime import dflash_generate
+from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
+from dflash_trt.runtime.draft_model import make_draft_config
+from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
+from dflash_trt.runtime.tiny import random_draft, tiny_target
+
+from tests.test_batched_runtime import BUDGETS, PROMPTS, BatchedOracle, _pair
+
+
+@pytest.mark.parametrize("policy", [FixedPolicy(3), FixedPolicy(1), None], ids=["k3", "k1", "adaptive"])
+def test_static_shapes_equal_the_reference_with_joins_stops_and_queueing(policy):
+    target, draft = _pair("llama", seed=11)
+    plain = dflash_generate(draft, target, PROMPTS[2], max_new_tokens=BUDGETS[2]).output_ids
+    stop = [plain[5]]
+    ref = [dflash_generate(draft, target, p, max_new_tokens=m, stop_token_ids=stop).output_ids
+           for p, m in zip(PROMPTS, BUDGETS)]
+    # max_batch 5: passes of 1, 2, 4 and 5 rows (the cap is no power of two); arrivals spread joins
+    results = batched_generate(draft, target, PROMPTS, max_new_tokens=BUDGETS, stop_token_ids=stop, policy=policy,
+                               max_batch=5, arrivals=[0, 2, 1, 5, 0, 3], cuda_graphs=True)
+    assert [r.output_ids for r in results] == ref
+
+
+class ShapeRecordingOracle(BatchedOracle):
+    """The perfect drafter, recording the (rows, context + block) shape of every pass."""
+
+    shapes: list[tuple[int, int]]
+
+    def forward(self, target_hidden, noise_embedding, position_ids, cache=None, attn_mask=None):
+        self.shapes.append((noise_embedding.shape[0], position_ids.shape[1]))
+        return super().forward(target_hidden, noise_embedding, position_ids, cache, attn_mask)
+
+
+def test_padded_rows_leave_a_perfect_drafter_perfect():
+    """3 running rows pass as 4: the padding row must not disturb the real rows' caches, context
+    or drafts (tau stays the block size), and every steady pass has the static shape."""
+    target = tiny_target("qwen3", seed=5, vocab_size=32, hidden_size=64).double()
+    B, steps = 4, 5
+    n_new = 1 + B * steps
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9, 8]]
+    truth = [p + dflash_generate(random_draft(target.config, block_size=B).double(), target, p,
+                                 max_new_tokens=n_new + B).output_ids for p in prompts]
+    draft = ShapeRecordingOracle(make_draft_config(target.config, num_layers=1, block_size=B),
+                                 target.get_output_embeddings().weight.detach())
+    draft.shapes = []
+    rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, policy=FixedPolicy(B - 1), cuda_graphs=True)
+    handles = [rt.add(SequenceRequest(p, n_new)) for p in prompts]
+    by_handle = {id(h): t for h, t in zip(handles, truth)}
+    while rt.has_work():
+        draft.row_sequences = [by_handle[id(s)] for s in rt.rows] + [[0] * 64]  # the padding row
+        rt.step()
+    for h, t, p in zip(handles, truth, prompts):
+        assert h.result.output_ids == t[len(p): len(p) + n_new]
+        assert h.result.stats.acceptance_lengths == [B] * steps
+    # the first pass catches up on the prompts (eager, context as long as the longest prompt);
+    # every later one: 4 rows, context padded to the block, then the block
+    assert draft.shapes[0] == (4, 5 + B)
+    assert set(draft.shapes[1:]) == {(4, 2 * B)}
+
+
+class TracingGraphs:
+    """Stands in for StepGraphs on CPU: every pass it would capture is traced by dynamo as one
+    graph (fullgraph=True raises on a graph break) and run; the keys are recorded."""
+
+    def __init__(self):
+        self.keys: list = []
+        self.captured_now = False
+
+    def __call__(self, key, fn, *inputs):
+        self.keys.append(key)
+        torch._dynamo.reset()  # one fresh trace per call: the closure's shapes differ between keys
+        return tuple(torch.compile(fn, fullgraph=True, backend="eager")(*inputs))
+
+    def take_captured_flag(self) -> bool:
+        return False
+
+
+def test_every_graphed_pass_traces_as_one_graph_and_stays_lossless():
+    target, draft = _pair("qwen3", seed=12)
+    prompts, budgets = PROMPTS[:3], [6, 4, 7]
+    ref = [dflash_generate(draft, target, p, max_new_tokens=m).output_ids for p, m in zip(prompts, budgets)]
+    rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, policy=AdaptivePolicy(draft.block_size),
+                        cuda_graphs=True)
+    rt.graphs = TracingGraphs()  # type: ignore[assignment]
+    results = batched_generate(draft, target, prompts, max_new_tokens=budgets, runtime=rt)
+    assert [r.output_ids for r in results] == ref
+    kinds = {key[0] for key in rt.graphs.keys}
+    assert kinds == {"verify", "draft"}
+    assert all(key[1] in (1, 2, 4) for key in rt.graphs.keys)  # rows: powers of two
+
+
+def test_sampled_rows_keep_the_eager_path():
+    """Seeded sampling under static shapes still reproduces the reference loop (its steps stay eager)."""
+    target, draft = _pair("llama", seed=4)
+    seeds = [11, 12, 13]
+    ref = [dflash_generate(draft, target, p, max_new_tokens=m, temperature=0.9, seed=s).output_ids
+           for p, m, s in zip(PROMPTS[:3], BUDGETS[:3], seeds)]
+    results = batched_generate(draft, target, PROMPTS[:3], max_new_tokens=BUDGETS[:3], temperature=0.9, seeds=seeds,
+                               policy=FixedPolicy(draft.block_size - 1), cuda_graphs=True)
+    assert [r.output_ids for r in results] == ref
