@@ -88,3 +88,19 @@ def test_full_speculation_setting_pins_the_draft_length(tmp_path_factory):
         assert not isinstance(rt.batched.policy, FixedPolicy)
     finally:
         rt.shutdown(cancel_pending=True)
+
+
+def test_cuda_graphs_setting_serves_static_shapes_with_the_same_answers(tmp_path_factory):
+    """`cuda_graphs: true` (repository setting) reaches the batched runtime: its passes run in static
+    shapes (on CPU eagerly; graphs need a GPU) and concurrent answers stay the reference loop's."""
+    engine = shared_tiny_engine(tmp_path_factory)
+    rt = load_engine_runtime(engine, backend="reference", cuda_graphs=True)
+    try:
+        assert rt.batched.static_shapes and rt.batched.graphs is None  # CPU: no capture
+        max_tokens = [9, 16, 5]
+        gens = [rt.submit(GenerateRequest(p, max_tokens=m)) for p, m in zip(PROMPTS[:3], max_tokens)]
+        with ThreadPoolExecutor(len(gens)) as pool:
+            answers = [text for text, _ in pool.map(lambda g: g.text(), gens, timeout=100)]
+        assert answers == [reference_answer(engine, p, m) for p, m in zip(PROMPTS[:3], max_tokens)]
+    finally:
+        rt.shutdown(cancel_pending=True)

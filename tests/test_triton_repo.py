@@ -79,13 +79,13 @@ def test_generated_config_parses_strictly_and_matches_model_py(engine, tmp_path)
 def test_flags_reach_the_config_and_paths_are_escaped(engine):
     odd = '/data/engines/my "quoted" dir\\x'
     settings = TritonRepoSettings(model_name="smol", backend="reference", default_max_tokens=17, max_queue=3,
-                                  speculation="full", device="cuda", engine_path=odd)
+                                  speculation="full", device="cuda", cuda_graphs=True, engine_path=odd)
     cfg = parse_config(render_config(engine, settings))
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert cfg.name == "smol"
     assert params["engine_dir"] == odd  # round-trips through text-format escaping
     assert (params["backend"], params["default_max_tokens"], params["max_queue"], params["speculation"],
-            params["device"]) == ("reference", "17", "3", "full", "cuda")
+            params["device"], params["cuda_graphs"]) == ("reference", "17", "3", "full", "cuda", "true")
 
 
 def test_default_max_tokens_above_engine_limit_is_refused(engine):

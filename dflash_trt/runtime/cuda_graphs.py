@@ -8,9 +8,10 @@ How a pass is graphed (:class:`StepGraphs`):
 - The caller pads the pass to a shape from a small set (rows to a power of two, mask width to a
   multiple of 128, the drafter's context to the block: see BatchedRuntime) and names it by `key`.
 - First time a key is seen the pass runs eagerly (the step's real result, and the warm-up that
-  allocates every persistent buffer outside the graph), then is captured once into a graph
-  with static copies of its inputs. Capturing executes nothing, so the side effects (K/V and
-  feature writes at the static write indices) happen once, in the eager run.
+  allocates every persistent buffer outside the graph), once more on a side stream, then is
+  captured into a graph with static copies of its inputs. Capturing executes nothing; the side
+  effects (K/V and feature writes at the step's write indices) come from the eager runs, which
+  write the same values twice.
 - Later: the inputs are copied into the static tensors and the graph is replayed.
 - Outputs are cloned right after a replay: graphs share one memory pool, and a later capture may
   place its outputs where an earlier graph keeps its intermediates, so a static output is only
@@ -66,6 +67,14 @@ class StepGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         static = tuple(x.clone() for x in inputs)
+        # warm up on a side stream first, as PyTorch's CUDA-graph docs require (lazy per-stream
+        # state such as cuBLAS workspaces). It repeats the eager run on the same inputs, so its
+        # K/V and feature writes rewrite the same values at the same indices.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*static)
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, pool=self._pool):

@@ -42,6 +42,8 @@ def _repo_options(fn):
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
                      show_default=True, help="Weights dtype for the reference runtime."),
         click.option("--device", default="cpu", show_default=True, help="Device for the reference runtime (cpu, cuda)."),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,
+                     help="Reference runtime on a GPU: replay the greedy draft and verify passes as CUDA graphs."),
     ]):
         fn = opt(fn)
     return fn
@@ -57,7 +59,7 @@ def _repo_options(fn):
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @friendly_errors
 def triton(engine: str, out: str, model_name: str, backend: str, default_max_tokens: int | None, max_queue: int,
-           speculation: str, dtype: str, device: str, engine_path: str | None, force: bool) -> None:
+           speculation: str, dtype: str, device: str, cuda_graphs: bool, engine_path: str | None, force: bool) -> None:
     """Write a Triton model repository (Python backend, decoupled streaming) for ENGINE.
 
     Serve it with `tritonserver --model-repository OUT` (TensorRT-LLM container) or `dflash-trt serve
@@ -67,7 +69,7 @@ def triton(engine: str, out: str, model_name: str, backend: str, default_max_tok
 
     settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
                          max_queue=max_queue, speculation=speculation, dtype=dtype, device=device,
-                         engine_path=engine_path)
+                         cuda_graphs=cuda_graphs, engine_path=engine_path)
     click.echo(f"[deploy triton] engine={Path(engine).resolve()} out={out} "
                + " ".join(f"{k}={v}" for k, v in settings.model_dump().items()), err=True)
     repo = generate_repository(engine, out, settings, overwrite=force)
@@ -112,12 +114,13 @@ def _default_engine() -> Path:
 def serve(source: str | None, model_repository: str | None, grpc_address: str, grpc_port: int, metrics_port: int,
           allow_metrics: bool, load_models: tuple[str, ...], exit_timeout_secs: float, ready_file: str | None,
           model_name: str, backend: str, default_max_tokens: int | None, max_queue: int, speculation: str,
-          dtype: str, device: str) -> None:
+          dtype: str, device: str, cuda_graphs: bool) -> None:
     """Serve a model repository (or an engine directory) over Triton's gRPC protocol, with metrics.
 
     The repository's model.py runs through the Triton Python-backend interface, exactly as in
     tritonserver; the real tritonclient talks to it unchanged. The options --model-name, --backend,
-    --default-max-tokens, --max-queue, --dtype and --device apply when SOURCE is an engine directory.
+    --default-max-tokens, --max-queue, --dtype, --device and --cuda-graphs apply when SOURCE is an engine
+    directory.
     """
     import logging
     import shutil
@@ -138,7 +141,8 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
             model_repository = str(engine)  # SOURCE was a repository after all
         else:
             settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
-                                 max_queue=max_queue, speculation=speculation, dtype=dtype, device=device)
+                                 max_queue=max_queue, speculation=speculation, dtype=dtype, device=device,
+                                 cuda_graphs=cuda_graphs)
             tmp = Path(tempfile.mkdtemp(prefix="dflash-trt-repo-"))
             model_repository = str(generate_repository(engine, tmp / "repo", settings))
     click.echo(json.dumps({"model_repository": model_repository, "grpc": f"{grpc_address}:{grpc_port}",

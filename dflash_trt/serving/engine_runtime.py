@@ -245,6 +245,7 @@ class ReferenceRuntime:
     max_queue: int = 64
     max_batch: int = 8  # rows decoded together (the engine's max_batch_size)
     speculation: str = "adaptive"  # adaptive | full (see TritonRepoSettings.speculation)
+    cuda_graphs: bool = False  # see TritonRepoSettings.cuda_graphs
     backend: str = "reference"
     batched: Any = field(init=False, default=None)  # BatchedRuntime, or None: one request at a time
     _queue: queue.Queue[_Job | None] = field(init=False)
@@ -265,7 +266,7 @@ class ReferenceRuntime:
 
             policy = FixedPolicy(self.draft.block_size - 1) if self.speculation == "full" else None
             self.batched = BatchedRuntime(self.target, self.draft, max_batch=self.max_batch,
-                                          max_seq_len=self.max_seq_len, policy=policy)
+                                          max_seq_len=self.max_seq_len, policy=policy, cuda_graphs=self.cuda_graphs)
             log.info("engine %s: batched runtime, up to %d requests per pass", self.engine_dir, self.max_batch)
         else:
             log.warning("engine %s: requests run one at a time (%s)", self.engine_dir, why)
@@ -559,7 +560,7 @@ def _load_pair(engine_dir: Path, dtype: str, device: str) -> Any:
 
 def load_engine_runtime(engine_dir: str | Path, backend: str = "auto", dtype: str = "float32", device: str = "cpu",
                         default_max_tokens: int | None = None, max_queue: int = 64,
-                        speculation: str = "adaptive") -> EngineRuntime:
+                        speculation: str = "adaptive", cuda_graphs: bool = False) -> EngineRuntime:
     """Load `engine_dir` with TensorRT-LLM when it can run DFlash here, else the reference runtime.
 
     The choice and its reason are logged: silently serving with the slow path is a failure mode.
@@ -593,5 +594,5 @@ def load_engine_runtime(engine_dir: str | Path, backend: str = "auto", dtype: st
         engine_dir=engine_dir, target=TargetAdapter(pair.target), draft=pair.draft, tokenizer=pair.tokenizer,
         stop_token_ids=stop_ids_of(pair.tokenizer, pair.target.config), max_seq_len=limit,
         default_max_tokens=min(default, limit), max_queue=max_queue, max_batch=manifest.limits.max_batch_size,
-        speculation=speculation,
+        speculation=speculation, cuda_graphs=cuda_graphs,
     )

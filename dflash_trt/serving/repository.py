@@ -41,6 +41,9 @@ class TritonRepoSettings(BaseModel):
     speculation: Literal["adaptive", "full"] = "adaptive"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # reference runtime only
     device: str = "cpu"  # reference runtime only: cpu | cuda | cuda:N
+    # reference runtime on a GPU: greedy draft/verify passes replayed as CUDA graphs
+    # (runtime/cuda_graphs.py); no effect on a CPU
+    cuda_graphs: bool = False
     engine_path: str | None = None  # the engine directory as the server sees it (containers)
 
 
@@ -76,6 +79,7 @@ def render_config(engine_dir: Path, settings: TritonRepoSettings) -> str:
         "speculation": settings.speculation,
         "dtype": settings.dtype,
         "device": settings.device,
+        "cuda_graphs": str(settings.cuda_graphs).lower(),
     }
     text = string.Template(template).substitute({k: _pbtxt_string(str(v)) for k, v in values.items()})
     parse_config(text, where="generated config.pbtxt")

@@ -22,6 +22,7 @@ INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "seed", "stop", "s
 OUTPUTS = ("text_output", "finish_reason", "acceptance_length", "acceptance_rate", "total_draft_tokens",
            "total_accepted_draft_tokens", "num_output_tokens", "queue_time_ms", "decode_time_ms")
 PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "speculation", "dtype", "device")
+OPTIONAL_PARAMETERS = {"cuda_graphs": "false"}  # absent from repositories written before it existed
 
 
 class _BadRequest(Exception):
@@ -49,6 +50,7 @@ class TritonPythonModel:
             params["engine_dir"], backend=params["backend"], dtype=params["dtype"], device=params["device"],
             default_max_tokens=int(params["default_max_tokens"]), max_queue=int(params["max_queue"]),
             speculation=params["speculation"],
+            cuda_graphs=params.get("cuda_graphs", OPTIONAL_PARAMETERS["cuda_graphs"]) == "true",
         )
         pb_utils.Logger.log_info(f"dflash: engine {params['engine_dir']} loaded with the {self.engine.backend} backend")
 
