@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="timed runs per path, alternating plain/DFlash; the fastest counts (shared machines are noisy)")
     ap.add_argument("--dtype", default="float32", help="model dtype")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--fixed-k", type=int, default=None,
+                    help="draft exactly this many tokens every step instead of the adaptive policy (0: the DFlash "
+                         "runtime decoding plainly, which prices its own overhead against the plain runtime)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="static-shape passes, replayed as CUDA graphs on a GPU (both paths: plain decoding too)")
     ap.add_argument("--no-check", action="store_true", help="skip the single-sequence greedy check")
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_trt.runtime import autoregressive_generate
     from dflash_trt.runtime.batched import BatchedRuntime, batched_generate, calibration_tokens
     from dflash_trt.runtime.loading import load_pair
-    from dflash_trt.runtime.policy import AdaptivePolicy
+    from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
 
     console = Console(stderr=True)
     tdir, ddir = pair_dirs_or_default(args.target, args.draft)
@@ -76,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         ps = prompts[:c]
         plain_rt = BatchedRuntime(target, None, max_batch=c, max_seq_len=max_len, cuda_graphs=args.cuda_graphs)
         batched_generate(None, target, ps[:1], max_new_tokens=2, runtime=plain_rt)  # warm-up
-        policy = AdaptivePolicy(draft.block_size)
+        policy = AdaptivePolicy(draft.block_size) if args.fixed_k is None else FixedPolicy(args.fixed_k)
         rt = BatchedRuntime(target, draft, max_batch=c, max_seq_len=max_len, policy=policy,
                             cuda_graphs=args.cuda_graphs)
         t = time.perf_counter()
-        rt.calibrate([c])
+        if isinstance(policy, AdaptivePolicy):
+            rt.calibrate([c])
         calib_s = time.perf_counter() - t
         plain_s = dflash_s = float("inf")
         for _ in range(args.repeats):  # alternate, so load from other processes hits both alike
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         n_dflash = sum(len(r.output_ids) for r in dfl)
         steps = sum(r.stats.num_steps for r in dfl)
         tau = sum(sum(r.stats.acceptance_lengths) for r in dfl) / steps if steps else 0.0
-        ks = rt.stats()["recent_k_counts"]
+        ks = rt.stats().get("recent_k_counts", {str(args.fixed_k): steps})
         row = {
             "concurrency": c,
             "plain_tokens_per_s": n_plain / plain_s,
@@ -109,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             "dflash_s": dflash_s,
             "calibration_s": calib_s,
             "k_counts": ks,
-            "step_cost_s": policy.costs.to_dict(),
-            "step_cost_vs_plain": policy.costs.ratios_dict(),
+            "step_cost_s": policy.costs.to_dict() if isinstance(policy, AdaptivePolicy) else None,
+            "step_cost_vs_plain": policy.costs.ratios_dict() if isinstance(policy, AdaptivePolicy) else None,
+            # the policy's last 256 steps: k, estimates and measured seconds (diagnoses a ratio < 1)
+            "decisions": [d.to_dict() for d in getattr(policy, "decisions", [])],
             "plain_equals_single": [r.output_ids for r in plain] == truth[:c] if truth else None,
             "dflash_equals_single": [r.output_ids for r in dfl] == truth[:c] if truth else None,
         }

@@ -111,6 +111,10 @@ def test_online_costs_follow_measurements():
     rt.run()
     measured = [policy.costs.table[k][2] for k in policy.candidates if 2 in policy.costs.table[k]]
     assert any(s > 1e-6 for s in measured)  # real step times were blended in
+    # the decision log carries each timed step's seconds; the first decode step (it drafts over
+    # the prompts: a catch-up) is not timed
+    timed = [d.measured_s for d in policy.decisions if d.measured_s is not None]
+    assert timed and all(t > 0 for t in timed) and policy.decisions[0].measured_s is None
 
 
 def test_uncalibrated_policy_explores_each_candidate_then_exploits():

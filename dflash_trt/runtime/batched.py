@@ -270,6 +270,8 @@ class BatchedRuntime:
             captured = self.graphs is not None and self.graphs.take_captured_flag()
             if first is None and not self._catching_up and not captured:
                 self.policy.observe_step(n_old, self.last_decision.k if self.last_decision else 0, now - t_step)
+                if self.last_decision is not None:
+                    self.last_decision.measured_s = now - t_step
         if first is not None:
             for seq, tok in zip(new, host[len(host) - len(new):]):
                 seq.stats.ttft_s = now - seq.t0

@@ -47,6 +47,9 @@ class Decision:
     est_step_s: float = 0.0
     est_tokens_per_s: float = 0.0
     reason: str = ""
+    # the step's measured wall time, filled in by the runtime when the step was timed (None: a
+    # step with a prefill, a drafter catch-up or a CUDA-graph capture, which the cost table skips)
+    measured_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
