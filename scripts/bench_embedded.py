@@ -39,8 +39,12 @@ import click
 @click.option("--runtime", default="reference", show_default=True, type=click.Choice(["reference", "batched"]),
               help="reference: the reference loop (full block); batched: the serving runtime at batch 1 (adaptive k).")
 @click.option("--split", default="eval", show_default=True, type=click.Choice(["eval", "train"]))
+@click.option("--tau-only", is_flag=True,
+              help="Decode with DFlash only: acceptance figures (deterministic at temperature 0) in half the time, "
+                   "no speedup and no identity check. For comparing drafters.")
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write every figure as JSON here.")
-def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads, dtype, pack, runtime, split, json_out) -> None:
+def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads, dtype, pack, runtime, split, tau_only,
+         json_out) -> None:
     """DFlash vs plain greedy decoding of the embedded pair on held-out prompts."""
     import torch
 
@@ -65,7 +69,10 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         # warm-up: first calls pay for lazy initialisation in torch and transformers
         warm = encode_prompt(pair.tokenizer, "Hello", False, vocab)
         decode_dflash(warm, max_new_tokens=8, stop_token_ids=stop)
-        decode_plain(warm, max_new_tokens=8, stop_token_ids=stop)
+        if tau_only:
+            decode_plain = None
+        else:
+            decode_plain(warm, max_new_tokens=8, stop_token_ids=stop)
 
         total = GenerationStats()
         per_cat = {c: GenerationStats() for c in CATEGORIES}
@@ -77,21 +84,25 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         for n, p in enumerate(prompts, 1):
             ids = encode_prompt(pair.tokenizer, p.prompt, False, vocab)
             d = decode_dflash(ids, **kw)
-            a = decode_plain(ids, **kw)
-            same = d.output_ids == a.output_ids
+            a = decode_plain(ids, **kw) if decode_plain is not None else d  # tau only: DFlash stands in
+            same = d.output_ids == a.output_ids if decode_plain is not None else None
             if subset is not None:
                 in_vocab += sum(t in subset for t in a.output_ids)
                 out_tokens += len(a.output_ids)
             for acc in (total, per_cat[p.category]):
                 _merge(acc, d.stats)
-            for name, r in (("dflash", d), ("plain", a)):
+            for name, r in (("dflash", d), ("plain", a if decode_plain is not None else None)):
+                if r is None:
+                    continue
                 dec[name][0] += r.stats.total_time_s - r.stats.ttft_s
                 dec[name][1] += r.stats.num_output_tokens - 1
             rows.append({"id": p.id, "category": p.category, "tokens": d.stats.num_output_tokens,
                          "tau": round(d.stats.tau, 3), "dflash_tpot_ms": round(d.stats.tpot_s * 1e3, 1),
-                         "plain_tpot_ms": round(a.stats.tpot_s * 1e3, 1), "identical": same})
+                         "plain_tpot_ms": round(a.stats.tpot_s * 1e3, 1) if decode_plain is not None else None,
+                         "identical": same})
             print(f"[{n}/{len(prompts)}] {p.id:14s} tokens={d.stats.num_output_tokens:3d} tau={d.stats.tau:5.2f} "
-                  f"tpot dflash={d.stats.tpot_s * 1e3:6.1f}ms plain={a.stats.tpot_s * 1e3:6.1f}ms identical={same}",
+                  f"tpot dflash={d.stats.tpot_s * 1e3:6.1f}ms "
+                  + (f"plain={a.stats.tpot_s * 1e3:6.1f}ms identical={same}" if decode_plain is not None else "(tau only)"),
                   file=sys.stderr, flush=True)
         tpot = {k: (s / t if t else 0.0) for k, (s, t) in dec.items()}
         result = {
@@ -104,8 +115,8 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
             "acceptance_rate": round(total.acceptance_rate, 4),
             "per_position_acceptance": [round(x, 3) for x in total.per_position_acceptance],
             "dflash_tpot_ms": round(tpot["dflash"] * 1e3, 2), "plain_tpot_ms": round(tpot["plain"] * 1e3, 2),
-            "speedup": round(tpot["plain"] / tpot["dflash"], 3) if tpot["dflash"] else 0.0,
-            "identical_all": all(r["identical"] for r in rows),
+            "speedup": round(tpot["plain"] / tpot["dflash"], 3) if tpot["dflash"] and not tau_only else None,
+            "identical_all": None if tau_only else all(r["identical"] for r in rows),
             "draft_vocab": None if subset is None else {
                 "size": len(subset), "used_by": "batched runtime" if runtime == "batched" else "nothing (reference loop)",
                 "coverage_of_outputs": round(in_vocab / max(out_tokens, 1), 4)},
@@ -118,12 +129,14 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         print(f"  mean tau            {result['tau']:.2f}   (acceptance_rate {result['acceptance_rate']:.3f})")
         print("  tau per category    " + "  ".join(f"{c}={t:.2f}" for c, t in result["tau_per_category"].items()))
         print("  per-position accept " + " ".join(f"{x:.2f}" for x in result["per_position_acceptance"]))
-        print(f"  TPOT                dflash={result['dflash_tpot_ms']:.1f} ms  plain={result['plain_tpot_ms']:.1f} ms"
-              f"  -> decode speedup {result['speedup']:.2f}x")
+        if not tau_only:
+            print(f"  TPOT                dflash={result['dflash_tpot_ms']:.1f} ms  plain={result['plain_tpot_ms']:.1f} ms"
+                  f"  -> decode speedup {result['speedup']:.2f}x")
         if subset is not None:
             print(f"  draft vocabulary    {len(subset)} ids ({result['draft_vocab']['used_by']}); they cover "
                   f"{result['draft_vocab']['coverage_of_outputs']:.1%} of the plain outputs' tokens")
-        print(f"  identical to plain greedy on every prompt: {result['identical_all']}")
+        if not tau_only:
+            print(f"  identical to plain greedy on every prompt: {result['identical_all']}")
         if json_out:
             from dflash_trt.fsutil import write_json_atomic
 
