@@ -391,6 +391,9 @@ class BatchedRuntime:
         if pad:
             write = torch.cat([positions[:n], torch.full((pad, k + 1), self.dump, device=dev)])
         block = torch.tensor([[s.out[-1]] for s in seqs] + [[0]] * pad, device=dev)  # [N, 1] pending tokens
+        # host-to-device copies before the passes are launched: a copy from pageable memory waits
+        # for the work queued before it, so one made after them would hold the host until they end
+        k_t = torch.tensor(k_rows, device=dev)[:, None]  # [n, 1]
         if k > 0:
             block = torch.cat([block, self._draft(seqs, N, starts, write, block, k, k_rows)], dim=1)
         W = self._width(max(s.start for s in seqs) + k + 1)
@@ -404,7 +407,6 @@ class BatchedRuntime:
             post = self._sample_rows(logits, seqs, [k_i + 1 for k_i in k_rows])
         # post[j] = the target's token after block[j]
         if k > 0:
-            k_t = torch.tensor(k_rows, device=dev)[:, None]
             matches = (block[:n, 1:] == post[:, :-1]) & (arange[None, :k] < k_t)  # [n, k]
             accepted = matches.int().cumprod(dim=1).sum(dim=1)
         else:
