@@ -196,6 +196,7 @@ class BatchedRuntime:
         self.steps = 0
         self.last_decision: Decision | None = None
         self._catching_up = False  # this step's draft pass also consumes a prompt or plain steps' commits
+        self.step_captured = False  # the last step captured a CUDA graph
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, request: SequenceRequest) -> BatchedSequence:
@@ -243,6 +244,8 @@ class BatchedRuntime:
         new = self._admit()
         first = self._prefill(new) if new else None  # [m] on device
         decode = self._decode(n_old) if n_old else None  # (k_rows, posterior [n, k+1], a [n])
+        # a step that captured a CUDA graph timed the capture too: no cost sample (here, calibrate())
+        self.step_captured = self.graphs is not None and self.graphs.take_captured_flag()
         # The ONE device-to-host synchronisation of the step.
         parts = []
         if decode is not None:
@@ -267,8 +270,7 @@ class BatchedRuntime:
             # Untimed: steps with a prefill, and drafting steps that first catch the drafter up on a
             # prompt or on plain steps' commits (their cost says nothing about steady drafting, and
             # a re-exploration probe after a long plain streak would otherwise price drafting out)
-            captured = self.graphs is not None and self.graphs.take_captured_flag()
-            if first is None and not self._catching_up and not captured:
+            if first is None and not self._catching_up and not self.step_captured:
                 self.policy.observe_step(n_old, self.last_decision.k if self.last_decision else 0, now - t_step)
                 if self.last_decision is not None:
                     self.last_decision.measured_s = now - t_step
@@ -539,22 +541,21 @@ class BatchedRuntime:
                 # With CUDA graphs a step that captured one is not a sample (it includes the
                 # capture); a spare round retakes it.
                 samples: dict[int, list[float]] = {k: [] for k in cands}
+
+                def timed_step(k: int, keep_captures: bool) -> None:
+                    self.policy = FixedPolicy(k)
+                    t = time.perf_counter()
+                    self.step()
+                    if keep_captures or not self.step_captured:
+                        samples[k].append(time.perf_counter() - t)
+
                 for _ in range(reps + (1 if self.graphs is not None else 0)):
                     for k in cands:
-                        if len(samples[k]) >= reps:
-                            continue
-                        self.policy = FixedPolicy(k)
-                        t = time.perf_counter()
-                        self.step()
-                        seconds = time.perf_counter() - t
-                        if self.graphs is None or not self.graphs.take_captured_flag():
-                            samples[k].append(seconds)
+                        if len(samples[k]) < reps:
+                            timed_step(k, keep_captures=False)
                 for k in cands:
                     if not samples[k]:  # every round captured a new shape (widths grew): measure once more
-                        self.policy = FixedPolicy(k)
-                        t = time.perf_counter()
-                        self.step()
-                        samples[k].append(time.perf_counter() - t)
+                        timed_step(k, keep_captures=True)
                     cost = statistics.median(samples[k])
                     policy.costs.set(n, k, cost)
                     if progress is not None:
