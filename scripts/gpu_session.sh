@@ -16,7 +16,8 @@
 #
 # GREEDY_DIR holds the greedy answers' responses.pt (features not needed). Knobs (environment):
 # PY, WORK, THREADS, DEVICE (cuda; cpu runs the same flow slowly: a dry run), SHORT_TOKENS (64),
-# SWEEP ("1 4 8 16 32"), SWEEP_TOKENS (128), and gpu_drafter.sh's SAMPLES, BATCH_PROMPTS, GEN_SECONDS, TRAIN_SECONDS, BATCH.
+# SWEEP ("1 4 8 16 32"), SWEEP_TOKENS (128), and gpu_drafter.sh's VARIANTS ("A:2:768"; the sweep uses A; e.g.
+# "A:2:768 B:3:768" also grows a third layer side by side (init-from needs equal shapes), to measure capacity headroom), SAMPLES, BATCH_PROMPTS, GEN_SECONDS, TRAIN_SECONDS, BATCH.
 set -uo pipefail
 : "${GREEDY_DIR:?set GREEDY_DIR to the directory holding the greedy responses.pt}"
 PY=${PY:-python3}
@@ -45,7 +46,7 @@ bench bbg1 --concurrency 1 8 --max-tokens "$SHORT_TOKENS" --cuda-graphs
 bench bbk0 --concurrency 8 --max-tokens "$SHORT_TOKENS" --fixed-k 0
 
 TARGET=$T GREEDY_DIR=$GREEDY_DIR WORK=$WORK PY=$PY DEVICE=$DEVICE SAMPLES=${SAMPLES:-4} BATCH_PROMPTS=${BATCH_PROMPTS:-256} \
-    GEN_SECONDS=${GEN_SECONDS:-240} TRAIN_SECONDS=${TRAIN_SECONDS:-600} BATCH=${BATCH:-96} VARIANTS="A:2:768" \
+    GEN_SECONDS=${GEN_SECONDS:-240} TRAIN_SECONDS=${TRAIN_SECONDS:-600} BATCH=${BATCH:-96} VARIANTS=${VARIANTS:-"A:2:768"} \
     bash scripts/gpu_drafter.sh
 echo "stage: train rc=$?"
 
