@@ -69,9 +69,7 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         # warm-up: first calls pay for lazy initialisation in torch and transformers
         warm = encode_prompt(pair.tokenizer, "Hello", False, vocab)
         decode_dflash(warm, max_new_tokens=8, stop_token_ids=stop)
-        if tau_only:
-            decode_plain = None
-        else:
+        if not tau_only:
             decode_plain(warm, max_new_tokens=8, stop_token_ids=stop)
 
         total = GenerationStats()
@@ -84,25 +82,25 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         for n, p in enumerate(prompts, 1):
             ids = encode_prompt(pair.tokenizer, p.prompt, False, vocab)
             d = decode_dflash(ids, **kw)
-            a = decode_plain(ids, **kw) if decode_plain is not None else d  # tau only: DFlash stands in
-            same = d.output_ids == a.output_ids if decode_plain is not None else None
+            a = None if tau_only else decode_plain(ids, **kw)
+            same = None if a is None else d.output_ids == a.output_ids
             if subset is not None:
-                in_vocab += sum(t in subset for t in a.output_ids)
-                out_tokens += len(a.output_ids)
+                out_ids = (d if a is None else a).output_ids  # greedy: DFlash's output stands in for plain's with --tau-only
+                in_vocab += sum(t in subset for t in out_ids)
+                out_tokens += len(out_ids)
             for acc in (total, per_cat[p.category]):
                 _merge(acc, d.stats)
-            for name, r in (("dflash", d), ("plain", a if decode_plain is not None else None)):
-                if r is None:
-                    continue
-                dec[name][0] += r.stats.total_time_s - r.stats.ttft_s
-                dec[name][1] += r.stats.num_output_tokens - 1
+            for name, r in (("dflash", d), ("plain", a)):
+                if r is not None:
+                    dec[name][0] += r.stats.total_time_s - r.stats.ttft_s
+                    dec[name][1] += r.stats.num_output_tokens - 1
             rows.append({"id": p.id, "category": p.category, "tokens": d.stats.num_output_tokens,
                          "tau": round(d.stats.tau, 3), "dflash_tpot_ms": round(d.stats.tpot_s * 1e3, 1),
-                         "plain_tpot_ms": round(a.stats.tpot_s * 1e3, 1) if decode_plain is not None else None,
+                         "plain_tpot_ms": None if a is None else round(a.stats.tpot_s * 1e3, 1),
                          "identical": same})
             print(f"[{n}/{len(prompts)}] {p.id:14s} tokens={d.stats.num_output_tokens:3d} tau={d.stats.tau:5.2f} "
                   f"tpot dflash={d.stats.tpot_s * 1e3:6.1f}ms "
-                  + (f"plain={a.stats.tpot_s * 1e3:6.1f}ms identical={same}" if decode_plain is not None else "(tau only)"),
+                  + ("(tau only)" if a is None else f"plain={a.stats.tpot_s * 1e3:6.1f}ms identical={same}"),
                   file=sys.stderr, flush=True)
         tpot = {k: (s / t if t else 0.0) for k, (s, t) in dec.items()}
         result = {
