@@ -217,7 +217,9 @@ def render_jobs(engine_dir: str | Path, opts: SlurmOptions) -> dict[str, str]:
         **common, "job_name": f"{name}-build", "script_path": q(str(out / "build.sbatch")),
         "sbatch_optional": _sbatch_lines(opts, build_gpus), "spec_path": q(str(spec_path)),
         "build_out": q(str(build_out)),
-        "build_command": f"{step_bin} build --spec \"$SPEC\" --out \"$OUT\"",
+        # --device cuda: the job holds GPUs, so calibration and the gate must run there (an error,
+        # not a silent CPU build, when the allocation comes without visible GPUs)
+        "build_command": f"{step_bin} build --spec \"$SPEC\" --out \"$OUT\"" + (" --device cuda" if build_gpus else ""),
     })
     bench = render(_template("bench"), {
         **common, "job_name": f"{name}-bench", "script_path": q(str(out / "bench.sbatch")),
