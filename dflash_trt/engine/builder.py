@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dflash_trt.engine.archs import ArchSpec, resolve_arch
+from dflash_trt.engine.devices import BuildDevice
 from dflash_trt.engine.checks import (
     check_dtype,
     check_limits,
@@ -285,7 +286,7 @@ def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool) -> tup
 
 
 def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool = True,
-                 console: Any = None, profile: Profile | None = None) -> Path:
+                 console: Any = None, profile: Profile | None = None, device: BuildDevice | None = None) -> Path:
     """Write the engine directory for a prepared (validated, planned) build. Returns its path.
 
     Host memory: a --quant none build streams the checkpoint shard by shard (no model loaded
@@ -313,7 +314,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     dtype = DTYPES[p.dtype_name]
     quantized = spec.quant != "none"
     gate_on = spec.gate.enabled if spec.gate.enabled is not None else quantized
-    device = resolve_device(spec.device)
+    device = device or resolve_device(spec.device)
     acceptance: dict[str, Any] | None = None
     quant_report: dict[str, Any] = {}
 

@@ -159,11 +159,14 @@ def build(spec_file: str | None, as_json: bool, dry_run: bool, force: bool, prof
     """
     from dflash_trt.engine.builder import Profile, build_engine, default_name, prepare, print_spec, render_profile, show_plan
 
+    from dflash_trt.engine.devices import resolve_device
+
     spec = _resolve(spec_file, flags)
     console = _console()
     prof = Profile()
     with prof.phase("validate_plan"):
         p = prepare(spec, need_checkpoints=True)
+        device = resolve_device(spec.device)  # --device cuda without a GPU fails here, in a second
     print_spec(spec, console)
     show_plan(p, console)
     if not p.plan.fits:
@@ -176,7 +179,8 @@ def build(spec_file: str | None, as_json: bool, dry_run: bool, force: bool, prof
             click.echo(json.dumps({"dry_run": True, "plan": p.plan.to_dict()}))
         return
     out = Path(spec.out) if spec.out else Path("engines") / default_name(p)
-    build_engine(p, out, overwrite=force, progress=not no_progress, console=console, profile=prof)
+    console.print(f"build device: {device.describe()}")
+    build_engine(p, out, overwrite=force, progress=not no_progress, console=console, profile=prof, device=device)
     console.print(f"[green]engine written:[/green] {out}")
     if profile:
         render_profile(prof, console)

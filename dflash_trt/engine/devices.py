@@ -96,12 +96,19 @@ def plan_device_map(model: Any, free: tuple[int, ...] | list[int], dtype: Any) -
             f"the target needs {need / 1e9:.1f} GB of GPU memory in {str(dtype).removeprefix('torch.')} but the "
             f"{len(free)} visible GPU(s) have {have / 1e9:.1f} GB usable; make more GPUs visible or build with "
             "--device cpu")
+    def place(budget: dict[int | str, int]) -> dict[str, Any]:
+        budget = {k: v for k, v in budget.items() if isinstance(k, int)}
+        budget["cpu"] = 0  # never offload to the host: the build would crawl
+        return infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split, dtype=dtype)
+
+    device_map = place(max_memory)
     if len(free) > 1:
-        max_memory = get_balanced_memory(model, max_memory=dict(max_memory), no_split_module_classes=no_split,
-                                         dtype=dtype)
-    max_memory = {k: v for k, v in max_memory.items() if isinstance(k, int)}
-    max_memory["cpu"] = 0
-    device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype)
+        # balanced: an even share per GPU (room for activations everywhere); on uneven GPUs the
+        # even share may not fit, and filling the GPUs in order (above) is the fallback
+        balanced = place(get_balanced_memory(model, max_memory=dict(max_memory), no_split_module_classes=no_split,
+                                             dtype=dtype))
+        if all(isinstance(v, int) for v in balanced.values()):
+            device_map = balanced
     off = [k for k, v in device_map.items() if not isinstance(v, int)]
     if off:
         raise DFlashError(f"the target does not fit the visible GPUs ({off[0]} would go to {device_map[off[0]]}); "
