@@ -47,6 +47,7 @@ class Profile:
     phases: dict[str, float] = field(default_factory=dict)
     peak_rss_mib: dict[str, float] = field(default_factory=dict)
     peak_gpu_mib: dict[str, float] = field(default_factory=dict)  # largest per-GPU peak, when on GPUs
+    rss_mib: dict[str, float] = field(default_factory=dict)  # resident at the end of the phase
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -55,12 +56,31 @@ class Profile:
             yield
         finally:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
-            # ru_maxrss is the process's peak so far (KiB on Linux): read after each phase, the
-            # first phase whose value jumps is the one that set the peak.
-            self.peak_rss_mib[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            # The process's peak so far: read after each phase, the first phase whose value jumps
+            # is the one that set the peak.
+            self.peak_rss_mib[name] = peak_rss_mib()
+            self.rss_mib[name] = _proc_status_mib("VmRSS") or 0.0
             gpu = _gpu_peak_mib()
             if gpu is not None:
                 self.peak_gpu_mib[name] = gpu
+
+
+def _proc_status_mib(field: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far (MiB): VmHWM on Linux, which starts afresh at
+    exec; getrusage's ru_maxrss survives exec, so a build started by a large parent process would
+    report the parent's peak."""
+    hwm = _proc_status_mib("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _gpu_peak_mib() -> float | None:
@@ -257,9 +277,14 @@ def default_name(p: Prepared) -> str:
 
 def _free() -> None:
     """Collect a model the caller just dropped, before the next one loads (host RAM, GPU cache)."""
+    import ctypes
     import gc
 
     gc.collect()
+    try:  # glibc keeps freed heap memory mapped; hand it back so the next model does not add to it
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     if "torch" in sys.modules:
         import torch
 
@@ -318,6 +343,12 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     acceptance: dict[str, Any] | None = None
     quant_report: dict[str, Any] = {}
 
+    if quantized:  # before any model exists: see dflash_trt.engine.quantize on ModelOpt's first import
+        try:
+            from dflash_trt.engine.quantize import quantize_and_export
+        except ImportError as e:
+            raise DFlashError(f"--quant {spec.quant} needs nvidia-modelopt ({e}); pip install 'dflash-trt[quant]'")
+
     with sigterm_as_interrupt(), atomic_directory(out, overwrite=overwrite) as tmp:
         target = draft = None
         if quantized or gate_on:
@@ -339,8 +370,6 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                 say(f"unquantized tau {before.tau:.3f} [{lo:.3f}, {hi:.3f}] (95%, {before.n} prompts x "
                     f"{spec.gate.max_new_tokens} tokens)")
         if quantized:
-            from dflash_trt.engine.quantize import quantize_and_export
-
             assert p.recipe is not None
             with prof.phase("quantize_export"):
                 say(f"quantizing with ModelOpt: {spec.quant} weights, recipe {p.recipe.describe()}, KV cache "
@@ -431,13 +460,14 @@ def render_profile(prof: Profile, console: Any) -> None:
     t.add_column("phase")
     t.add_column("seconds", justify="right")
     t.add_column("peak RSS so far (MiB)", justify="right")
+    t.add_column("RSS at end (MiB)", justify="right")
     gpu = bool(prof.peak_gpu_mib)
     if gpu:
         t.add_column("peak GPU so far (MiB, largest GPU)", justify="right")
     for name, secs in prof.phases.items():
-        row = [name, f"{secs:.2f}", f"{prof.peak_rss_mib.get(name, 0):.0f}"]
+        row = [name, f"{secs:.2f}", f"{prof.peak_rss_mib.get(name, 0):.0f}", f"{prof.rss_mib.get(name, 0):.0f}"]
         t.add_row(*row, *([f"{prof.peak_gpu_mib.get(name, 0):.0f}"] if gpu else []))
-    total = ["total", f"{sum(prof.phases.values()):.2f}", f"{max(prof.peak_rss_mib.values(), default=0):.0f}"]
+    total = ["total", f"{sum(prof.phases.values()):.2f}", f"{max(prof.peak_rss_mib.values(), default=0):.0f}", ""]
     t.add_row(*total, *([f"{max(prof.peak_gpu_mib.values()):.0f}"] if gpu else []))
     console.print(t)
 

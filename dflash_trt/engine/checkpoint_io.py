@@ -37,35 +37,43 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+# safetensors dtype names (the format's header) -> torch dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+MAX_HEADER_BYTES = 100 * 2**20
+
+
 class CheckpointReader:
-    """key -> tensor over a directory's *.safetensors files, one tensor in memory at a time."""
+    """key -> tensor over a directory's *.safetensors files, one tensor in memory at a time.
+
+    Tensors are READ into memory the process owns (plain file reads at the header's offsets),
+    not mapped: a tensor that points into a file's memory map keeps every page of that file
+    resident for as long as any tensor of it lives -- dequantized sources included -- which is
+    what made a loaded model cost more than its own size. Format: an 8-byte little-endian header
+    length, a JSON header {name: {dtype, shape, data_offsets}}, then the raw bytes.
+    """
 
     def __init__(self, directory: str | Path) -> None:
-        from safetensors import safe_open
-
         self.directory = Path(directory)
-        self._stack = contextlib.ExitStack()
-        self._handles: dict[Path, Any] = {}
         self.key_file: dict[str, Path] = {}
+        self._entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
             raise DFlashError(f"{self.directory}: no *.safetensors weights; pass a HF checkpoint directory")
+        self._files = files
         for f in files:
-            try:
-                handle = self._stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-            except Exception as e:  # safetensors raises its own error types for a bad header
-                self._stack.close()
-                raise DFlashError(f"{f}: corrupt or truncated safetensors file ({str(e).splitlines()[0]}); "
-                                  "re-download or re-export it")
-            self._handles[f] = handle
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+            for key, entry in _read_header(f).items():
                 self.key_file[key] = f
+                self._entries[key] = entry
 
     def __enter__(self) -> "CheckpointReader":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._stack.close()
+        pass
 
     def keys(self) -> list[str]:
         return list(self.key_file)
@@ -74,19 +82,51 @@ class CheckpointReader:
         return key in self.key_file
 
     def get(self, key: str) -> torch.Tensor:
-        try:
-            return self._handles[self.key_file[key]].get_tensor(key)
-        except KeyError:
-            raise
-        except Exception as e:
-            raise DFlashError(f"{self.key_file[key]}: cannot read tensor {key} ({str(e).splitlines()[0]}); "
-                              "the file is corrupt, re-download or re-export it")
+        dtype, shape, start, end = self._entries[key]
+        out = torch.empty(end - start, dtype=torch.uint8)
+        with open(self.key_file[key], "rb") as fh:
+            fh.seek(start)
+            if fh.readinto(memoryview(out.numpy())) != end - start:
+                raise DFlashError(f"{self.key_file[key]}: truncated at tensor {key}; re-download or re-export it")
+        return out.view(dtype).reshape(shape)
 
     def files(self) -> list[Path]:
-        return list(self._handles)
+        return list(self._files)
 
     def keys_of(self, f: Path) -> list[str]:
         return [k for k, g in self.key_file.items() if g == f]
+
+
+def _read_header(f: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """{key: (dtype, shape, absolute start, absolute end)} of one safetensors file."""
+    bad = f"{f}: corrupt or truncated safetensors file"
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        raw = fh.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+            raise DFlashError(f"{bad} (header length {n}); re-download or re-export it")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DFlashError(f"{bad} (header is not JSON: {e}); re-download or re-export it")
+    entries = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            shape = [int(x) for x in info["shape"]]
+            start, end = (int(x) + 8 + n for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise DFlashError(f"{bad} (tensor {key}: {str(info)[:80]}); re-download or re-export it")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end > size or end - start != numel * torch.empty((), dtype=dtype).element_size():
+            raise DFlashError(f"{bad} (tensor {key} lies outside the file); re-download or re-export it")
+        entries[key] = (dtype, shape, start, end)
+    return entries
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,6 +219,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
     model = empty_model(cfg, dtype)
     placement: dict[str, Any] = dict(device_map) if device_map else {"": device}
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    tied_names = set(getattr(model, "_tied_weights_keys", None) or {"lm_head.weight": None})
     missing: list[str] = []
     used: set[str] = set()
     with CheckpointReader(directory) as ckpt:
@@ -192,7 +233,8 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
             except ValueError as e:
                 raise DFlashError(f"{directory}: tensor {name}: {e}; the checkpoint does not match its config.json")
             if got is None:
-                missing.append(name)
+                if not (tied and name in tied_names):  # tied copies are re-pointed after the loop
+                    missing.append(name)
                 continue
             value, keys = got
             used.update(keys)
@@ -211,6 +253,9 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
                           "config.json and the weights disagree, rebuild")
     if tied:
         model.tie_weights()
+        meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if meta:
+            raise DFlashError(f"{directory}: {meta[0]} is tied but could not be tied to a loaded weight; re-export")
     devices = {str(d) for d in placement.values()}
     if len(devices) > 1:
         from accelerate import dispatch_model

@@ -12,6 +12,11 @@ The model may sit on the CPU or be spread over GPUs (a device map): calibration 
 to the embedding's device and accelerate's hooks carry activations through. The export writes
 shards of at most EXPORT_SHARD_SIZE, so host memory holds one shard beside the model.
 
+ModelOpt is imported with this module, which the builder imports BEFORE it loads a model: the
+first import of ModelOpt keeps the frames on the stack at that moment alive (its plugin loader
+holds a failed optional import's traceback), and a model referenced from one of them -- such as
+this function's `model` argument, had it imported ModelOpt itself -- is never freed.
+
 On a CPU: FP8 calibration works end to end; NVFP4 calibration and export work, but a forward of
 the fake-quantized NVFP4 model asserts "amax must be a CUDA tensor" -- nothing here runs one (the
 acceptance gate runs the EXPORTED weights through dflash_trt.engine.dequant instead).
@@ -22,8 +27,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import modelopt.torch.quantization as mtq
+from modelopt.torch.export import export_hf_checkpoint
 
 from dflash_trt.engine.recipes import ResolvedRecipe, modelopt_config
 from dflash_trt.errors import DFlashError
@@ -33,17 +42,16 @@ EXPORT_SHARD_SIZE = "2GB"
 
 def quantize_and_export(model: Any, quant: str, kv_cache_quant: str, recipe: ResolvedRecipe,
                         calib_ids: list[list[int]], export_dir: Path, dtype: Any = None, progress: bool = True,
-                        mxfp4_source: Path | None = None) -> dict[str, Any]:
+                        mxfp4_source: Path | None = None,
+                        before_export: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Calibrate `model` in place on `calib_ids` and export it to `export_dir` (unified HF format).
 
     Returns a report: quantized module count, and for an MXFP4 source cast to NVFP4 the cast's
-    lossless-block count.
+    lossless-block count. `before_export(model)` sees the calibrated fake-quant model (weights AND
+    activations quantized as ModelOpt simulates them; FP8 runs on a CPU) before export packs it.
     """
     import torch
     from tqdm import tqdm
-
-    import modelopt.torch.quantization as mtq
-    from modelopt.torch.export import export_hf_checkpoint
 
     from dflash_trt.engine.mxfp4_cast import pin_expert_scales
 
@@ -70,6 +78,8 @@ def quantize_and_export(model: Any, quant: str, kv_cache_quant: str, recipe: Res
                               "use recipe full")
         if cast:
             report["mxfp4_cast"] = pin_expert_scales(model, mxfp4_source).to_dict()
+        if before_export is not None:
+            before_export(model)
         export_hf_checkpoint(model, dtype=dtype, export_dir=export_dir, max_shard_size=EXPORT_SHARD_SIZE)
     return report
 
