@@ -335,7 +335,11 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     assert p.target_dir is not None and p.draft_dir is not None
     if out.exists() and not overwrite:
         raise DFlashError(f"{out} already exists; pass --force to replace it, or choose another --out")
-    say = (console.print if console is not None else (lambda *a, **k: None))
+
+    def say(msg: str) -> None:  # plain text: paths and [low, high] intervals are not rich markup
+        if console is not None:
+            console.print(msg, markup=False, highlight=False)
+
     dtype = DTYPES[p.dtype_name]
     quantized = spec.quant != "none"
     gate_on = spec.gate.enabled if spec.gate.enabled is not None else quantized

@@ -226,7 +226,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
         for name, param in list(model.named_parameters()):
             target_device = device_of(placement, name)
             try:
-                got = dequantize_tensor(name, tuple(param.shape), algo, ckpt.has, ckpt.get)
+                got = dequantize_tensor(name, tuple(param.shape), algo, ckpt.has, ckpt.get, param.dtype, target_device)
             except KeyError as e:
                 raise DFlashError(f"{directory}: quantized tensor {name} has no scale {e}; the export is incomplete, "
                                   "rebuild")
@@ -242,7 +242,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
                 raise DFlashError(f"{directory}: tensor {name} has shape {tuple(value.shape)} but config.json implies "
                                   f"{tuple(param.shape)}; the weights do not belong to this config.json")
             # contiguous: a transposed view would change the GEMM summation order (last-ulp drift)
-            _set_parameter(model, name, value.to(device=target_device, dtype=param.dtype).contiguous())
+            _set_parameter(model, name, value.contiguous())
         leftover = [k for k in ckpt.keys() if k not in used and not k.endswith(IGNORED_SUFFIXES)
                     and not (tied and k == "lm_head.weight")]
     if missing:

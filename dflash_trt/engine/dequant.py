@@ -117,26 +117,57 @@ def scale_name(key: str, suffix: str) -> str:
 
 
 def dequantize_tensor(key: str, shape: tuple[int, ...], algo: str | None, has: Callable[[str], bool],
-                      get: Callable[[str], torch.Tensor]) -> tuple[torch.Tensor, list[str]] | None:
-    """The float value of parameter `key` (float `shape`) and the checkpoint keys it was made from.
+                      get: Callable[[str], torch.Tensor], dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu") -> tuple[torch.Tensor, list[str]] | None:
+    """The value of parameter `key` (float `shape`) in `dtype` on `device`, and the checkpoint keys
+    it was made from; None when the checkpoint holds nothing for `key`.
 
-    None when the checkpoint holds nothing for `key`. `has`/`get` read one tensor at a time (the
-    streaming loader passes a safetensors reader), so no whole state dict is ever held. Raises
-    ValueError / KeyError for a tensor that does not fit; the caller names the file.
+    `has`/`get` read one tensor at a time (the streaming loader passes a safetensors reader), so
+    no whole state dict is ever held. Quantized tensors are moved to `device` first (a GPU
+    dequantizes them there) and stacked expert tensors are dequantized one expert at a time:
+    unpacking a whole gpt-oss-120b gate_up_proj at once would take ~25 GB of index and float32
+    temporaries for a 4.2 GB bf16 result. Raises ValueError / KeyError for a tensor that does not
+    fit; the caller names the file.
     """
     if has(key):
         t = get(key)
         if t.dtype == torch.float8_e4m3fn:
             sk = scale_name(key, "weight_scale")
-            return dequant_fp8(t, get(sk)), [key, sk]
+            scale = get(sk).to(device)
+            per_row = scale.dim() == 1 and scale.numel() == t.shape[0] and scale.numel() > 1
+            return _by_expert(t.to(device), shape, dtype,
+                              lambda w, e: dequant_fp8(w, scale[e : e + 1] if per_row else scale)), [key, sk]
         if t.dtype == torch.uint8 and algo == "NVFP4":
             sk, sk2 = scale_name(key, "weight_scale"), scale_name(key, "weight_scale_2")
-            return dequant_nvfp4(t, get(sk), get(sk2), shape), [key, sk, sk2]
-        return t, [key]
+            block, scale_2 = get(sk).to(device), get(sk2).to(device)
+            return _by_expert(t.to(device), shape, dtype,
+                              lambda w, e: dequant_nvfp4(w, block[e : e + 1] if w.dim() == 3 else block, scale_2,
+                                                         (w.shape[0], *shape[1:]) if w.dim() == 3 else shape)), \
+                [key, sk, sk2]
+        return t.to(device=device, dtype=dtype), [key]
     blocks_key, scales_key = (key + s for s in MXFP4_SUFFIXES)
     if algo == "MXFP4" and has(blocks_key):
+        blocks, scales = get(blocks_key).to(device), get(scales_key).to(device)
+        if blocks.dim() != 4:
+            raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)}: expected [experts, rows, blocks, 16]")
         # The release stores [E, out, in] and GptOssExperts keeps [E, in, out]: always transposed,
         # as transformers' convert_moe_packed_tensors does (a shape test would miss square experts).
-        w = dequant_mxfp4(get(blocks_key), get(scales_key)).transpose(-1, -2)
-        return w, [blocks_key, scales_key]
+        return _by_expert(blocks, shape, dtype,
+                          lambda b, e: dequant_mxfp4(b, scales[e : e + 1]).transpose(-1, -2)), [blocks_key, scales_key]
     return None
+
+
+def _by_expert(packed: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+               dequant: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """`dequant(packed[e:e+1], e)` for each leading index of a stacked (3-D+) tensor, written into
+    one `dtype` result; a 2-D tensor in one piece."""
+    if packed.dim() < 3:
+        return dequant(packed, 0).to(dtype)
+    out = torch.empty(shape, dtype=dtype, device=packed.device)
+    for e in range(packed.shape[0]):
+        piece = dequant(packed[e : e + 1], e)
+        if tuple(piece.shape[1:]) != tuple(shape[1:]):
+            raise ValueError(f"dequantized shape {tuple(piece.shape[1:])} per expert, config.json implies "
+                             f"{tuple(shape[1:])}")
+        out[e : e + 1] = piece
+    return out

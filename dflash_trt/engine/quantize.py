@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +80,26 @@ def quantize_and_export(model: Any, quant: str, kv_cache_quant: str, recipe: Res
             report["mxfp4_cast"] = pin_expert_scales(model, mxfp4_source).to_dict()
         if before_export is not None:
             before_export(model)
-        export_hf_checkpoint(model, dtype=dtype, export_dir=export_dir, max_shard_size=EXPORT_SHARD_SIZE)
+        with _transformers_quiet(progress):
+            export_hf_checkpoint(model, dtype=dtype, export_dir=export_dir, max_shard_size=EXPORT_SHARD_SIZE)
     return report
+
+
+@contextlib.contextmanager
+def _transformers_quiet(progress: bool) -> Iterator[None]:
+    """transformers' save_pretrained logs deprecations and draws a shard bar: honour --no-progress."""
+    from transformers.utils import logging as hf_logging
+
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(old)
+        if not progress:
+            hf_logging.enable_progress_bar()
 
 
 def _count_quantized(model: Any) -> int:
