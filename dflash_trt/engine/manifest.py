@@ -88,7 +88,7 @@ class EngineManifest(Strict):
     target: TargetInfo
     draft: DraftInfo
     llm_api_options: str = "llm_api_options.yaml"
-    min_tensorrt_llm_version: str
+    min_tensorrt_llm_version: str  # oldest release accepting every key of llm_api_options (trtllm_versions)
     versions: dict[str, str]  # library -> version used by the build
     spec: dict[str, Any]  # the resolved build spec, as printed
     files: dict[str, str]  # relative path -> sha256 of every other file in the directory
@@ -96,6 +96,8 @@ class EngineManifest(Strict):
     plan: dict[str, Any] | None = None  # memory plan per GPU (dflash_trt.engine.plan.MemoryPlan)
     acceptance: dict[str, Any] | None = None  # tau before/after quantization (acceptance gate)
     timings_s: dict[str, float] = Field(default_factory=dict)  # seconds per build phase
+    # "key" / "key=value" of llm_api_options -> first TensorRT-LLM release with it (why the minimum is what it is)
+    tensorrt_llm_requirements: dict[str, str] | None = None
 
 
 def load_manifest(engine_dir: str | Path) -> EngineManifest:

@@ -58,6 +58,12 @@ class BuildSpec(_Strict):
     max_draft_len: int | None = Field(None, ge=1, description="default: drafter block_size - 1")
     max_num_tokens: int | None = Field(None, ge=1, description="default: max(8192, batch * (draft + 1))")
     free_gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    # TensorRT-LLM serving knobs (upstream's throughput recipes); written only when not upstream's default.
+    enable_attention_dp: bool = Field(False, description="attention data parallel across the TP ranks (MoE throughput)")
+    stream_interval: int = Field(1, ge=1, description="tokens between streamed responses")
+    num_postprocess_workers: int = Field(0, ge=0, description="detokenization worker processes of trtllm-serve")
+    dflash_attention_backend: Literal["auto", "VANILLA", "TRTLLM", "FA4"] = Field(
+        "auto", description="DFlashDecodingConfig.attention_backend (auto: TRTLLM on Blackwell, VANILLA elsewhere)")
     draft_num_layers: int = Field(5, ge=1, description="drafter depth assumed by `plan` when no drafter dir")
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
     gate: GateSpec = Field(default_factory=GateSpec)
