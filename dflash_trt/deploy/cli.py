@@ -1,4 +1,5 @@
-"""CLI of the Slurm / MPI area: `dflash-trt deploy slurm`, `dflash-trt deploy wait-ready`, `dflash-trt launch`.
+"""CLI of the Slurm / MPI area: `dflash-trt deploy slurm`, `dflash-trt deploy wait-ready`, `dflash-trt launch`,
+`dflash-trt doctor`.
 
 Heavy imports (mpi4py, tritonclient, the server) happen inside the commands.
 """
@@ -136,5 +137,22 @@ def launch_cmd(engine: str, server_cmd: tuple[str, ...], backend: str, check_onl
     sys.exit(code)
 
 
+@click.command("doctor")
+@click.argument("engine", type=click.Path(file_okay=False), required=False)
+@click.option("--backend", type=click.Choice(["auto", "trtllm", "reference"]), default="auto", show_default=True,
+              help="How ENGINE would be served (auto: trtllm for a GPU engine, reference for a CPU one).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of lines.")
+@friendly_errors
+def doctor_cmd(engine: str | None, backend: str, as_json: bool) -> None:
+    """Report what this environment has (Python, torch, TensorRT-LLM and its DFlash fields, tritonserver,
+    GPUs, NVLink topology) and, for ENGINE, every reason it cannot be served here, each with its fix.
+
+    Exits 1 when ENGINE cannot be served here. Every Slurm job runs it first.
+    """
+    from dflash_trt.deploy.doctor import run_doctor
+
+    sys.exit(run_doctor(engine, backend=backend, as_json=as_json, echo=click.echo))
+
+
 DEPLOY_COMMANDS = [slurm, wait_ready_cmd]
-COMMANDS = [launch_cmd]
+COMMANDS = [launch_cmd, doctor_cmd]
