@@ -122,13 +122,17 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
 @click.option("--accept-tau-drop", is_flag=True, default=None, help="Keep the engine even if tau drops more.")
 @click.option("--gate/--no-gate", default=None, help="Run the acceptance gate after quantizing (default on).")
 @click.option("--gate-prompts", type=click.IntRange(min=1), help="Prompts the acceptance gate decodes (default 4).")
+# PLACEHOLDER (issue 21 branch): accepted so the Slurm build job (`build --device auto`) runs; the
+# build still runs where it ran before. The issue-20 branch implements device placement.
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where the build runs (placeholder: not yet used).")
 @click.option("--dry-run", is_flag=True, help="Stop after validation and planning.")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory (atomically).")
 @click.option("--profile", is_flag=True, help="Print the time and peak RSS of each build phase.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @friendly_errors
 def build(spec_file: str | None, as_json: bool, dry_run: bool, force: bool, profile: bool, no_progress: bool,
-          **flags: Any) -> None:
+          device: str, **flags: Any) -> None:
     """Build an engine directory: validate, plan, quantize (ModelOpt), gate on tau, write atomically.
 
     With no --target/--draft the embedded default pair is used. Flags override --spec keys.
