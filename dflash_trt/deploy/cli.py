@@ -29,10 +29,22 @@ from dflash_trt.cli import friendly_errors
 @click.option("--time", "time_limit", help="sbatch --time, e.g. 04:00:00.")
 @click.option("--nodes", type=click.IntRange(min=1), help="Nodes (default: from the engine's mapping).")
 @click.option("--gpus-per-node", type=click.IntRange(min=0),
-              help="GPUs per node (default: the engine's mapping; none for --backend reference).")
+              help="GPUs per node (default: the engine's mapping; none for --backend reference; 0: no GPU "
+                   "request, for clusters without GPU gres).")
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
               help="--backend reference: independent servers, one per task.")
-@click.option("--container-image", help="pyxis/enroot image for the srun steps (srun --container-image).")
+@click.option("--container-image",
+              help="pyxis/enroot image for every srun step [default: the image built from deploy/container "
+                   "(image.json default_image)]; a registry reference or a .sqsh path.")
+@click.option("--no-container", is_flag=True, help="Run the steps on the hosts, with --dflash-bin (no pyxis).")
+@click.option("--container-name", default="dflash-trt", show_default=True,
+              help="pyxis --container-name: the image is imported once per job and reused by every step.")
+@click.option("--exclusive/--no-exclusive", default=None,
+              help="sbatch --exclusive for the serve and build jobs [default: on for --backend trtllm].")
+@click.option("--build-gpus", type=click.IntRange(min=0),
+              help="GPUs of the build job [default: 1 for a GPU engine, 0 for a CPU one].")
+@click.option("--build-out", type=click.Path(file_okay=False),
+              help="Where the build job writes the engine [default: ENGINE-rebuilt beside ENGINE].")
 @click.option("--container-mounts", help="srun --container-mounts SRC:DST[,...]; the engine and --out are "
                                          "always mounted at their own paths.")
 @click.option("--container-dflash-bin", default="dflash-trt", show_default=True,
@@ -59,7 +71,9 @@ from dflash_trt.cli import friendly_errors
 @friendly_errors
 def slurm(engine: str, out: str, backend: str, server: str, job_name: str | None, partition: str | None,
           account: str | None, time_limit: str | None, nodes: int | None, gpus_per_node: int | None,
-          replicas: int, container_image: str | None, container_mounts: str | None, container_dflash_bin: str,
+          replicas: int, container_image: str | None, no_container: bool, container_name: str,
+          exclusive: bool | None, build_gpus: int | None, build_out: str | None,
+          container_mounts: str | None, container_dflash_bin: str,
           model_repository: str | None, grpc_port: int, http_port: int, metrics_port: int, port_stride: int,
           mpi: str, ready_timeout: int, dflash_bin: str | None, bench_args: str, submit: bool) -> None:
     """Write sbatch scripts (serve, build, bench) for the engine directory ENGINE."""
@@ -67,13 +81,18 @@ def slurm(engine: str, out: str, backend: str, server: str, job_name: str | None
 
     kw = dict(out=Path(out), backend=backend, server=server, job_name=job_name, partition=partition,
               account=account, time=time_limit, nodes=nodes, gpus_per_node=gpus_per_node, replicas=replicas,
-              container_image=container_image, container_mounts=container_mounts,
+              container_name=container_name, exclusive=exclusive, build_gpus=build_gpus,
+              build_out=Path(build_out) if build_out else None, container_mounts=container_mounts,
               container_dflash_bin=container_dflash_bin,
               model_repository=Path(model_repository) if model_repository else None, grpc_port=grpc_port,
               http_port=http_port, metrics_port=metrics_port, port_stride=port_stride, mpi=mpi,
               ready_timeout=ready_timeout, bench_args=bench_args)
     if dflash_bin:
         kw["dflash_bin"] = str(Path(dflash_bin).resolve())
+    if no_container:
+        kw["container_image"] = None
+    elif container_image:
+        kw["container_image"] = container_image
     opts = SlurmOptions(**kw)
     click.echo(f"[deploy slurm] resolved options:\n{describe(opts)}", err=True)
     paths = write_jobs(engine, opts)
@@ -154,5 +173,19 @@ def doctor_cmd(engine: str | None, backend: str, as_json: bool) -> None:
     sys.exit(run_doctor(engine, backend=backend, as_json=as_json, echo=click.echo))
 
 
-DEPLOY_COMMANDS = [slurm, wait_ready_cmd]
+@click.command("ensure-repository")
+@click.argument("engine", type=click.Path(file_okay=False))
+@click.argument("repository", type=click.Path(file_okay=False))
+@click.option("--backend", type=click.Choice(["auto", "tensorrt_llm", "reference"]), default="auto", show_default=True,
+              help="Backend of a repository written here (as `deploy triton --backend`).")
+@friendly_errors
+def ensure_repository_cmd(engine: str, repository: str, backend: str) -> None:
+    """Write the model REPOSITORY for ENGINE if it is missing, else check that it serves ENGINE (serve jobs run this)."""
+    from dflash_trt.deploy.ensure_repo import ensure_repository
+
+    done = ensure_repository(engine, repository, backend)  # type: ignore[arg-type]
+    click.echo(f"[ensure-repository] {repository}: {done} for {engine}", err=True)
+
+
+DEPLOY_COMMANDS = [slurm, wait_ready_cmd, ensure_repository_cmd]
 COMMANDS = [launch_cmd, doctor_cmd]
