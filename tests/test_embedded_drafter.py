@@ -11,6 +11,7 @@ from dflash_trt.embedded import DRAFT_DIR, default_pair_dirs
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.checkpoint import read_json
 from dflash_trt.runtime.validate import validate_pair
+from dflash_trt.sampling_params import SamplingParams
 
 MASK_TOKEN = "<repo_name>"  # documented choice: a StarCoder code-metadata special the instruct model never writes
 
@@ -52,16 +53,17 @@ def test_drafter_fits_target_and_mask_token_is_the_documented_reserved_special(p
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dflash_equals_plain_greedy_on_eval_prompts_with_real_acceptance(pair):
-    from dflash_trt.generation_cli import encode_prompt, stop_ids_of
     from dflash_trt.prompts import interleave, load_prompts
     from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+    from dflash_trt.runtime.tokens import TextCodec
 
-    stop = stop_ids_of(pair.tokenizer, pair.target.config)
+    codec = TextCodec.of_pair(pair)
+    stop = codec.stop_token_ids
     steps = accepted = 0
     for p in interleave(load_prompts("eval"))[:3]:  # one code, one math, one chat prompt
-        ids = encode_prompt(pair.tokenizer, p.prompt, False, 49152)
-        d = dflash_generate(pair.draft, pair.target, ids, max_new_tokens=48, stop_token_ids=stop)
-        a = autoregressive_generate(pair.target, ids, max_new_tokens=48, stop_token_ids=stop)
+        ids = codec.encode(p.prompt)
+        d = dflash_generate(pair.draft, pair.target, ids, SamplingParams(max_tokens=48, stop_token_ids=stop))
+        a = autoregressive_generate(pair.target, ids, SamplingParams(max_tokens=48, stop_token_ids=stop))
         assert d.output_ids == a.output_ids, p.id
         steps += d.stats.num_steps
         accepted += sum(d.stats.acceptance_lengths)
