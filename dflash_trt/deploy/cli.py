@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli import friendly_errors
+from dflash_trt.cli_helpers import friendly_errors
 
 
 @click.command("slurm")
