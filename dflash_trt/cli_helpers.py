@@ -1,5 +1,5 @@
 """What every command module shares: the error contract, JSON output, and the flags that must
-mean the same on every command (``--max-draft-len``, ``--policy``, ``--backend``).
+mean the same on every command (``--max-draft-len``, ``--policy``).
 
 The command modules (``dflash_trt/cli.py``, ``generation_cli.py`` and each area's ``cli.py``)
 import this; nothing below the command layer does.
@@ -52,12 +52,3 @@ def max_draft_len_option(help: str = MAX_DRAFT_LEN_HELP) -> Callable[[Callable[.
 def policy_option(default: str | None, help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return click.option("--policy", type=click.Choice(POLICIES), default=default, show_default=default is not None,
                         help=help)
-
-
-def backend_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """`--backend` of the serving commands: auto | tensorrt_llm | pytorch (`reference`, the old name
-    of pytorch, still accepted)."""
-    from dflash_trt.serving.backends import BACKEND_ALIASES, BACKENDS, normalize_backend
-
-    return click.option("--backend", type=click.Choice([*BACKENDS, *BACKEND_ALIASES]), default="auto",
-                        show_default=True, callback=lambda ctx, param, value: normalize_backend(value), help=help)

@@ -99,6 +99,7 @@ class TracingGraphs:
         return False
 
 
+@pytest.mark.integration  # dynamo traces every pass: ~20 s
 def test_every_graphed_pass_traces_as_one_graph_and_stays_lossless():
     target, draft = _pair("qwen3", seed=12)
     prompts, budgets = PROMPTS[:3], [6, 4, 7]

@@ -7,12 +7,19 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli_helpers import backend_option, friendly_errors, max_draft_len_option, policy_option
+from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option, policy_option
 from dflash_trt.errors import DFlashError
+from dflash_trt.serving.backends import BACKEND_ALIASES, BACKENDS, normalize_backend
 
 _BACKEND_HELP = ("Runtime inside the model: auto = TensorRT-LLM when it is importable and has DFlash, else pytorch; "
                  "tensorrt_llm = require it; pytorch = dflash-trt's own runtime: the batched runtime with --policy "
                  "(the reference loop, one request at a time, for pairs it cannot run). `reference` = pytorch.")
+
+
+def backend_option(help: str):
+    """`--backend`: auto | tensorrt_llm | pytorch (`reference`, the old name of pytorch, still accepted)."""
+    return click.option("--backend", type=click.Choice([*BACKENDS, *BACKEND_ALIASES]), default="auto",
+                        show_default=True, callback=lambda ctx, param, value: normalize_backend(value), help=help)
 
 
 def _settings(**kw):
