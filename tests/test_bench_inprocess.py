@@ -124,6 +124,15 @@ def test_max_draft_len_option(tiny_pair_dirs, tmp_path):
     assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3
     res = CliRunner().invoke(main, [*base, "--max-draft-len", "8"])
     assert res.exit_code != 0 and "max_draft_len=8 (--max-draft-len) must be between 1 and block_size-1=7" in res.output
+    # --policy adaptive: the batched runtime at one sequence chooses k <= K; output stays plain greedy
+    out = tmp_path / "adaptive"
+    res = CliRunner().invoke(main, [*base, "--max-draft-len", "3", "--policy", "adaptive", "--out", str(out),
+                                    "--no-plots"])
+    assert res.exit_code == 0, res.output
+    result = json.loads((out / "bench.json").read_text())
+    assert result["source"]["speculation"]["policy"] == "adaptive"
+    assert result["identical_to_plain"]["identical"] == result["identical_to_plain"]["checked"]
+    assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3
 
 
 def test_plots_are_valid_pngs(run):

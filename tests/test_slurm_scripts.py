@@ -159,6 +159,9 @@ def test_reference_backend_requests_no_gpu(tmp_path):
     assert "launch \"$ENGINE\" --backend reference" in runs[0] and "--port-stride 10" in runs[0]
     assert "for ((rank = 0; rank < 2; rank++))" in scripts["serve"]  # one endpoint per replica
     assert "trtllm" not in runs[0]
+    # `pytorch`, the serving backend's name everywhere, writes the same jobs as its old name
+    same = generate(tmp_path / "p", engine, "--backend", "pytorch", "--replicas", "2", "--mpi", "pmi2")
+    assert srun_lines(same["serve"]) == runs
 
 
 @pytest.mark.parametrize("args, message", [
