@@ -1,8 +1,8 @@
 """The TensorRT-LLM backend: TensorRT-LLM's LLM API with one-model DFlash, configured by the
 engine's llm_api_options.yaml, behind the serving protocol. Runs on GPU nodes only: TensorRT-LLM
-cannot be installed on the development machines (see docs on environment), so
-tests/test_tensorrt_llm_backend.py drives it with a stand-in ``tensorrt_llm`` module whose names
-are upstream's, recorded with their source files and commits in tests/upstream/tensorrt_llm_llmapi.json.
+cannot be installed on the development machines, so tests/test_tensorrt_llm_backend.py drives it
+with a stand-in ``tensorrt_llm`` module whose names are upstream's, recorded with their source
+files and commits in tests/upstream/tensorrt_llm_llmapi.json.
 
 The mapping, upstream names on the left:
 
