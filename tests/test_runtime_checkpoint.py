@@ -96,13 +96,19 @@ def test_pair_validation_errors_name_field_values_and_fix(pair, changes, expecte
 
 
 def test_max_draft_len_must_be_below_block_size(pair):
+    """K is checked where it is chosen (SpeculationSettings), against the drafter's block size."""
     from transformers import AutoConfig
+
+    from dflash_trt.speculation import SpeculationSettings
 
     tdir, ddir = pair
     cfg = json.loads((ddir / "config.json").read_text())
-    with pytest.raises(DFlashError, match=r"max_draft_len=8 must be between 1 and block_size-1=7"):
-        validate_pair(cfg, AutoConfig.from_pretrained(tdir), max_draft_len=8)
-    validate_pair(cfg, AutoConfig.from_pretrained(tdir), max_draft_len=7)
+    block = validate_pair(cfg, AutoConfig.from_pretrained(tdir)).block_size
+    with pytest.raises(DFlashError, match=r"max_draft_len=8 \(--max-draft-len\) must be between 1 and block_size-1=7"):
+        SpeculationSettings.for_block(block, 8)
+    with pytest.raises(DFlashError, match=r"max_draft_len=0 \(--max-draft-len\) must be between 1 and block_size-1=7"):
+        SpeculationSettings.for_block(block, 0)
+    assert SpeculationSettings.for_block(block, 7).max_draft_len == 7
 
 
 def test_missing_corrupt_and_pickle_weights_are_refused(pair):

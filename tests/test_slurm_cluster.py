@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from dflash_trt.deploy.slurm import default_container_image
+from dflash_trt.sampling_params import SamplingParams
 from tests.deploy_engines import served_engine, with_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,15 +122,15 @@ def engine(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def expected_text(engine) -> str:
     """The reference runtime's greedy output for PROMPT (what every server must answer)."""
-    from dflash_trt.generation_cli import decode, encode_prompt, stop_ids_of
     from dflash_trt.runtime.generate import dflash_generate
     from dflash_trt.runtime.loading import load_pair
+    from dflash_trt.runtime.tokens import TextCodec
 
     pair = load_pair(engine / "target", engine / "draft")
-    ids = encode_prompt(pair.tokenizer, PROMPT, False, int(pair.target.config.vocab_size))
-    result = dflash_generate(pair.draft, pair.target, ids, max_new_tokens=MAX_TOKENS, temperature=0.0,
-                             stop_token_ids=stop_ids_of(pair.tokenizer, pair.target.config))
-    text = decode(pair.tokenizer, result.output_ids)
+    codec = TextCodec.of_pair(pair)
+    params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=codec.stop_token_ids)
+    result = dflash_generate(pair.draft, pair.target, codec.encode(PROMPT), params)
+    text = codec.decode(result.output_ids)
     assert text.strip(), "the fixture's prompt should produce visible text"
     return text
 

@@ -230,6 +230,9 @@ def test_reference_backend_requests_no_gpu(tmp_path):
     assert '--model-repository "$REPO"' in server
     assert "for ((rank = 0; rank < 2; rank++))" in scripts["serve"]  # one endpoint per replica
     assert "trtllm-llmapi-launch" not in server and "--backend trtllm" not in server
+    # `pytorch`, the serving backend's name everywhere, writes the same jobs as its old name
+    same = generate(tmp_path / "p", engine, "--backend", "pytorch", "--replicas", "2", "--mpi", "pmi2")
+    assert srun_lines(same["serve"]) == srun_lines(scripts["serve"])
 
 
 @pytest.mark.parametrize("args, message", [

@@ -12,7 +12,9 @@ from dflash_trt.prompts import Prompt
 from dflash_trt.runtime.batched import BatchedRuntime
 from dflash_trt.runtime.generate import autoregressive_generate
 from dflash_trt.runtime.tiny import tiny_target
-from dflash_trt.train.data import _generate_hf, chat_prompt_ids, compute_features, generate_responses
+from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.train.data import _generate_hf, compute_features, generate_responses
 
 LAYERS = [0, 2, 3]
 TEXTS = ["hi", "a longer prompt than the others", "x", "mid length one", "??", "seven", "tokens!"]
@@ -29,7 +31,7 @@ def test_answers_are_batch1_greedy_and_features_match_a_separate_target_pass():
     target = tiny_target("llama", seed=3, num_layers=4)
     vocab = int(target.config.vocab_size)
     # an eos that the first prompt's answer really emits, so stopping early is exercised
-    eos = autoregressive_generate(target, chat_prompt_ids(None, TEXTS[0], vocab), max_new_tokens=4).output_ids[2]
+    eos = autoregressive_generate(target, TextCodec(None, vocab).encode(TEXTS[0]), SamplingParams(max_tokens=4)).output_ids[2]
     target.config.eos_token_id = eos
     saved: list[int] = []
     rows = generate_responses(target, None, _prompts(), max_new_tokens=12, batch_size=3,
@@ -38,8 +40,8 @@ def test_answers_are_batch1_greedy_and_features_match_a_separate_target_pass():
     assert saved == [3, 6, 7]  # partial results after every `batch_size` answers, then the rest
     hit_eos = 0
     for r in rows:
-        prompt = chat_prompt_ids(None, TEXTS[int(r["id"][1:])], vocab)
-        ref = autoregressive_generate(target, prompt, max_new_tokens=12, stop_token_ids=[eos])
+        prompt = TextCodec(None, vocab).encode(TEXTS[int(r["id"][1:])])
+        ref = autoregressive_generate(target, prompt, SamplingParams(max_tokens=12, stop_token_ids=[eos]))
         assert r["prompt_len"] == len(prompt) and r["ids"] == prompt + ref.output_ids
         hit_eos += r["ids"][-1] == eos
         assert r["feats"].dtype == torch.bfloat16 and r["feats"].shape == (len(r["ids"]) - 1, 3 * 64)
@@ -54,7 +56,7 @@ def test_hf_fallback_gives_the_same_rows():
     target = tiny_target("llama", seed=4, num_layers=4)
     rows = generate_responses(target, None, _prompts(), max_new_tokens=10, batch_size=4, capture_layer_ids=LAYERS)
     vocab = int(target.config.vocab_size)
-    encoded = [(p, chat_prompt_ids(None, p.prompt, vocab)) for p in _prompts()]
+    encoded = [(p, TextCodec(None, vocab).encode(p.prompt)) for p in _prompts()]
     hf = _generate_hf(target, encoded, int(target.config.eos_token_id), 10, 4, None, LAYERS)
     by_id = {r["id"]: r for r in rows}
     for h in hf:

@@ -11,6 +11,7 @@ from dflash_trt.cli import main
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
 from dflash_trt.runtime.loading import load_pair, load_target
+from dflash_trt.sampling_params import SamplingParams
 
 
 @pytest.mark.timeout(300)
@@ -38,8 +39,8 @@ def test_train_draft_writes_loadable_zlab_checkpoint_and_loss_decreases(tiny_pai
     assert isinstance(pair.draft, DFlashDraftModel)
     assert pair.draft.draft_vocab is not None and pair.draft.draft_vocab.tolist() == vocab["token_ids"]
     prompt = [3, 14, 15, 92, 65]
-    d = dflash_generate(pair.draft, pair.target, prompt, max_new_tokens=24)
-    a = autoregressive_generate(pair.target, prompt, max_new_tokens=24)
+    d = dflash_generate(pair.draft, pair.target, prompt, SamplingParams(max_tokens=24))
+    a = autoregressive_generate(pair.target, prompt, SamplingParams(max_tokens=24))
     assert d.output_ids == a.output_ids
 
 

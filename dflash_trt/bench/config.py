@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -29,7 +29,10 @@ class BenchConfig(BaseModel):
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     seed: int = 0
-    block_size: int | None = Field(None, ge=2)  # in process: decode with a smaller block than the drafter's
+    # in process: K (drafts verified per step, default the engine's or block_size - 1) and the
+    # policy (fixed: the reference loop; adaptive: the batched runtime choosing k <= K per step)
+    max_draft_len: int | None = Field(None, ge=1)
+    policy: Literal["fixed", "adaptive"] | None = None
     concurrency: list[int] = Field(default_factory=lambda: [1])
     # where
     device: str = "cpu"
@@ -64,8 +67,9 @@ class BenchConfig(BaseModel):
             raise ValueError("--engine already holds the target and drafter; drop --target/--draft")
         if bool(self.target) != bool(self.draft):
             raise ValueError("pass both --target and --draft, or neither (to use the embedded default pair)")
-        if self.url and self.block_size:
-            raise ValueError("--block-size applies in process only; the server decides its own draft length")
+        if self.url and (self.max_draft_len or self.policy):
+            raise ValueError("--max-draft-len and --policy apply in process only; a server has its own (set them "
+                             "on `dflash-trt serve` / `deploy triton`)")
         if self.plain_url and not self.url:
             raise ValueError("--plain-url is for endpoint mode; add --url (in process runs plain decoding itself)")
         return self

@@ -11,16 +11,22 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli import friendly_errors
+from dflash_trt.cli_helpers import friendly_errors
+
+
+def _own_server_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """`pytorch` (the serving backend's name everywhere) is what deploy/launch call `reference`."""
+    return "reference" if value == "pytorch" else value
 
 
 @click.command("slurm")
 @click.argument("engine", type=click.Path(file_okay=False))
 @click.option("--out", type=click.Path(file_okay=False), default="slurm", show_default=True,
               help="Folder for serve.sbatch, build.sbatch, bench.sbatch, build_spec.yaml and logs/.")
-@click.option("--backend", type=click.Choice(["trtllm", "reference"]), default="trtllm", show_default=True,
-              help="trtllm: TensorRT-LLM ranks (TP x PP tasks, one per GPU). reference: the project's own "
-                   "server, independent replicas, no GPU request unless --gpus-per-node.")
+@click.option("--backend", type=click.Choice(["trtllm", "pytorch", "reference"]), default="trtllm", show_default=True,
+              callback=_own_server_name,
+              help="trtllm: TensorRT-LLM ranks (TP x PP tasks, one per GPU). pytorch (old name: reference): the "
+                   "project's own server, independent replicas, no GPU request unless --gpus-per-node.")
 @click.option("--server", type=click.Choice(["tritonserver", "trtllm-serve"]), default="tritonserver",
               show_default=True, help="trtllm backend: what rank 0 runs behind trtllm-llmapi-launch.")
 @click.option("--job-name", help="Slurm job name prefix (default: the engine name); jobs get -serve/-build/-bench.")
@@ -125,9 +131,11 @@ def wait_ready_cmd(urls: tuple[str, ...], timeout_s: float, pid: int | None, int
 @click.command("launch", context_settings={"ignore_unknown_options": False})
 @click.argument("engine", type=click.Path(file_okay=False))
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
-@click.option("--backend", type=click.Choice(["trtllm", "reference"]), default="trtllm", show_default=True,
+@click.option("--backend", type=click.Choice(["trtllm", "pytorch", "reference"]), default="trtllm", show_default=True,
+              callback=_own_server_name,
               help="trtllm: world size must equal TP x PP; rank 0 serves, other ranks are TensorRT-LLM workers. "
-                   "reference: every rank is an independent replica on its own ports.")
+                   "pytorch (old name: reference): every rank is an independent replica of the project's own "
+                   "server on its own ports.")
 @click.option("--check", "check_only", is_flag=True,
               help="Only check (world size vs TP x PP, tensorrt_llm importable) on every rank, then exit.")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address the reference server binds.")

@@ -162,7 +162,7 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
         class _Cfg:  # validate_pair reads attributes
             hidden_size, num_hidden_layers, vocab_size = arch.hidden_size, arch.num_layers, arch.vocab_size
 
-        settings = validate_pair(draft_cfg, _Cfg, spec.max_draft_len, where=str(ddir))
+        settings = validate_pair(draft_cfg, _Cfg, where=str(ddir))
         block_size, mask, layer_ids = settings.block_size, settings.mask_token_id, list(settings.target_layer_ids)
     if tdir is not None:
         _check_tokenizers(tdir, ddir, arch.vocab_size)
@@ -187,15 +187,20 @@ def print_spec(spec: BuildSpec, console: Any) -> None:
 
 
 def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_tokens: int, desc: str,
-                progress: bool = True) -> dict[str, float]:
-    """Greedy DFlash on each prompt; tau over all steps (includes the bonus token)."""
+                progress: bool = True, max_draft_len: int | None = None) -> dict[str, float]:
+    """Greedy DFlash on each prompt, K = max_draft_len drafts a step (the engine's); tau over all
+    steps (includes the bonus token)."""
     from tqdm import tqdm
 
     from dflash_trt.runtime.generate import dflash_generate
+    from dflash_trt.sampling_params import SamplingParams
+    from dflash_trt.speculation import SpeculationSettings
 
     steps = committed = drafted = accepted = 0
+    params = SamplingParams(max_tokens=max_new_tokens)
+    speculation = SpeculationSettings.for_block(draft.block_size, max_draft_len)
     for ids in tqdm(prompt_ids, desc=desc, unit="prompt", disable=not progress, file=sys.stderr):
-        s = dflash_generate(draft, target, ids, max_new_tokens=max_new_tokens).stats
+        s = dflash_generate(draft, target, ids, params, speculation).stats
         steps += s.num_steps
         committed += sum(s.acceptance_lengths)  # tau counts the bonus token of every step
         drafted += s.total_draft_tokens
@@ -281,7 +286,8 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
             gate_ids = ids[: spec.gate.num_prompts]
             if spec.gate.enabled:
                 with prof.phase("tau_before"):
-                    before = measure_tau(target, draft, gate_ids, spec.gate.max_new_tokens, "tau (unquantized)", progress)
+                    before = measure_tau(target, draft, gate_ids, spec.gate.max_new_tokens, "tau (unquantized)", progress,
+                                         p.max_draft_len)
             with prof.phase("quantize_export"):
                 say(f"quantizing with ModelOpt: {spec.quant} weights, KV cache {spec.kv_cache_quant}, "
                     f"{len(ids)} calibration prompts")
@@ -295,7 +301,8 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
             if spec.gate.enabled:
                 with prof.phase("tau_after"):
                     qtarget = load_quantized_target(tmp / "target", dtype)
-                    after = measure_tau(qtarget, draft, gate_ids, spec.gate.max_new_tokens, f"tau ({spec.quant})", progress)
+                    after = measure_tau(qtarget, draft, gate_ids, spec.gate.max_new_tokens, f"tau ({spec.quant})", progress,
+                                        p.max_draft_len)
                     del qtarget
                 acceptance = acceptance_gate(before, after, spec.quant, spec.gate.max_tau_drop,
                                              spec.gate.accept_tau_drop)

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from dflash_trt.cli import friendly_errors
+from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option
 
 # Flag name -> dotted build-spec key. Flags left unset (None) do not override the YAML.
 FLAG_TO_KEY = {
@@ -45,7 +45,8 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--nodes", type=click.IntRange(min=1), help="Nodes available (default 1)."),
         click.option("--max-batch-size", type=click.IntRange(min=1), help="Largest batch the engine serves."),
         click.option("--max-seq-len", type=click.IntRange(min=2), help="Prompt + output tokens per request."),
-        click.option("--max-draft-len", type=click.IntRange(min=1), help="Draft tokens per step (< block_size)."),
+        max_draft_len_option("K: the most draft tokens one step verifies (1..block_size-1), recorded in the "
+                             "manifest and used by every runtime [default: the drafter's block_size - 1]."),
         click.option("--max-num-tokens", type=click.IntRange(min=1), help="Tokens per scheduler iteration."),
         click.option("--free-gpu-memory-fraction", type=click.FloatRange(0, 1, min_open=True),
                      help="Share of free HBM given to the KV cache (default 0.9)."),

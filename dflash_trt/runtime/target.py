@@ -7,7 +7,7 @@ Layer indexing (the classic silent bug): the feature of "layer l" is the OUTPUT 
 l (after its residual add), i.e. HF ``output_hidden_states[l + 1]``; index 0 would be the
 embedding. This matches z-lab and TensorRT-LLM. vLLM and SGLang capture the state ENTERING a
 layer and therefore add 1 to the ids. An off-by-one keeps the output lossless and silently
-destroys acceptance, so tests/test_target.py pins it.
+destroys acceptance, so tests/test_target_layers.py pins it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli import friendly_errors
+from dflash_trt.cli_helpers import friendly_errors
 from dflash_trt.errors import DFlashError
 
 
@@ -131,9 +131,9 @@ def draft_vocab(draft_dir: str, data_file: str, size: int) -> None:
     vocabulary, so output is unchanged); other loaders ignore the file."""
     from types import SimpleNamespace
 
-    from dflash_trt.generation_cli import stop_ids_of
     from dflash_trt.runtime.checkpoint import read_json
     from dflash_trt.runtime.draft_vocab import draft_vocab_from_data, save_draft_vocab
+    from dflash_trt.runtime.tokens import stop_token_ids_of
     from dflash_trt.train.data import load_data
 
     cfg = read_json(Path(draft_dir) / "config.json", what="drafter config")
@@ -141,7 +141,7 @@ def draft_vocab(draft_dir: str, data_file: str, size: int) -> None:
     if not isinstance(vocab, int):
         raise DFlashError(f"{draft_dir}/config.json has no vocab_size; is this a DFlash drafter directory?")
     seqs, _ = load_data(Path(data_file))
-    stops = stop_ids_of(None, SimpleNamespace(eos_token_id=cfg.get("eos_token_id")))  # the drafter config's, if any
+    stops = stop_token_ids_of(None, SimpleNamespace(eos_token_id=cfg.get("eos_token_id")))  # the drafter config's, if any
     ids, coverage = draft_vocab_from_data(seqs, vocab, size, always=stops)
     path = save_draft_vocab(draft_dir, ids, coverage)
     click.echo(f"{path}: {ids.numel()} token ids covering {coverage:.2%} of {len(seqs)} answers' tokens")

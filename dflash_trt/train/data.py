@@ -20,13 +20,6 @@ import torch
 from dflash_trt.errors import DFlashError, run_module_main
 
 
-def chat_prompt_ids(tokenizer: Any | None, prompt: str, vocab_size: int) -> list[int]:
-    """The ids `dflash-trt generate` would feed the target (chat template; bytes for tiny pairs)."""
-    from dflash_trt.generation_cli import encode_prompt
-
-    return encode_prompt(tokenizer, prompt, raw=False, vocab_size=vocab_size)
-
-
 def generate_responses(model: Any, tokenizer: Any, prompts: list[Any], max_new_tokens: int = 256,
                        batch_size: int = 64, on_batch=None,
                        capture_layer_ids: list[int] | None = None) -> list[dict[str, Any]]:
@@ -46,10 +39,11 @@ def generate_responses(model: Any, tokenizer: Any, prompts: list[Any], max_new_t
     Targets the runtime does not handle fall back to HF ``generate``.
     """
     from dflash_trt.runtime.batched import unsupported_reason
+    from dflash_trt.runtime.tokens import TextCodec
 
     eos = first_eos(model.config)
-    vocab = int(model.config.vocab_size)
-    encoded = [(p, chat_prompt_ids(tokenizer, p.prompt, vocab)) for p in prompts]
+    codec = TextCodec(tokenizer, int(model.config.vocab_size))  # the ids `generate` would feed the target
+    encoded = [(p, codec.encode(p.prompt)) for p in prompts]
     if not encoded:
         return []
     gen = _generate_hf if unsupported_reason(model) else _generate_continuous
@@ -93,13 +87,14 @@ def _generate_continuous(model: Any, encoded: list[tuple[Any, list[int]]], eos: 
 
     from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest
     from dflash_trt.runtime.cpu_packing import pack_cpu_linears
+    from dflash_trt.sampling_params import SamplingParams
 
     pack_cpu_linears(model)  # float32 on CPU only; transparent for anything else (frozen target)
     runtime = BatchedRuntime(model, None, max_batch=batch_size,
                              max_seq_len=max(len(ids) for _, ids in encoded) + max_new_tokens,
                              capture_layer_ids=capture_layer_ids)
-    pending = {id(runtime.add(SequenceRequest(ids, max_new_tokens, stop_token_ids=(eos,)))): (p, ids)
-               for p, ids in encoded}
+    params = SamplingParams(max_tokens=max_new_tokens, stop_token_ids=(eos,))
+    pending = {id(runtime.add(SequenceRequest(ids, params))): (p, ids) for p, ids in encoded}
     out: list[dict[str, Any]] = []
     with tqdm(total=len(encoded), desc="generating responses", unit="answer") as bar:
         while runtime.has_work():

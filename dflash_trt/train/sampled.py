@@ -36,11 +36,12 @@ def generate_sampled(model: Any, tokenizer: Any, prompts: list[Any], samples: in
     Runs on the continuous-batching runtime with ``batch_prompts * samples`` rows (a finished
     answer frees its row for the next at once); targets it does not run use HF ``generate``."""
     from dflash_trt.runtime.batched import unsupported_reason
-    from dflash_trt.train.data import chat_prompt_ids, first_eos
+    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.train.data import first_eos
 
     eos = first_eos(model.config)
-    vocab = int(model.config.vocab_size)
-    jobs = [(p, j, chat_prompt_ids(tokenizer, p.prompt, vocab)) for p in prompts for j in range(samples)]
+    codec = TextCodec(tokenizer, int(model.config.vocab_size))
+    jobs = [(p, j, codec.encode(p.prompt)) for p in prompts for j in range(samples)]
     if not jobs:
         return []
     gen = _sample_hf if unsupported_reason(model) else _sample_continuous
@@ -63,8 +64,10 @@ def _sample_continuous(model: Any, jobs: list, samples: int, temperature: float,
 
     from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest
     from dflash_trt.runtime.cpu_packing import pack_cpu_linears
+    from dflash_trt.sampling_params import SamplingParams
 
     pack_cpu_linears(model)  # float32 on CPU only; transparent elsewhere (frozen target)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, stop_token_ids=(eos,))
     torch.manual_seed(seed)  # unseeded rows draw from the global generators (CPU and every GPU)
     runtime = BatchedRuntime(model, None, max_batch=batch_prompts * samples,
                              max_seq_len=max(len(ids) for *_, ids in jobs) + max_new_tokens)
@@ -79,7 +82,7 @@ def _sample_continuous(model: Any, jobs: list, samples: int, temperature: float,
                 queue.clear()
                 return
             i, (p, j, ids) = queue.pop()
-            req = SequenceRequest(ids, max_new_tokens, temperature=temperature, stop_token_ids=(eos,))
+            req = SequenceRequest(ids, params)
             pending[id(runtime.add(req))] = (i, p, j, ids)
 
     admit()

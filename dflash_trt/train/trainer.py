@@ -387,11 +387,10 @@ def train_draft(cfg: TrainConfig) -> dict[str, Any]:
         draft.save_pretrained(tmp, dtype=save_dtype)
         if cfg.draft_vocab_size:
             from dflash_trt.runtime.draft_vocab import draft_vocab_from_data, save_draft_vocab
-
-            from dflash_trt.generation_cli import stop_ids_of
+            from dflash_trt.runtime.tokens import stop_token_ids_of
 
             ids, coverage = draft_vocab_from_data(seqs, int(tcfg.vocab_size), cfg.draft_vocab_size,
-                                                  always=stop_ids_of(tokenizer, tcfg))
+                                                  always=stop_token_ids_of(tokenizer, tcfg))
             save_draft_vocab(tmp, ids, coverage)
             manifest["draft_vocab"] = {"size": int(ids.numel()), "coverage": round(coverage, 5),
                                        "from": "response tokens of the training data, most frequent first"}
