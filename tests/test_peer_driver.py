@@ -67,6 +67,11 @@ def test_peer_environment_comes_from_its_env_file(tmp_path, monkeypatch):
     assert peer.env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert "OMP_NUM_THREADS" not in peer.env and "PYTHONPATH" not in peer.env
     assert peer.env["PATH"].split(os.pathsep)[0] == str(venv / "bin")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the caller's setting wins over the file's default
+    monkeypatch.setenv("LD_PRELOAD", "/not/ours.so")  # never inherited: the file's preload always applies
+    peer = peer_vllm.require_peer()
+    assert peer.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert peer.env["LD_PRELOAD"] == "/x/libtcmalloc_minimal.so.4:/x/libiomp5.so"
 
 
 def test_malformed_env_file_names_the_line(tmp_path, monkeypatch):

@@ -90,7 +90,9 @@ class PeerEnvironment:
             key, sep, value = line.partition("=")
             if not sep:
                 raise DFlashError(f"{venv / 'peer.env'} line {n} is not KEY=VALUE ({line!r}); rerun `make peer`")
-            env[key] = value
+            # the file holds defaults: a variable the caller set wins (e.g. VLLM_CPU_OMP_THREADS_BIND=0 for
+            # one core on a shared machine); LD_PRELOAD is never inherited, so the file's always applies
+            env.setdefault(key, value)
         env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
         env["VLLM_LOGGING_STREAM"] = "ext://sys.stdout"  # vLLM's log and our progress lines share one pipe
         return PeerEnvironment(venv / "bin" / "python", env)
