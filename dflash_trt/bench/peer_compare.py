@@ -13,6 +13,7 @@ template. Prints a table; --json-out keeps every per-request record. Needs the p
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,7 @@ def main(target_dir, draft_dir, categories, num_prompts, levels, max_new_tokens,
             ratio = summary["total_tokens_per_s"] / max(summarize_records(plain.records)["total_tokens_per_s"], 1e-9)
         table.add_row(*_row(run, summary, same, len(run.records)))
         out_runs.append(dict(run.to_dict(), summary=summary, identical_to_ours=same, dflash_over_plain=ratio))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)  # a file gets the whole row
     for r in out_runs:
         if r["dflash_over_plain"] is not None:
             print(f"  {'eager' if r['enforce_eager'] else 'compiled'} C={r['concurrency']}: DFlash / plain tokens/s "
