@@ -149,6 +149,18 @@ def test_bench_config(tmp_path: Path):
     assert resolve_config(str(f), {"temperature": 0.5}).concurrency == [1, 4]
 
 
+def test_train_config_file_and_flags(tiny_pair_dirs, tmp_path: Path):
+    target_dir, _ = tiny_pair_dirs
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"steps": 3, "block_size": 1}))
+    res = CliRunner().invoke(main, ["train-draft", "--target", str(target_dir), "--out", str(tmp_path / "d"),
+                                    "--config", str(f)])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert f"error: train-draft config {f}: block_size=1: Input should be greater than or equal to 2; fix it in {f}" \
+        in res.output
+    assert not (tmp_path / "d").exists()
+
+
 def test_engine_manifest(tmp_path: Path):
     from dflash_trt.engine.manifest import MANIFEST_NAME, load_manifest
     from tests.deploy_engines import manifest_engine
