@@ -193,3 +193,16 @@ def test_slurm_options_are_one_line_errors(tmp_path: Path):
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "error: deploy slurm options: container_name='a b': String should match pattern" in res.output
     assert "change --container-name" in res.output and not (tmp_path / "jobs").exists()
+
+
+def test_doctor_reads_llm_api_options_through_the_loader(tmp_path: Path):
+    """`doctor ENGINE` on an engine whose llm_api_options.yaml is gone or corrupt: one line, rebuild."""
+    from tests.deploy_engines import manifest_engine
+
+    engine = manifest_engine(tmp_path / "e", tp=1, pp=1)
+    res = CliRunner().invoke(main, ["doctor", str(engine)])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert f"error: llm_api_options {engine / 'llm_api_options.yaml'} not found; rebuild the engine" in res.output
+    (engine / "llm_api_options.yaml").write_text("speculative_config: [\n")
+    res = CliRunner().invoke(main, ["doctor", str(engine)])
+    assert res.exit_code == 2 and "is not valid YAML" in res.output and "rebuild the engine" in res.output
