@@ -29,13 +29,12 @@ def read_answer_file(path: str | Path) -> tuple[list[dict[str, Any]], dict[str, 
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch's message is a page long; its first line names the refused global
-        first = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln), "")
+        from dflash_trt.runtime.checkpoint import refused_global
+
         raise DFlashError(f"{path}: refused to load, the file holds objects an answer file never has "
-                          f"({first[:160] or 'not allowed by weights_only'}); it may run code when unpickled, "
-                          f"{fix}")
+                          f"({refused_global(e)}); it may run code when unpickled, {fix}") from None
     except (OSError, EOFError, RuntimeError, ValueError) as e:
-        raise DFlashError(f"{path}: unreadable as an answer file ({' '.join(str(e).split())[:160]}); {fix}")
+        raise DFlashError(f"{path}: unreadable as an answer file ({' '.join(str(e).split())[:160]}); {fix}") from None
     if not isinstance(blob, dict) or not isinstance(blob.get("sequences"), list):
         raise DFlashError(f"{path}: not an answer file (no \"sequences\" list); {fix}")
     meta = blob.get("meta", {})
