@@ -52,16 +52,13 @@ def apply_umask(path: Path, executable: bool = False) -> None:
 
 
 def apply_umask_tree(root: Path) -> None:
-    """:func:`apply_umask` on `root` and every directory and private file under it (files a
-    library wrote with open() already have their umask mode and keep any executable bit)."""
+    """:func:`apply_umask` on `root` and everything under it: tempfile's private files, and
+    files copied with their source's mode (shutil.copy2), get the mode a fresh file would have;
+    executable files stay executable."""
     apply_umask(root)
     for p in root.rglob("*"):
-        if p.is_symlink():
-            continue
-        if p.is_dir():
-            apply_umask(p)
-        elif p.stat().st_mode & 0o077 == 0:  # private: made by tempfile
-            apply_umask(p, executable=bool(p.stat().st_mode & 0o100))
+        if not p.is_symlink():
+            apply_umask(p, executable=p.is_dir() or bool(p.stat().st_mode & 0o100))
 
 
 def human_bytes(n: float) -> str:
@@ -92,14 +89,14 @@ def tree_bytes(root: str | Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
 
 
-_EXPECTED_BYTES: dict[Path, int] = {}
+_EXPECTED: dict[Path, tuple[int, str]] = {}  # final path -> (bytes needed, what it is), from reserve_space
 
 
 def reserve_space(final: str | Path, needed_bytes: float, what: str = "the output") -> None:
     """Check now that `final`'s filesystem has `needed_bytes` free, and remember the figure so a
     disk that fills during the write (another job writing too) is reported with it."""
     final = Path(final).absolute()
-    _EXPECTED_BYTES[final] = int(needed_bytes)
+    _EXPECTED[final] = (int(needed_bytes), what)
     check_free_space(final.parent, int(needed_bytes), what)
 
 
@@ -136,7 +133,7 @@ def io_errors(path: str | Path, needed_bytes: int | None = None, what: str = "th
             raise DFlashError(_full_message(path, needed_bytes, what)) from e
         if e.errno in _NOT_WRITABLE and _under(Path(where), path):
             reason = "read-only filesystem" if e.errno == errno.EROFS else "permission denied"
-            raise DFlashError(f"cannot write {what} at {where}: {reason}; choose a writable location "
+            raise DFlashError(f"cannot write {what} at {path}: {reason} ({where}); choose a writable location "
                               "(e.g. --out under your home or scratch directory)") from e
         raise
     except Exception as e:
@@ -146,8 +143,10 @@ def io_errors(path: str | Path, needed_bytes: int | None = None, what: str = "th
 
 
 def _under(p: Path, root: Path) -> bool:
+    """`p` is `root`, inside it, a parent that could not be created, or a sibling (the lock and
+    temporary files we write beside `root`)."""
     p, root = p.absolute(), root.absolute()
-    return p == root or root in p.parents or p in root.parents  # a parent that could not be created
+    return p == root or root in p.parents or p in root.parents or p.parent == root.parent
 
 
 def _full_message(path: Path, needed_bytes: int | None, what: str) -> str:
@@ -285,7 +284,10 @@ def atomic_directory(final: str | Path, overwrite: bool = False, needed_bytes: i
     the free space before anything is written, and named if the disk fills anyway.
     """
     final = Path(final)
-    needed_bytes = needed_bytes or _EXPECTED_BYTES.get(final.absolute())
+    if final.absolute() in _EXPECTED:  # the caller reserved the space: its figure and its words
+        reserved, reserved_what = _EXPECTED[final.absolute()]
+        needed_bytes = needed_bytes or reserved
+        what = reserved_what if what == "the output" else what
     if on_stale is None:
         on_stale = _say_removed
     with io_errors(final, needed_bytes, what):
