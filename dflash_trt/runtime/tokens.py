@@ -108,9 +108,15 @@ class TextCodec:
         `max_seq_len`: the engine's limit, when the pair came from one."""
         return cls.for_model(pair.tokenizer, pair.target.config, max_seq_len)
 
-    def check_room(self, ids: Sequence[int], max_tokens: int = 1) -> None:
-        """InvalidRequest unless `ids` plus `max_tokens` output tokens fit the engine's max_seq_len."""
-        if self.max_seq_len is not None and len(ids) + max_tokens > self.max_seq_len:
+    def check_room(self, ids: Sequence[int], max_tokens: int | None = None) -> None:
+        """InvalidRequest unless `ids` plus `max_tokens` output tokens (None: at least one) fit the
+        engine's max_seq_len."""
+        if self.max_seq_len is None:
+            return
+        if max_tokens is None and len(ids) >= self.max_seq_len:
+            raise InvalidRequest(f"the prompt is {len(ids)} tokens, the engine's max_seq_len={self.max_seq_len} "
+                                 f"(prompt + output); shorten it to under {self.max_seq_len} tokens")
+        if max_tokens is not None and len(ids) + max_tokens > self.max_seq_len:
             raise InvalidRequest(
                 f"the prompt is {len(ids)} tokens and {max_tokens} more are asked for, over the engine's "
                 f"max_seq_len={self.max_seq_len}; shorten the prompt (at most {self.max_seq_len - max_tokens} "
