@@ -31,6 +31,9 @@ from typing import Any
 
 from dflash_trt.errors import DFlashError
 
+# A writer finding the lock held retries for LOCK_RETRIES x LOCK_RETRY_S (2 s): long enough for
+# another process's stale-partial sweep, which takes a name's lock while it removes its partials.
+LOCK_RETRIES, LOCK_RETRY_S = 10, 0.2
 PARTIAL_RE = re.compile(r"^\.(?P<name>.+)\.(?:partial-[A-Za-z0-9_]+|old-[0-9]+)$")
 
 
@@ -97,7 +100,7 @@ def reserve_space(final: str | Path, needed_bytes: float, what: str = "the outpu
     disk that fills during the write (another job writing too) is reported with it."""
     final = Path(final).absolute()
     _EXPECTED[final] = (int(needed_bytes), what)
-    check_free_space(final.parent, int(needed_bytes), what)
+    check_free_space(final, int(needed_bytes), what)
 
 
 def check_free_space(path: str | Path, needed_bytes: int, what: str = "the output") -> None:
@@ -218,6 +221,11 @@ def directory_lock(final: str | Path) -> Iterator[None]:
     final = Path(final)
     path = lock_path(final)
     fd = _try_flock(path)
+    for _ in range(LOCK_RETRIES):  # remove_stale_partials may hold a name's lock for a moment
+        if fd is not None:
+            break
+        time.sleep(LOCK_RETRY_S)
+        fd = _try_flock(path)
     if fd is None:
         raise DFlashError(f"{final} is being written by {_holder(path)}; wait for it to finish, or choose "
                           f"another --out (lock {path})")
@@ -297,7 +305,7 @@ def atomic_directory(final: str | Path, overwrite: bool = False, needed_bytes: i
             if stale and on_stale is not None:
                 on_stale(stale)
             if needed_bytes:
-                check_free_space(final.parent, needed_bytes, what)
+                check_free_space(final, needed_bytes, what)
             tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
             try:
                 yield tmp
