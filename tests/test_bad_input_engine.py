@@ -142,7 +142,7 @@ def test_generate_refuses_a_prompt_longer_than_the_engines_max_seq_len(tmp_path)
 
     eng = make_tiny_engine(tmp_path, max_seq_len=64)
     r = CliRunner().invoke(main, ["generate", "word " * 100, "--engine", str(eng), "--raw", "--max-new-tokens", "4"])
-    assert_one_line_error(r, "the prompt is 201 tokens, the engine's max_seq_len=64", "shorten it")
+    assert_one_line_error(r, "the prompt is 201 tokens, the engine's max_seq_len=64", "shorten the prompt to under 64")
     budget = CliRunner().invoke(main, ["generate", "word " * 25, "--engine", str(eng), "--raw", "--max-new-tokens", "40"])
     assert_one_line_error(budget, "the prompt is 51 tokens and 40 more are asked for, over the engine's "
                                   "max_seq_len=64", "at most 24 tokens")

@@ -115,7 +115,7 @@ class TextCodec:
             return
         if max_tokens is None and len(ids) >= self.max_seq_len:
             raise InvalidRequest(f"the prompt is {len(ids)} tokens, the engine's max_seq_len={self.max_seq_len} "
-                                 f"(prompt + output); shorten it to under {self.max_seq_len} tokens")
+                                 f"(prompt + output); shorten the prompt to under {self.max_seq_len} tokens")
         if max_tokens is not None and len(ids) + max_tokens > self.max_seq_len:
             raise InvalidRequest(
                 f"the prompt is {len(ids)} tokens and {max_tokens} more are asked for, over the engine's "
