@@ -72,7 +72,12 @@ def read_config_file(path: str | Path, what: str, fix: str | None = None) -> dic
     path = Path(path)
     if not path.is_file():
         raise DFlashError(f"{what} {path} not found; {fix or 'give the path of an existing YAML/JSON file'}")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # replacing the bytes would silently change a value
+        raise DFlashError(f"{what} {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                          f"save it as UTF-8") from None
     if path.suffix == ".json":
         try:
             data = json.loads(text)

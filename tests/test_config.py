@@ -188,7 +188,7 @@ def test_slurm_options_are_one_line_errors(tmp_path: Path):
     from tests.deploy_engines import manifest_engine
 
     engine = manifest_engine(tmp_path / "e", tp=1, pp=1)
-    res = CliRunner().invoke(main, ["deploy", "slurm", str(engine), "--out", str(tmp_path / "jobs"),
+    res = CliRunner().invoke(main, ["deploy", "slurm", str(engine), "--out", str(tmp_path / "jobs"), "--no-verify",
                                     "--container-name", "a b"])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "error: deploy slurm options: container_name='a b': String should match pattern" in res.output

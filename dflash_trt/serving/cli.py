@@ -68,11 +68,14 @@ def triton(engine: str, out: str, model_name: str, backend: str, default_max_tok
     Serve it with `tritonserver --model-repository OUT` (TensorRT-LLM container) or `dflash-trt serve
     --model-repository OUT` anywhere else.
     """
+    from dflash_trt.engine.verify import verify_engine
     from dflash_trt.serving.repository import generate_repository
 
     settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
                          max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, dtype=dtype, device=device,
                          cuda_graphs=cuda_graphs, engine_path=engine_path)
+    if Path(engine).is_dir():  # (a missing one is named by generate_repository)
+        verify_engine(engine)  # an altered engine is refused here, not by the server at startup
     click.echo(f"[deploy triton] engine={Path(engine).resolve()} out={out} "
                + " ".join(f"{k}={v}" for k, v in settings.model_dump().items()), err=True)
     repo = generate_repository(engine, out, settings, overwrite=force)

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from dflash_trt.cli_helpers import friendly_errors
+from dflash_trt.cli_helpers import friendly_errors, no_progress_option
 from dflash_trt.errors import DFlashError
 
 
@@ -65,7 +65,7 @@ def setup_default(rebuild: bool) -> None:
 @click.option("--extra-data", multiple=True, type=click.Path(dir_okay=False, exists=True),
               help="More sequences to train on (an answer file from `dflash-trt train-data`); repeatable.")
 @click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype on disk [bfloat16].")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@no_progress_option()
 @friendly_errors
 def train_draft(target: str | None, out: str, config_file: str | None, no_progress: bool, **flags) -> None:
     """Train a DFlash drafter for TARGET on its own greedy answers to the project's train prompts."""
@@ -123,7 +123,7 @@ def _int_list(flag: str, text: str | None) -> list[int] | None:
               show_default=True, help="Target weights dtype.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: torch's choice).")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@no_progress_option()
 @friendly_errors
 def train_data(target: str, out_file: str, samples: int, temperature: float, max_new_tokens: int,
                batch_prompts: int, capture_layers: str | None, max_prompts: int | None, seed: int,

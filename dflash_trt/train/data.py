@@ -108,24 +108,16 @@ def extend_answer_file(target_dir: str | Path, out_file: str | Path, settings: A
 
 
 def load_data(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(sequences, meta) as written by :func:`save_data` (a file this project wrote: not weights-only)."""
-    blob = torch.load(path, weights_only=False)
-    return blob["sequences"], blob.get("meta", {})
+    """(sequences, meta) as written by :func:`save_data`; read without running code (datafile.py)."""
+    from dflash_trt.train.datafile import read_answer_file
+
+    return read_answer_file(path)
 
 
 def save_data(path: Path, sequences: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    import os
-    import tempfile
+    from dflash_trt.train.datafile import write_answer_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save({"sequences": sequences, "meta": meta}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_answer_file(path, sequences, meta)
 
 
 if __name__ == "__main__":  # the same job as `dflash-trt train-data`
