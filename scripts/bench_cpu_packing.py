@@ -31,18 +31,21 @@ def _median_ms(fn, reps: int) -> float:
 @click.option("--num-prompts", default=6, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
-@click.option("--block-size", type=click.IntRange(min=2), help="DFlash block (verify width) [the drafter's].")
-def main(num_prompts: int, max_new_tokens: int, threads: int, block_size: int | None) -> None:
+@click.option("--max-draft-len", type=click.IntRange(min=1),
+              help="K: the most drafts a DFlash step verifies [the drafter's block_size - 1].")
+def main(num_prompts: int, max_new_tokens: int, threads: int, max_draft_len: int | None) -> None:
     """Time stock and packed linear layers, alone and inside plain / DFlash decoding."""
     import torch
 
-    from dflash_trt.cli import friendly_errors
+    from dflash_trt.cli_helpers import friendly_errors
     from dflash_trt.embedded import default_pair_dirs
-    from dflash_trt.generation_cli import encode_prompt, stop_ids_of
     from dflash_trt.prompts import interleave, load_prompts
     from dflash_trt.runtime.cpu_packing import PackedCPULinear, packed_bytes, set_packed
     from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
     from dflash_trt.runtime.loading import load_pair
+    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.sampling_params import SamplingParams
+    from dflash_trt.speculation import SpeculationSettings
 
     @friendly_errors
     def run() -> None:
@@ -70,28 +73,28 @@ def main(num_prompts: int, max_new_tokens: int, threads: int, block_size: int | 
                 print(f"  M={m:2d}: stock {ms['stock']:6.1f} ms  packed {ms['packed']:6.1f} ms  "
                       f"({ms['stock'] / ms['packed']:.2f}x)")
 
-        stop = stop_ids_of(pair.tokenizer, pair.target.config)
-        vocab = int(pair.target.config.vocab_size)
-        kw = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop)
+        codec = TextCodec.of_pair(pair)
+        params = SamplingParams(max_tokens=max_new_tokens, stop_token_ids=codec.stop_token_ids)
+        speculation = SpeculationSettings.for_block(pair.draft.block_size, max_draft_len)
         paths = ("stock", "packed")
         dec = {(h, m): [0.0, 0] for h in paths for m in ("plain", "dflash")}  # decode s, decode tokens
         identical = 0
         prompts = interleave(load_prompts("eval"))[:num_prompts]
         for p in prompts:
-            ids = encode_prompt(pair.tokenizer, p.prompt, False, vocab)
+            ids = codec.encode(p.prompt)
             outs = []
             for name in paths:
                 for model in models:
                     set_packed(model, name == "packed")
-                for mode, r in (("plain", autoregressive_generate(pair.target, ids, **kw)),
-                                ("dflash", dflash_generate(pair.draft, pair.target, ids, block_size=block_size, **kw))):
+                for mode, r in (("plain", autoregressive_generate(pair.target, ids, params)),
+                                ("dflash", dflash_generate(pair.draft, pair.target, ids, params, speculation))):
                     dec[name, mode][0] += r.stats.total_time_s - r.stats.ttft_s
                     dec[name, mode][1] += r.stats.num_output_tokens - 1
                     outs.append(r.output_ids)
             identical += all(o == outs[0] for o in outs)
         tpot = {k: 1e3 * s / max(n, 1) for k, (s, n) in dec.items()}
         print(f"\n{len(prompts)} held-out prompts, max_new_tokens={max_new_tokens}, greedy, batch 1, "
-              f"DFlash block {block_size or pair.draft.block_size}")
+              f"DFlash block {pair.draft.block_size}, K {speculation.max_draft_len}")
         for name in paths:
             print(f"  {name:6s}: plain {tpot[name, 'plain']:6.1f} ms/token  DFlash {tpot[name, 'dflash']:6.1f} "
                   f"ms/token  speedup {tpot[name, 'plain'] / tpot[name, 'dflash']:.2f}x")

@@ -3,7 +3,8 @@
 
 Both use the same runtime, greedy, batch 1, on this CPU, interleaved prompt by prompt so both see
 the same machine load: `--runtime reference` (default) is the reference loop
-(dflash_trt.runtime.generate: DFlash verifies the whole block every step); `--runtime batched` is
+(dflash_trt.runtime.generate: DFlash verifies K drafts every step, K = block - 1 unless
+--max-draft-len); `--runtime batched` is
 the serving runtime at one sequence (dflash_trt.runtime.batched: adaptive draft length, calibrated
 once at start, learning acceptance across the prompts; its tau counts the steps it decoded plain
 too; plain = the same runtime without a drafter). Prints mean tau, per-category tau, per-position
@@ -29,7 +30,8 @@ import click
 @click.option("--draft", "draft_dir", type=click.Path(file_okay=False), help="Drafter dir [embedded drafter].")
 @click.option("--num-prompts", type=click.IntRange(min=1), help="Only the first N eval prompts (round-robin over categories).")
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
-@click.option("--block-size", type=click.IntRange(min=2), help="Decode with a smaller block than the drafter's.")
+@click.option("--max-draft-len", type=click.IntRange(min=1),
+              help="K: the most drafts a step verifies [default: the drafter's block_size - 1].")
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="torch threads.")
 @click.option("--dtype", default="float32", show_default=True,
               help="Dtype of both decoders. bfloat16/auto run faster on AVX512-BF16 CPUs but are not bit-exact: "
@@ -37,24 +39,27 @@ import click
 @click.option("--pack/--no-pack", default=True, show_default=True,
               help="oneDNN-packed linear layers for float32 on CPU (dflash_trt/runtime/cpu_packing.py).")
 @click.option("--runtime", default="reference", show_default=True, type=click.Choice(["reference", "batched"]),
-              help="reference: the reference loop (full block); batched: the serving runtime at batch 1 (adaptive k).")
+              help="reference: the reference loop (K drafts every step); batched: the serving runtime at batch 1 "
+                   "(adaptive k <= K).")
 @click.option("--split", default="eval", show_default=True, type=click.Choice(["eval", "train"]))
 @click.option("--tau-only", is_flag=True,
               help="Decode with DFlash only: acceptance figures (deterministic at temperature 0) in half the time, "
                    "no speedup and no identity check. For comparing drafters.")
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Also write every figure as JSON here.")
-def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads, dtype, pack, runtime, split, tau_only,
-         json_out) -> None:
+def main(target_dir, draft_dir, num_prompts, max_new_tokens, max_draft_len, threads, dtype, pack, runtime, split,
+         tau_only, json_out) -> None:
     """DFlash vs plain greedy decoding of the embedded pair on held-out prompts."""
     import torch
 
-    from dflash_trt.cli import friendly_errors
+    from dflash_trt.cli_helpers import friendly_errors
     from dflash_trt.embedded import pair_dirs_or_default
-    from dflash_trt.generation_cli import encode_prompt, stop_ids_of
     from dflash_trt.metrics import GenerationStats
     from dflash_trt.prompts import CATEGORIES, interleave, load_prompts
     from dflash_trt.runtime.cpu_packing import num_packed
     from dflash_trt.runtime.loading import load_pair
+    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.sampling_params import SamplingParams
+    from dflash_trt.speculation import SpeculationSettings
 
     @friendly_errors
     def run() -> None:
@@ -62,15 +67,16 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         t_dir, d_dir = pair_dirs_or_default(target_dir, draft_dir)
         pair = load_pair(t_dir, d_dir, dtype, pack=pack)
         prompts = interleave(load_prompts(split))[:num_prompts]
-        stop = stop_ids_of(pair.tokenizer, pair.target.config)
-        vocab = int(pair.target.config.vocab_size)
-        kw = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop)
-        decode_dflash, decode_plain = _decoders(runtime, pair, block_size)
+        codec = TextCodec.of_pair(pair)
+        params = SamplingParams(max_tokens=max_new_tokens, stop_token_ids=codec.stop_token_ids)
+        speculation = SpeculationSettings.for_block(pair.draft.block_size, max_draft_len,
+                                                    "adaptive" if runtime == "batched" else "fixed")
+        decode_dflash, decode_plain = _decoders(runtime, pair, speculation)
         # warm-up: first calls pay for lazy initialisation in torch and transformers
-        warm = encode_prompt(pair.tokenizer, "Hello", False, vocab)
-        decode_dflash(warm, max_new_tokens=8, stop_token_ids=stop)
+        warm = codec.encode("Hello")
+        decode_dflash(warm, params.replace(max_tokens=8))
         if not tau_only:
-            decode_plain(warm, max_new_tokens=8, stop_token_ids=stop)
+            decode_plain(warm, params.replace(max_tokens=8))
 
         total = GenerationStats()
         per_cat = {c: GenerationStats() for c in CATEGORIES}
@@ -80,9 +86,9 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         subset = set(pair.draft.draft_vocab.tolist()) if pair.draft.draft_vocab is not None else None
         t0 = time.time()
         for n, p in enumerate(prompts, 1):
-            ids = encode_prompt(pair.tokenizer, p.prompt, False, vocab)
-            d = decode_dflash(ids, **kw)
-            a = None if tau_only else decode_plain(ids, **kw)
+            ids = codec.encode(p.prompt)
+            d = decode_dflash(ids, params)
+            a = None if tau_only else decode_plain(ids, params)
             same = None if a is None else d.output_ids == a.output_ids
             if subset is not None:
                 out_ids = (d if a is None else a).output_ids  # greedy: DFlash's output stands in for plain's with --tau-only
@@ -106,7 +112,7 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         result = {
             "prompts": len(prompts), "split": split, "runtime": runtime, "max_new_tokens": max_new_tokens, "threads": threads,
             "dtype": str(pair.target.dtype).removeprefix("torch."),
-            "block_size": block_size or pair.draft.block_size,
+            "block_size": pair.draft.block_size, "max_draft_len": speculation.max_draft_len,
             "packed_linears": num_packed(pair.target) + num_packed(pair.draft),
             "tau": round(total.tau, 3),
             "tau_per_category": {c: round(s.tau, 3) for c, s in per_cat.items() if s.num_steps},
@@ -123,6 +129,7 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
         }
         print(f"\nDFlash vs plain greedy, {runtime} runtime, {len(prompts)} {split} prompts, "
               f"max_new_tokens={max_new_tokens}, batch 1, {threads} CPU threads, {result['dtype']}, block {result['block_size']}, "
+              f"K {result['max_draft_len']}, "
               f"{result['packed_linears']} packed linear layers")
         print(f"  mean tau            {result['tau']:.2f}   (acceptance_rate {result['acceptance_rate']:.3f})")
         print("  tau per category    " + "  ".join(f"{c}={t:.2f}" for c, t in result["tau_per_category"].items()))
@@ -143,27 +150,23 @@ def main(target_dir, draft_dir, num_prompts, max_new_tokens, block_size, threads
     run()
 
 
-def _decoders(runtime: str, pair, block_size: int | None):
-    """(dflash(ids, **kw), plain(ids, **kw)) -> GenerationResult, on the chosen runtime."""
+def _decoders(runtime: str, pair, speculation):
+    """(dflash(ids, params), plain(ids, params)) -> GenerationResult, on the chosen runtime."""
     from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
 
     if runtime == "reference":
-        return (lambda ids, **kw: dflash_generate(pair.draft, pair.target, ids, block_size=block_size, **kw),
-                lambda ids, **kw: autoregressive_generate(pair.target, ids, **kw))
+        return (lambda ids, params: dflash_generate(pair.draft, pair.target, ids, params, speculation),
+                lambda ids, params: autoregressive_generate(pair.target, ids, params))
     from dflash_trt.runtime.batched import BatchedRuntime, batched_generate
-    from dflash_trt.runtime.policy import AdaptivePolicy
 
     max_len = 4096
-    block = block_size or pair.draft.block_size
-    rt = BatchedRuntime(pair.target, pair.draft, max_batch=1, max_seq_len=max_len, policy=AdaptivePolicy(block),
-                        block_size=block)
+    rt = BatchedRuntime(pair.target, pair.draft, max_batch=1, max_seq_len=max_len, speculation=speculation)
     rt.calibrate([1])
     plain_rt = BatchedRuntime(pair.target, None, max_batch=1, max_seq_len=max_len)
 
     def run(draft, rt_):
-        def decode(ids, max_new_tokens: int, stop_token_ids):
-            return batched_generate(draft, pair.target, [ids], max_new_tokens=max_new_tokens,
-                                    stop_token_ids=stop_token_ids, runtime=rt_)[0]
+        def decode(ids, params):
+            return batched_generate(draft, pair.target, [ids], params, runtime=rt_)[0]
         return decode
 
     return run(pair.draft, rt), run(None, plain_rt)

@@ -8,7 +8,8 @@ N requests at concurrency C through the real tritonclient streaming API. Reports
 be 0), p50/p99 latency and TTFT, and splits each request's latency into the time it waited for
 the runtime (queue_time_ms, from the model), decoding (decode_time_ms, from the model) and the
 rest: server overhead (gRPC, (de)serialization, the Python-backend shim, thread hand-offs).
-The reference runtime serves one request at a time, so at C > 1 queueing dominates latency.
+The pytorch backend decodes up to the engine's max_batch_size requests together (the batched
+runtime); beyond that, and for pairs it cannot batch, requests queue and queue_time_ms grows.
 """
 
 from __future__ import annotations

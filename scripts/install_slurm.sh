@@ -9,7 +9,8 @@ set -euo pipefail
 # Slurm's mpi/pmix plugin dlopens (without it `srun --mpi=pmix` fails: "can not load PMIx
 # library"). libopenmpi3: an MPI that speaks PMIx, which mpi4py's wheel loads with
 # MPI4PY_MPIABI=openmpi (the pip `mpich` only speaks PMI-1/2: `srun --mpi=pmi2`).
-PACKAGES=(slurm-wlm munge libpmix-dev libopenmpi3)
+# libslurm-dev + gcc: slurm/spank.h and a compiler for the pyxis stand-in (scripts/pyxis_standin.c).
+PACKAGES=(slurm-wlm munge libpmix-dev libopenmpi3 libslurm-dev gcc libc6-dev)
 installed() { [ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" = "install ok installed" ]; }
 need=()
 for pkg in "${PACKAGES[@]}"; do installed "$pkg" || need+=("$pkg"); done

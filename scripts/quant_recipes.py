@@ -129,11 +129,12 @@ def _fake_quant_weight(w: torch.Tensor, quant: str) -> torch.Tensor:
 @torch.no_grad()
 def sensitivity_study(args: argparse.Namespace) -> list[dict]:
     from dflash_trt.runtime.generate import autoregressive_generate
+    from dflash_trt.sampling_params import SamplingParams
 
     dtype = getattr(torch, args.dtype)
     target, _, tok = _load(args.target, args.draft, dtype)
     ids = _ids(tok, target.config.vocab_size, "eval", args.gate_prompts, 256)
-    seqs = [torch.tensor([p + autoregressive_generate(target, p, max_new_tokens=args.gate_tokens).output_ids])
+    seqs = [torch.tensor([p + autoregressive_generate(target, p, SamplingParams(max_tokens=args.gate_tokens)).output_ids])
             for p in ids]
     starts = [len(p) - 1 for p in ids]  # positions whose next token is an answer token
     ref = [torch.log_softmax(target(s).logits[0, st:-1].float(), -1) for s, st in zip(seqs, starts)]

@@ -10,6 +10,9 @@
 # nothing under /etc/slurm is touched, so client commands need SLURM_CONF=$DIR/slurm.conf.
 # The node is NodeName=localhost with the CPUs and memory `slurmd -C` reports (no GPUs, no gres),
 # one partition `debug`, MpiDefault=none (jobs ask for `srun --mpi=pmix` themselves), no accounting.
+# pyxis is not installed here: a STAND-IN SPANK plugin (scripts/pyxis_standin.c, compiled into $DIR)
+# gives srun pyxis's --container-* options, so the generated job scripts run unchanged; it checks
+# the mounts and working directory and runs the task on the host (no container, no image).
 # Needs root (slurmd starts job steps as the submitting user) and scripts/install_slurm.sh.
 set -euo pipefail
 
@@ -25,6 +28,15 @@ die() { echo "[slurm_cluster] error: $*" >&2; exit 1; }
 pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 munge_ok() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
+
+build_standin() {
+  # The pyxis stand-in (see scripts/pyxis_standin.c); needs gcc and libslurm-dev's spank.h.
+  local src
+  src="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/pyxis_standin.c"
+  [ -f /usr/include/slurm/spank.h ] || die "slurm/spank.h missing; run scripts/install_slurm.sh (libslurm-dev)"
+  cc -shared -fPIC -O2 -Wall -o "$DIR/pyxis_standin.so" "$src" || die "could not compile $src"
+  echo "required $DIR/pyxis_standin.so" >"$DIR/plugstack.conf"
+}
 
 write_conf() {
   # Declare what the machine really has: a node declaring more CPUs/memory than slurmd finds
@@ -55,6 +67,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+PlugStackConfig=$DIR/plugstack.conf
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
@@ -93,6 +106,7 @@ start() {
     log "already running (SLURM_CONF=$CONF)"
   else
     write_conf
+    build_standin
     pid_alive "$DIR/slurmctld.pid" || slurmctld -f "$CONF" -i
     # -N: this host's node name in slurm.conf is `localhost`, whatever `hostname` says.
     pid_alive "$DIR/slurmd.pid" || slurmd -f "$CONF" -N localhost

@@ -10,6 +10,25 @@ import torch
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
+# Test tiers (markers in pyproject.toml). `make test-fast` runs what none of these mark.
+# embedded: loads the 135M embedded target (its conversion cache, seconds per load).
+EMBEDDED_MODULES = {"test_embedded_target", "test_embedded_drafter"}
+# integration: real servers and subprocesses (gRPC, HTTP, the CLI in a child process), ModelOpt
+# quantization and export, drafter training runs.
+INTEGRATION_MODULES = {
+    "test_build_engine", "test_build_dequant", "test_train_batched", "test_train_tiny", "test_triton_server",
+    "test_triton_cli", "test_bench_endpoint", "test_launch_ready",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        if module in EMBEDDED_MODULES:
+            item.add_marker(pytest.mark.embedded)
+        if module in INTEGRATION_MODULES:
+            item.add_marker(pytest.mark.integration)
+
 
 def save_tiny_pair(root: Path, arch: str = "llama", block_size: int = 8, draft_layers: int = 1, seed: int = 0,
                    **target_kw) -> tuple[Path, Path]:

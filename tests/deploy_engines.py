@@ -23,7 +23,7 @@ def manifest_engine(root: Path, tp: int, pp: int, gpus_per_node: int = 8, name: 
         quantization={"weights": "nvfp4", "kv_cache": "fp8"}, limits={},
         target={"architecture": "GptOssForCausalLM", "num_layers": 36, "hidden_size": 2880, "vocab_size": 201088},
         draft={"block_size": 16, "mask_token_id": 200000, "target_layer_ids": [1, 9, 17, 25, 33]},
-        min_tensorrt_llm_version="1.3.0", versions={"dflash_trt": "test"},
+        min_tensorrt_llm_version="1.3.0rc27", versions={"dflash_trt": "test"},
         spec={"name": name, "gpu": "b300", "tp": tp, "pp": pp, "gpus_per_node": gpus_per_node, "quant": "nvfp4"},
         files={},
     )

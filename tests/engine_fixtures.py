@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime as _dt
 from pathlib import Path
 
+from dflash_trt.sampling_params import SamplingParams
+
 try:
     from tests.conftest import save_tiny_pair
 except ImportError:  # tests/ is not a package
@@ -49,8 +51,10 @@ def save_tiny_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def make_tiny_engine(root: Path, max_seq_len: int = 256, block_size: int = 8, seed: int = 0) -> Path:
-    """Write `root/engine` (target + tokenizer, draft, llm_api_options.yaml, dflash_trt.json)."""
+def make_tiny_engine(root: Path, max_seq_len: int = 256, block_size: int = 8, seed: int = 0,
+                     max_draft_len: int | None = None, arch: str = "llama") -> Path:
+    """Write `root/engine` (target + tokenizer, draft, llm_api_options.yaml, dflash_trt.json).
+    `max_draft_len`: K recorded in the manifest and the YAML (default block_size - 1)."""
     import json
 
     import yaml
@@ -62,7 +66,8 @@ def make_tiny_engine(root: Path, max_seq_len: int = 256, block_size: int = 8, se
 
     engine = root / "engine"
     engine.mkdir(parents=True)
-    tdir, ddir = save_tiny_pair(engine, block_size=block_size, seed=seed, vocab_size=VOCAB_SIZE)
+    K = block_size - 1 if max_draft_len is None else max_draft_len
+    tdir, ddir = save_tiny_pair(engine, arch=arch, block_size=block_size, seed=seed, vocab_size=VOCAB_SIZE)
     save_tiny_tokenizer(tdir)
     tcfg = read_json(tdir / "config.json", what="target config")
     dcfg = read_json(ddir / "config.json", what="drafter config")
@@ -74,7 +79,7 @@ def make_tiny_engine(root: Path, max_seq_len: int = 256, block_size: int = 8, se
         "max_seq_len": max_seq_len,
         "speculative_config": {
             "decoding_type": "DFlash",
-            "max_draft_len": block_size - 1,
+            "max_draft_len": K,
             "speculative_model": "./draft",
             "mask_token_id": dflash["mask_token_id"],
             "target_layer_ids": list(dflash["target_layer_ids"]),
@@ -84,12 +89,12 @@ def make_tiny_engine(root: Path, max_seq_len: int = 256, block_size: int = 8, se
     (engine / "llm_api_options.yaml").write_text(yaml.safe_dump(options, sort_keys=False))
     files = hash_tree(engine)
     manifest = EngineManifest(
-        name="tiny-llama-dflash",
+        name=f"tiny-{arch}-dflash",
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         gpu="cpu",
         mapping={"tp": 1, "pp": 1, "ep": 1, "gpus_per_node": 1},
         quantization={"weights": "none", "kv_cache": "none"},
-        limits={"max_batch_size": 8, "max_seq_len": max_seq_len, "max_draft_len": block_size - 1},
+        limits={"max_batch_size": 8, "max_seq_len": max_seq_len, "max_draft_len": K},
         target={"architecture": tcfg["architectures"][0], "num_layers": tcfg["num_hidden_layers"],
                 "hidden_size": tcfg["hidden_size"], "vocab_size": tcfg["vocab_size"]},
         draft={"block_size": dcfg.get("block_size", block_size),
@@ -116,15 +121,16 @@ def shared_tiny_engine(tmp_path_factory) -> Path:
 def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> str:
     """The text the reference runtime gives for `prompt`, computed without the serving code."""
     from dflash_trt.engine.loader import load_engine
-    from dflash_trt.generation_cli import encode_prompt, stop_ids_of
     from dflash_trt.runtime.generate import dflash_generate
     from dflash_trt.runtime.target import TargetAdapter
+    from dflash_trt.runtime.tokens import TextCodec
 
     if "pair" not in _ENGINES or _ENGINES.get("pair_of") != engine:
         pair = load_engine(engine)
         _ENGINES["pair"], _ENGINES["pair_of"] = (pair, TargetAdapter(pair.target)), engine  # type: ignore[assignment]
     pair, target = _ENGINES["pair"]  # type: ignore[misc]
-    ids = encode_prompt(pair.tokenizer, prompt, False, target.vocab_size)
-    result = dflash_generate(pair.draft, target, ids, max_new_tokens=max_tokens, temperature=temperature, seed=seed,
-                             stop_token_ids=stop_ids_of(pair.tokenizer, pair.target.config))
-    return pair.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    codec = TextCodec.of_pair(pair)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                            stop_token_ids=codec.stop_token_ids)
+    result = dflash_generate(pair.draft, target, codec.encode(prompt), params)
+    return codec.decode(result.output_ids)

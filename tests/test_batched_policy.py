@@ -7,8 +7,11 @@ import pytest
 
 from dflash_trt.runtime import dflash_generate
 from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
-from dflash_trt.runtime.policy import AdaptivePolicy, CostTable, Decision, FixedPolicy, default_candidates
+from dflash_trt.runtime.policy import (AdaptivePolicy, CostTable, Decision, FixedPolicy, default_candidates,
+                                       make_policy)
 from dflash_trt.runtime.tiny import random_draft, tiny_target
+from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.speculation import SpeculationSettings
 
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8, 9, 10, 11], [3, 3]]
 
@@ -22,10 +25,20 @@ def _costs(fn, batches=(1, 2, 4, 8, 16), ks=(0, 1, 3, 7)) -> CostTable:
 
 
 def test_candidates_cover_plain_decoding_and_the_full_block():
-    assert default_candidates(16) == [0, 1, 3, 7, 15]
-    assert default_candidates(4) == [0, 1, 3]
+    assert default_candidates(15) == [0, 1, 3, 7, 15]
+    assert default_candidates(3) == [0, 1, 3]
     with pytest.raises(ValueError):
         AdaptivePolicy(4, candidates=[0, 4])
+
+
+def test_adaptive_candidates_respect_the_engines_max_draft_len():
+    """An engine built with K = 3 from a block-8 drafter: the adaptive policy never chooses more
+    than 3 drafts (it used to pick from [0, 1, 3, 7]), the fixed policy always 3."""
+    adaptive = make_policy(SpeculationSettings.for_block(8, 3, "adaptive"))
+    assert isinstance(adaptive, AdaptivePolicy) and adaptive.candidates == [0, 1, 3]
+    assert default_candidates(5) == [0, 1, 3, 5]
+    assert make_policy(SpeculationSettings.for_block(8, 3)).choose(4, 3).k == 3
+    assert make_policy(SpeculationSettings.for_block(8)).choose(4, 7).k == 7  # the library default: K = B-1, fixed
 
 
 def test_falls_back_to_plain_decoding_when_verification_is_expensive():
@@ -34,10 +47,10 @@ def test_falls_back_to_plain_decoding_when_verification_is_expensive():
     target = tiny_target("llama", seed=1).double()
     draft = random_draft(target.config, block_size=8, seed=1).double()
     policy = AdaptivePolicy(8, costs=_costs(lambda n, k: 1.0 if k == 0 else 10.0), candidates=[0, 1, 3, 7])
-    results = batched_generate(draft, target, PROMPTS, max_new_tokens=10, policy=policy)
+    results = batched_generate(draft, target, PROMPTS, SamplingParams(max_tokens=10), policy=policy)
     assert all(r.stats.total_draft_tokens == 0 for r in results)
     assert all(d.k == 0 for d in policy.decisions) and policy.decisions
-    ref = [dflash_generate(draft, target, p, max_new_tokens=10).output_ids for p in PROMPTS]
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=10)).output_ids for p in PROMPTS]
     assert [r.output_ids for r in results] == ref
 
 
@@ -94,9 +107,9 @@ def test_calibration_measures_every_candidate_and_leaves_the_runtime_idle():
     for k in policy.candidates:
         assert set(policy.costs.table[k]) == {1, 4} and all(s > 0 for s in policy.costs.table[k].values())
     # after calibration the runtime decodes normally and records its decisions
-    h = rt.add(SequenceRequest([1, 2, 3], 12))
+    h = rt.add(SequenceRequest([1, 2, 3], SamplingParams(max_tokens=12)))
     rt.run()
-    ref = dflash_generate(draft, target, [1, 2, 3], max_new_tokens=12)
+    ref = dflash_generate(draft, target, [1, 2, 3], SamplingParams(max_tokens=12))
     assert h.result.output_ids == ref.output_ids
     assert rt.stats()["last_decision"]["batch"] == 1
 
@@ -107,7 +120,7 @@ def test_online_costs_follow_measurements():
     policy = AdaptivePolicy(4, costs=_costs(lambda n, k: 1e-9, ks=(0, 1, 3)))  # absurdly cheap prior
     rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64, policy=policy)
     for p in PROMPTS[:2]:
-        rt.add(SequenceRequest(p, 20))
+        rt.add(SequenceRequest(p, SamplingParams(max_tokens=20)))
     rt.run()
     measured = [policy.costs.table[k][2] for k in policy.candidates if 2 in policy.costs.table[k]]
     assert any(s > 1e-6 for s in measured)  # real step times were blended in
@@ -241,7 +254,7 @@ def test_drafting_steps_that_catch_the_drafter_up_are_not_timed():
     draft = random_draft(target.config, block_size=4, seed=4)
     policy = _Recorder()
     rt = BatchedRuntime(target, draft, max_batch=1, max_seq_len=64, policy=policy)
-    rt.add(SequenceRequest([1, 2, 3, 4, 5], 14))
+    rt.add(SequenceRequest([1, 2, 3, 4, 5], SamplingParams(max_tokens=14)))
     rt.run()
     ks = policy.chosen
     catch_up = {i for i, k in enumerate(ks) if k > 0 and (i == 0 or ks[i - 1] == 0)}

@@ -14,6 +14,8 @@ from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_
 from dflash_trt.runtime.draft_model import make_draft_config
 from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
 from dflash_trt.runtime.tiny import random_draft, tiny_target
+from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.speculation import SpeculationSettings
 
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8, 9, 10, 11], [3, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52], [9]]
 BUDGETS = [12, 5, 20, 1, 9, 16]
@@ -29,12 +31,12 @@ def _pair(arch: str, block: int = 4, seed: int = 1):
 def test_batched_greedy_equals_reference_with_joins_stops_and_queueing(arch):
     target, draft = _pair(arch)
     # a stop token that some sequences hit mid-way (taken from one reference output)
-    plain = dflash_generate(draft, target, PROMPTS[2], max_new_tokens=BUDGETS[2]).output_ids
+    plain = dflash_generate(draft, target, PROMPTS[2], SamplingParams(max_tokens=BUDGETS[2])).output_ids
     stop = [plain[6]]
-    ref = [dflash_generate(draft, target, p, max_new_tokens=m, stop_token_ids=stop) for p, m in zip(PROMPTS, BUDGETS)]
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m, stop_token_ids=stop)) for p, m in zip(PROMPTS, BUDGETS)]
     assert any(r.stats.finish_reason == "stop" for r in ref) and any(r.stats.finish_reason == "length" for r in ref)
     # max_batch 3 < 6 sequences: later ones wait for a slot; arrivals spread joins over steps
-    results = batched_generate(draft, target, PROMPTS, max_new_tokens=BUDGETS, stop_token_ids=stop,
+    results = batched_generate(draft, target, PROMPTS, [SamplingParams(max_tokens=m, stop_token_ids=stop) for m in BUDGETS],
                                policy=FixedPolicy(draft.block_size - 1), max_batch=3, arrivals=[0, 2, 1, 5, 0, 3])
     for got, want in zip(results, ref):
         assert got.output_ids == want.output_ids
@@ -44,18 +46,20 @@ def test_batched_greedy_equals_reference_with_joins_stops_and_queueing(arch):
         assert got.stats.total_draft_tokens == want.stats.total_draft_tokens
 
 
-@pytest.mark.parametrize("policy", [FixedPolicy(0), FixedPolicy(1), None], ids=["k0", "k1", "adaptive"])
+@pytest.mark.parametrize("policy", [FixedPolicy(0), FixedPolicy(1), "adaptive"], ids=["k0", "k1", "adaptive"])
 def test_any_draft_length_is_lossless(policy):
     target, draft = _pair("llama", block=6, seed=3)
-    ref = [dflash_generate(draft, target, p, max_new_tokens=m).output_ids for p, m in zip(PROMPTS, BUDGETS)]
-    results = batched_generate(draft, target, PROMPTS, max_new_tokens=BUDGETS, policy=policy)
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]
+    kw = ({"speculation": SpeculationSettings.for_block(draft.block_size, policy="adaptive")} if policy == "adaptive"
+          else {"policy": policy})
+    results = batched_generate(draft, target, PROMPTS, [SamplingParams(max_tokens=m) for m in BUDGETS], **kw)
     assert [r.output_ids for r in results] == ref
 
 
 def test_plain_batched_decoding_equals_autoregressive():
     target, _ = _pair("qwen3", seed=2)
-    ref = [autoregressive_generate(target, p, max_new_tokens=m).output_ids for p, m in zip(PROMPTS, BUDGETS)]
-    results = batched_generate(None, target, PROMPTS, max_new_tokens=BUDGETS)
+    ref = [autoregressive_generate(target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]
+    results = batched_generate(None, target, PROMPTS, [SamplingParams(max_tokens=m) for m in BUDGETS])
     assert [r.output_ids for r in results] == ref
     assert all(r.stats.total_draft_tokens == 0 for r in results)
 
@@ -64,10 +68,10 @@ def test_seeded_sampling_matches_the_reference_loop():
     """Each row samples with its own generator, consuming it as the reference loop does."""
     target, draft = _pair("llama", seed=4)
     seeds = [11, 12, 13, 14, 15, 16]
-    ref = [dflash_generate(draft, target, p, max_new_tokens=m, temperature=0.9, top_p=0.95, seed=s).output_ids
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m, temperature=0.9, top_p=0.95, seed=s)).output_ids
            for p, m, s in zip(PROMPTS, BUDGETS, seeds)]
-    results = batched_generate(draft, target, PROMPTS, max_new_tokens=BUDGETS, temperature=0.9, top_p=0.95,
-                               seeds=seeds, policy=FixedPolicy(draft.block_size - 1))
+    params = [SamplingParams(max_tokens=m, temperature=0.9, top_p=0.95, seed=s) for m, s in zip(BUDGETS, seeds)]
+    results = batched_generate(draft, target, PROMPTS, params, policy=FixedPolicy(draft.block_size - 1))
     assert [r.output_ids for r in results] == ref
 
 
@@ -77,12 +81,12 @@ def test_unseeded_sampled_rows_share_one_draw_and_land_on_their_own_rows():
     every unseeded row must equal its greedy decoding: a draw written to the wrong row, or a row
     left out of its group, shows as a different output."""
     target, draft = _pair("llama", seed=9)
-    greedy = [dflash_generate(draft, target, p, max_new_tokens=m).output_ids for p, m in zip(PROMPTS, BUDGETS)]
-    seeded = dflash_generate(draft, target, PROMPTS[1], max_new_tokens=BUDGETS[1], temperature=0.9, seed=5).output_ids
+    greedy = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]
+    seeded = dflash_generate(draft, target, PROMPTS[1], SamplingParams(max_tokens=BUDGETS[1], temperature=0.9, seed=5)).output_ids
     temps = [1e-6, 0.9, 0.0, 1e-6, 1e-6, 0.0]  # rows 0, 3, 4 unseeded; row 1 seeded; rows 2, 5 greedy
     top_ps = [1.0, 1.0, 1.0, 0.5, 1.0, 1.0]  # two unseeded groups: (1e-6, 1.0) and (1e-6, 0.5)
     rt = BatchedRuntime(target, draft, max_batch=6, max_seq_len=64, policy=FixedPolicy(draft.block_size - 1))
-    handles = [rt.add(SequenceRequest(p, m, temperature=t, top_p=tp, seed=5 if i == 1 else None))
+    handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=m, temperature=t, top_p=tp, seed=5 if i == 1 else None)))
                for i, (p, m, t, tp) in enumerate(zip(PROMPTS, BUDGETS, temps, top_ps))]
     rt.run()
     got = [h.result.output_ids for h in handles]
@@ -91,8 +95,8 @@ def test_unseeded_sampled_rows_share_one_draw_and_land_on_their_own_rows():
 
     def hot(global_seed: int) -> list[list[int]]:  # at temperature 1.5 the group really samples
         torch.manual_seed(global_seed)
-        return [r.output_ids for r in batched_generate(draft, target, PROMPTS, max_new_tokens=BUDGETS,
-                                                       temperature=1.5)]
+        return [r.output_ids for r in batched_generate(
+            draft, target, PROMPTS, [SamplingParams(max_tokens=m, temperature=1.5) for m in BUDGETS])]
 
     first = hot(0)
     assert hot(0) == first  # the global seed fixes the draws
@@ -123,11 +127,11 @@ def test_perfect_drafter_reaches_tau_equal_block_size_in_a_batch():
     B, steps = 4, 5
     n_new = 1 + B * steps
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9, 8]]
-    truth = [p + autoregressive_generate(target, p, max_new_tokens=n_new + B).output_ids for p in prompts]
+    truth = [p + autoregressive_generate(target, p, SamplingParams(max_tokens=n_new + B)).output_ids for p in prompts]
     draft = BatchedOracle(make_draft_config(target.config, num_layers=1, block_size=B),
                           target.get_output_embeddings().weight.detach())
     rt = BatchedRuntime(target, draft, max_batch=3, max_seq_len=64, policy=FixedPolicy(B - 1))
-    handles = [rt.add(SequenceRequest(p, n_new)) for p in prompts]
+    handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=n_new))) for p in prompts]
     by_handle = {id(h): t for h, t in zip(handles, truth)}
     while rt.has_work():
         draft.row_sequences = [by_handle[id(s)] for s in rt.rows]
@@ -140,9 +144,9 @@ def test_perfect_drafter_reaches_tau_equal_block_size_in_a_batch():
 
 def test_cancel_frees_the_slot_and_others_are_unaffected():
     target, draft = _pair("llama", seed=6)
-    ref = [dflash_generate(draft, target, p, max_new_tokens=15).output_ids for p in PROMPTS[:3]]
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=15)).output_ids for p in PROMPTS[:3]]
     rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64, policy=FixedPolicy(3))
-    a, b, c = (rt.add(SequenceRequest(p, 15)) for p in PROMPTS[:3])
+    a, b, c = (rt.add(SequenceRequest(p, SamplingParams(max_tokens=15))) for p in PROMPTS[:3])
     rt.step()
     rt.step()
     assert c.slot == -1 and not c.done  # waiting: the batch is full
@@ -161,22 +165,22 @@ def test_step_callback_stops_one_sequence():
         return len(seen) >= 4
 
     rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64)
-    h1 = rt.add(SequenceRequest([1, 2, 3], 30, on_step=on_step))
-    h2 = rt.add(SequenceRequest([4, 5], 10))
+    h1 = rt.add(SequenceRequest([1, 2, 3], SamplingParams(max_tokens=30), on_step=on_step))
+    h2 = rt.add(SequenceRequest([4, 5], SamplingParams(max_tokens=10)))
     rt.run()
     assert h1.result.output_ids == seen and 4 <= len(seen) < 30
-    assert h2.result.output_ids == dflash_generate(draft, target, [4, 5], max_new_tokens=10).output_ids
+    assert h2.result.output_ids == dflash_generate(draft, target, [4, 5], SamplingParams(max_tokens=10)).output_ids
 
 
 def test_bad_requests_and_unsupported_pairs_get_one_line_errors():
     target, draft = _pair("llama")
     rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=16)
     with pytest.raises(DFlashError, match="exceeds max_seq_len=16"):
-        rt.add(SequenceRequest([1] * 10, 10))
+        rt.add(SequenceRequest([1] * 10, SamplingParams(max_tokens=10)))
     with pytest.raises(DFlashError, match="empty"):
-        rt.add(SequenceRequest([], 4))
+        rt.add(SequenceRequest([], SamplingParams(max_tokens=4)))
     with pytest.raises(DFlashError, match="0..127"):
-        rt.add(SequenceRequest([1, 500], 4))
+        rt.add(SequenceRequest([1, 500], SamplingParams(max_tokens=4)))
     gpt_oss = tiny_target("gpt_oss", seed=0)
     assert "gpt_oss" in unsupported_reason(gpt_oss)
     with pytest.raises(DFlashError, match="reference loop"):
@@ -188,10 +192,10 @@ def test_caches_are_allocated_once():
     """No per-step reallocation: the K/V tensors of every layer are the same objects after a run."""
     target, draft = _pair("llama", seed=8)
     rt = BatchedRuntime(target, draft, max_batch=3, max_seq_len=64, policy=AdaptivePolicy(draft.block_size))
-    rt.add(SequenceRequest([1, 2, 3], 4))
+    rt.add(SequenceRequest([1, 2, 3], SamplingParams(max_tokens=4)))
     rt.run()
     ptrs = [t.data_ptr() for t in (*rt.cache.kv.keys, *rt.draft_cache.kv.keys, rt.features)]
     for p in PROMPTS:
-        rt.add(SequenceRequest(p, 8))
+        rt.add(SequenceRequest(p, SamplingParams(max_tokens=8)))
     rt.run()
     assert [t.data_ptr() for t in (*rt.cache.kv.keys, *rt.draft_cache.kv.keys, rt.features)] == ptrs

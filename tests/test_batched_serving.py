@@ -1,4 +1,4 @@
-"""The server's reference runtime decodes concurrent requests in shared passes (the batched
+"""The server's pytorch backend decodes concurrent requests in shared passes (the batched
 runtime) and still answers each exactly as the reference loop alone would (greedy)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ try:
 except ImportError:  # tests/ is not a package
     from engine_fixtures import reference_answer, shared_tiny_engine
 
-from dflash_trt.serving.engine_runtime import GenerateRequest, load_engine_runtime
+from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.serving.backends import BackendSettings, load_backend
+from dflash_trt.serving.protocol import GenerateRequest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,35 +24,35 @@ PROMPTS = ["Hello world", "The capital of France is", "Speculative decoding", "a
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
     engine = shared_tiny_engine(tmp_path_factory)
-    rt = load_engine_runtime(engine, backend="reference")
+    rt = load_backend(engine, BackendSettings(backend="pytorch"))
     yield engine, rt
     rt.shutdown()
 
 
 def test_concurrent_requests_share_passes_and_get_their_own_answers(runtime):
     engine, rt = runtime
-    assert rt.batched is not None and rt.batched.max_batch >= 4
+    assert rt.why_serial is None and rt.runtime.max_batch >= 4
     max_tokens = [24, 7, 30, 12, 24, 3]
     expected = [reference_answer(engine, p, m) for p, m in zip(PROMPTS, max_tokens)]
-    steps_before = rt.batched.steps
+    steps_before = rt.runtime.steps
     # submit everything first, then read: the scheduler admits them into one running batch
-    gens = [rt.submit(GenerateRequest(p, max_tokens=m)) for p, m in zip(PROMPTS, max_tokens)]
+    gens = [rt.submit(GenerateRequest(p, params=SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS, max_tokens)]
     with ThreadPoolExecutor(len(gens)) as pool:
         answers = list(pool.map(lambda g: g.text(), gens, timeout=100))
     for (text, last), want, m in zip(answers, expected, max_tokens):
         assert text == want
         assert last.finished and last.stats.num_output_tokens <= m
-    decisions = list(rt.batched.policy.decisions)
+    decisions = list(rt.runtime.policy.decisions)
     assert max(d.batch for d in decisions) >= 2  # passes were shared
-    assert rt.batched.steps - steps_before < sum(max_tokens)  # fewer passes than tokens
+    assert rt.runtime.steps - steps_before < sum(max_tokens)  # fewer passes than tokens
     assert "position_acceptance" in rt.runtime_stats()
 
 
 def test_seeded_sample_is_the_same_under_load(runtime):
     engine, rt = runtime
-    req = GenerateRequest(PROMPTS[1], max_tokens=20, temperature=1.0, seed=3)
+    req = GenerateRequest(PROMPTS[1], params=SamplingParams(max_tokens=20, temperature=1.0, seed=3))
     alone = rt.submit(req).text()[0]
-    noise = [rt.submit(GenerateRequest(p, max_tokens=20)) for p in PROMPTS[2:5]]
+    noise = [rt.submit(GenerateRequest(p, params=SamplingParams(max_tokens=20))) for p in PROMPTS[2:5]]
     loaded = rt.submit(req)
     assert loaded.text()[0] == alone == reference_answer(engine, PROMPTS[1], 20, temperature=1.0, seed=3)
     for g in noise:
@@ -59,8 +61,8 @@ def test_seeded_sample_is_the_same_under_load(runtime):
 
 def test_cancelled_request_leaves_the_batch(runtime):
     _, rt = runtime
-    long = rt.submit(GenerateRequest(PROMPTS[0], max_tokens=150))
-    short = rt.submit(GenerateRequest(PROMPTS[2], max_tokens=10))
+    long = rt.submit(GenerateRequest(PROMPTS[0], params=SamplingParams(max_tokens=150)))
+    short = rt.submit(GenerateRequest(PROMPTS[2], params=SamplingParams(max_tokens=10)))
     next(iter(long))  # first chunk arrived: it is running
     long.cancel()
     text, last = short.text()
@@ -69,23 +71,21 @@ def test_cancelled_request_leaves_the_batch(runtime):
     assert final and final[-1].finish_reason == "cancelled"
 
 
-def test_full_speculation_setting_pins_the_draft_length(tmp_path_factory):
-    """`speculation: full` (repository setting) makes the server draft block_size - 1 tokens every
-    step, as the reference loop does; the default adaptive policy may choose fewer."""
-    from dflash_trt.runtime.policy import FixedPolicy
-    from dflash_trt.serving.engine_runtime import load_engine_runtime
-    from tests.engine_fixtures import shared_tiny_engine
+def test_fixed_policy_setting_pins_the_draft_length(tmp_path_factory):
+    """`policy: fixed` (repository setting) makes the server draft K = the manifest's max_draft_len
+    tokens every step, as the reference loop does; the serving default, adaptive, may choose fewer."""
+    from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
 
     engine = shared_tiny_engine(tmp_path_factory)
-    rt = load_engine_runtime(engine, backend="reference", speculation="full")
+    rt = load_backend(engine, BackendSettings(backend="pytorch", policy="fixed"))
     try:
-        assert isinstance(rt.batched.policy, FixedPolicy)
-        assert rt.batched.policy.choose(1, 99).k == rt.draft.block_size - 1
+        assert isinstance(rt.runtime.policy, FixedPolicy)
+        assert rt.runtime.policy.choose(1, 99).k == rt.draft.block_size - 1 == rt.speculation.max_draft_len
     finally:
         rt.shutdown(cancel_pending=True)
-    rt = load_engine_runtime(engine, backend="reference")
+    rt = load_backend(engine, BackendSettings(backend="reference"))  # the old name of pytorch
     try:
-        assert not isinstance(rt.batched.policy, FixedPolicy)
+        assert rt.backend == "pytorch" and isinstance(rt.runtime.policy, AdaptivePolicy)
     finally:
         rt.shutdown(cancel_pending=True)
 
@@ -94,13 +94,47 @@ def test_cuda_graphs_setting_serves_static_shapes_with_the_same_answers(tmp_path
     """`cuda_graphs: true` (repository setting) reaches the batched runtime: its passes run in static
     shapes (on CPU eagerly; graphs need a GPU) and concurrent answers stay the reference loop's."""
     engine = shared_tiny_engine(tmp_path_factory)
-    rt = load_engine_runtime(engine, backend="reference", cuda_graphs=True)
+    rt = load_backend(engine, BackendSettings(backend="pytorch", cuda_graphs=True))
     try:
-        assert rt.batched.static_shapes and rt.batched.graphs is None  # CPU: no capture
+        assert rt.runtime.static_shapes and rt.runtime.graphs is None  # CPU: no capture
         max_tokens = [9, 16, 5]
-        gens = [rt.submit(GenerateRequest(p, max_tokens=m)) for p, m in zip(PROMPTS[:3], max_tokens)]
+        gens = [rt.submit(GenerateRequest(p, params=SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS[:3], max_tokens)]
         with ThreadPoolExecutor(len(gens)) as pool:
             answers = [text for text, _ in pool.map(lambda g: g.text(), gens, timeout=100)]
         assert answers == [reference_answer(engine, p, m) for p, m in zip(PROMPTS[:3], max_tokens)]
     finally:
         rt.shutdown(cancel_pending=True)
+
+
+def test_pairs_the_batched_runtime_cannot_run_go_through_the_same_scheduler_one_at_a_time(tmp_path):
+    """gpt-oss (sliding window, attention sinks): the pytorch backend falls back to the reference
+    loop behind the batched runtime's interface (runtime/serial.py), driven by the same scheduler:
+    concurrent requests queue and each gets the reference answer; a request cancelled while queued
+    never runs, one cancelled while running stops at its next step; both end `cancelled`."""
+    from tests.engine_fixtures import make_tiny_engine
+
+    engine = make_tiny_engine(tmp_path, arch="gpt_oss", block_size=4)
+    rt = load_backend(engine, BackendSettings(backend="pytorch"))
+    try:
+        assert "gpt_oss" in rt.why_serial and "reference loop" in rt.describe()
+        max_tokens = [6, 9, 4]
+        gens = [rt.submit(GenerateRequest(p, params=SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS, max_tokens)]
+        with ThreadPoolExecutor(len(gens)) as pool:
+            answers = list(pool.map(lambda g: g.text(), gens, timeout=100))
+        for (text, last), p, m in zip(answers, PROMPTS, max_tokens):
+            assert text == reference_answer(engine, p, m)
+            assert last.finish_reason in ("stop", "length") and last.stats.num_output_tokens <= m
+        assert max(last.stats.queue_s for _, last in answers) > 0  # one at a time: some request waited
+
+        running = rt.submit(GenerateRequest(PROMPTS[0], params=SamplingParams(max_tokens=200)))
+        queued = rt.submit(GenerateRequest(PROMPTS[1], params=SamplingParams(max_tokens=5)))
+        it = iter(running)
+        next(it)  # it is decoding
+        queued.cancel()
+        running.cancel()
+        final = [c for c in it if c.finished][-1]
+        assert final.finish_reason == "cancelled" and final.stats.num_output_tokens < 200
+        text, last = queued.text()
+        assert text == "" and last.finish_reason == "cancelled" and last.stats.num_output_tokens == 0
+    finally:
+        rt.shutdown()

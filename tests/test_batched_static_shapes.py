@@ -20,20 +20,29 @@ from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_
 from dflash_trt.runtime.draft_model import make_draft_config
 from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
 from dflash_trt.runtime.tiny import random_draft, tiny_target
+from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.speculation import SpeculationSettings
 
 from tests.test_batched_runtime import BUDGETS, PROMPTS, BatchedOracle, _pair
 
 
-@pytest.mark.parametrize("policy", [FixedPolicy(3), FixedPolicy(1), None], ids=["k3", "k1", "adaptive"])
+def _policy(policy, draft) -> dict:
+    """batched_generate kwargs: a policy object, or "adaptive" (the policy SpeculationSettings names)."""
+    if policy == "adaptive":
+        return {"speculation": SpeculationSettings.for_block(draft.block_size, policy="adaptive")}
+    return {"policy": policy}
+
+
+@pytest.mark.parametrize("policy", [FixedPolicy(3), FixedPolicy(1), "adaptive"], ids=["k3", "k1", "adaptive"])
 def test_static_shapes_equal_the_reference_with_joins_stops_and_queueing(policy):
     target, draft = _pair("llama", seed=11)
-    plain = dflash_generate(draft, target, PROMPTS[2], max_new_tokens=BUDGETS[2]).output_ids
+    plain = dflash_generate(draft, target, PROMPTS[2], SamplingParams(max_tokens=BUDGETS[2])).output_ids
     stop = [plain[5]]
-    ref = [dflash_generate(draft, target, p, max_new_tokens=m, stop_token_ids=stop).output_ids
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m, stop_token_ids=stop)).output_ids
            for p, m in zip(PROMPTS, BUDGETS)]
     # max_batch 5: passes of 1, 2, 4 and 5 rows (the cap is no power of two); arrivals spread joins
-    results = batched_generate(draft, target, PROMPTS, max_new_tokens=BUDGETS, stop_token_ids=stop, policy=policy,
-                               max_batch=5, arrivals=[0, 2, 1, 5, 0, 3], cuda_graphs=True)
+    results = batched_generate(draft, target, PROMPTS, [SamplingParams(max_tokens=m, stop_token_ids=stop) for m in BUDGETS],
+                               max_batch=5, arrivals=[0, 2, 1, 5, 0, 3], cuda_graphs=True, **_policy(policy, draft))
     assert [r.output_ids for r in results] == ref
 
 
@@ -54,13 +63,12 @@ def test_padded_rows_leave_a_perfect_drafter_perfect():
     B, steps = 4, 5
     n_new = 1 + B * steps
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9, 8]]
-    truth = [p + dflash_generate(random_draft(target.config, block_size=B).double(), target, p,
-                                 max_new_tokens=n_new + B).output_ids for p in prompts]
+    truth = [p + dflash_generate(random_draft(target.config, block_size=B).double(), target, p, SamplingParams(max_tokens=n_new + B)).output_ids for p in prompts]
     draft = ShapeRecordingOracle(make_draft_config(target.config, num_layers=1, block_size=B),
                                  target.get_output_embeddings().weight.detach())
     draft.shapes = []
     rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, policy=FixedPolicy(B - 1), cuda_graphs=True)
-    handles = [rt.add(SequenceRequest(p, n_new)) for p in prompts]
+    handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=n_new))) for p in prompts]
     by_handle = {id(h): t for h, t in zip(handles, truth)}
     while rt.has_work():
         draft.row_sequences = [by_handle[id(s)] for s in rt.rows] + [[0] * 64]  # the padding row
@@ -91,14 +99,15 @@ class TracingGraphs:
         return False
 
 
+@pytest.mark.integration  # dynamo traces every pass: ~20 s
 def test_every_graphed_pass_traces_as_one_graph_and_stays_lossless():
     target, draft = _pair("qwen3", seed=12)
     prompts, budgets = PROMPTS[:3], [6, 4, 7]
-    ref = [dflash_generate(draft, target, p, max_new_tokens=m).output_ids for p, m in zip(prompts, budgets)]
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(prompts, budgets)]
     rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, policy=AdaptivePolicy(draft.block_size),
                         cuda_graphs=True)
     rt.graphs = TracingGraphs()  # type: ignore[assignment]
-    results = batched_generate(draft, target, prompts, max_new_tokens=budgets, runtime=rt)
+    results = batched_generate(draft, target, prompts, [SamplingParams(max_tokens=m) for m in budgets], runtime=rt)
     assert [r.output_ids for r in results] == ref
     kinds = {key[0] for key in rt.graphs.keys}
     assert kinds == {"verify", "draft"}
@@ -109,8 +118,9 @@ def test_sampled_rows_keep_the_eager_path():
     """Seeded sampling under static shapes still reproduces the reference loop (its steps stay eager)."""
     target, draft = _pair("llama", seed=4)
     seeds = [11, 12, 13]
-    ref = [dflash_generate(draft, target, p, max_new_tokens=m, temperature=0.9, seed=s).output_ids
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m, temperature=0.9, seed=s)).output_ids
            for p, m, s in zip(PROMPTS[:3], BUDGETS[:3], seeds)]
-    results = batched_generate(draft, target, PROMPTS[:3], max_new_tokens=BUDGETS[:3], temperature=0.9, seeds=seeds,
-                               policy=FixedPolicy(draft.block_size - 1), cuda_graphs=True)
+    params = [SamplingParams(max_tokens=m, temperature=0.9, seed=s) for m, s in zip(BUDGETS[:3], seeds)]
+    results = batched_generate(draft, target, PROMPTS[:3], params, policy=FixedPolicy(draft.block_size - 1),
+                               cuda_graphs=True)
     assert [r.output_ids for r in results] == ref

@@ -31,9 +31,9 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(engine, tmp_path_factory):
-    """A server pinned to the reference loop's speculation (k = block_size - 1 every step). The
-    default adaptive policy picks k from MEASURED step times, so its tau depends on machine load."""
-    settings = TritonRepoSettings(speculation="full")
+    """A server pinned to the reference loop's schedule (policy fixed: K drafts every step). The
+    serving default, adaptive, picks k from MEASURED step times, so its tau depends on machine load."""
+    settings = TritonRepoSettings(policy="fixed")
     repo = generate_repository(engine, tmp_path_factory.mktemp("bench_serve") / "repo", settings)
     srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=None).start()
     yield f"127.0.0.1:{srv.grpc_port}"

@@ -113,17 +113,26 @@ def test_serial_runtime_queues_concurrent_requests(run):
     assert all(r["queue_s"] < 0.05 for r in c1)  # alone, a request never waits for another
 
 
-def test_block_size_option(tiny_pair_dirs, tmp_path):
+def test_max_draft_len_option(tiny_pair_dirs, tmp_path):
     tdir, ddir = tiny_pair_dirs
     base = ["bench", "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "1", "--max-new-tokens", "10"]
-    res = CliRunner().invoke(main, [*base, "--block-size", "4", "--out", str(tmp_path), "--no-plots"])
+    res = CliRunner().invoke(main, [*base, "--max-draft-len", "3", "--out", str(tmp_path), "--no-plots"])
     assert res.exit_code == 0, res.output
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert result["source"]["block_size"] == 4
+    assert result["source"]["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed"}
     assert len(result["sweep"][0]["dflash"]["per_position_acceptance"]) == 3
     assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3
-    res = CliRunner().invoke(main, [*base, "--block-size", "9"])
-    assert res.exit_code != 0 and "above the drafter's block_size 8" in res.output
+    res = CliRunner().invoke(main, [*base, "--max-draft-len", "8"])
+    assert res.exit_code != 0 and "max_draft_len=8 (--max-draft-len) must be between 1 and block_size-1=7" in res.output
+    # --policy adaptive: the batched runtime at one sequence chooses k <= K; output stays plain greedy
+    out = tmp_path / "adaptive"
+    res = CliRunner().invoke(main, [*base, "--max-draft-len", "3", "--policy", "adaptive", "--out", str(out),
+                                    "--no-plots"])
+    assert res.exit_code == 0, res.output
+    result = json.loads((out / "bench.json").read_text())
+    assert result["source"]["speculation"]["policy"] == "adaptive"
+    assert result["identical_to_plain"]["identical"] == result["identical_to_plain"]["checked"]
+    assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3
 
 
 def test_plots_are_valid_pngs(run):

@@ -29,6 +29,7 @@ from dflash_trt.engine.verify import verify_engine
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+from dflash_trt.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 33, 2, 9, 41, 7]
 
@@ -121,12 +122,12 @@ def test_engine_directory_is_complete_and_verifies(engines, tiny_pair_dirs, quan
 def test_engine_generates_what_the_reference_runtime_generates(engines, tiny_pair_dirs, quant):
     eng = engines[quant]
     pair = load_engine(eng)
-    got = dflash_generate(pair.draft, pair.target, PROMPT, max_new_tokens=24)
+    got = dflash_generate(pair.draft, pair.target, PROMPT, SamplingParams(max_tokens=24))
     ref_target = _reference_target(eng / "target")
     ref_draft = DFlashDraftModel.from_pretrained(tiny_pair_dirs[1])
-    ref = dflash_generate(ref_draft, ref_target, PROMPT, max_new_tokens=24)
+    ref = dflash_generate(ref_draft, ref_target, PROMPT, SamplingParams(max_tokens=24))
     assert got.output_ids == ref.output_ids
-    assert got.output_ids == autoregressive_generate(ref_target, PROMPT, max_new_tokens=24).output_ids  # lossless
+    assert got.output_ids == autoregressive_generate(ref_target, PROMPT, SamplingParams(max_tokens=24)).output_ids  # lossless
     src = _reference_target(tiny_pair_dirs[0]).model.layers[0]
     w = pair.target.model.layers[0].mlp.down_proj.weight
     orig = src.mlp.down_proj.weight
@@ -179,11 +180,10 @@ def test_moe_engine_records_tp_ep_and_runs_in_the_reference_runtime(tmp_path):
     hq = json.loads((eng / "target/hf_quant_config.json").read_text())["quantization"]
     assert any("router" in x for x in hq["exclude_modules"])  # MoE routers stay unquantized
     pair = load_engine(eng)
-    got = dflash_generate(pair.draft, pair.target, PROMPT, max_new_tokens=16)
+    got = dflash_generate(pair.draft, pair.target, PROMPT, SamplingParams(max_tokens=16))
     ref_target = _reference_target(eng / "target")
-    assert got.output_ids == dflash_generate(DFlashDraftModel.from_pretrained(draft), ref_target, PROMPT,
-                                             max_new_tokens=16).output_ids
-    assert got.output_ids == autoregressive_generate(ref_target, PROMPT, max_new_tokens=16).output_ids
+    assert got.output_ids == dflash_generate(DFlashDraftModel.from_pretrained(draft), ref_target, PROMPT, SamplingParams(max_tokens=16)).output_ids
+    assert got.output_ids == autoregressive_generate(ref_target, PROMPT, SamplingParams(max_tokens=16)).output_ids
 
 
 def test_failed_build_leaves_no_directory(tiny_pair_dirs, tmp_path):
@@ -251,8 +251,8 @@ def test_embedded_pair_builds_and_generates(tmp_path, quant):
     pair = load_engine(eng)
     assert pair.tokenizer is not None
     ids = pair.tokenizer("The capital of France is")["input_ids"]
-    got = dflash_generate(pair.draft, pair.target, ids, max_new_tokens=12)
-    assert got.output_ids == autoregressive_generate(pair.target, ids, max_new_tokens=12).output_ids
+    got = dflash_generate(pair.draft, pair.target, ids, SamplingParams(max_tokens=12))
+    assert got.output_ids == autoregressive_generate(pair.target, ids, SamplingParams(max_tokens=12)).output_ids
 
 
 def test_recorded_spec_is_a_valid_build_spec(tmp_path, tiny_pair_dirs):

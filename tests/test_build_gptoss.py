@@ -26,6 +26,7 @@ from dflash_trt.cli import main
 from dflash_trt.engine.dequant import dequant_mxfp4
 from dflash_trt.engine.verify import verify_engine
 from dflash_trt.runtime.generate import autoregressive_generate
+from dflash_trt.sampling_params import SamplingParams
 
 try:
     from tests.gptoss_fixtures import save_tiny_mxfp4_gpt_oss, transformers_reference
@@ -104,7 +105,7 @@ def test_quant_none_keeps_mxfp4_byte_for_byte_and_generates_the_source_tokens(gp
     r = CliRunner().invoke(main, ["generate", "--json", "--raw", "--max-new-tokens", "16", "--target", str(tdir),
                                   "--draft", str(ddir), PROMPT])
     prompt_ids = json.loads(r.stdout.strip().splitlines()[-1])["prompt_ids"]
-    ref = autoregressive_generate(transformers_reference(tdir), prompt_ids, max_new_tokens=16).output_ids
+    ref = autoregressive_generate(transformers_reference(tdir), prompt_ids, SamplingParams(max_tokens=16)).output_ids
     assert from_engine == ref
 
 

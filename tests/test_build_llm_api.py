@@ -10,12 +10,20 @@ tensorrt_llm/llmapi/llm_args.py at NVIDIA/TensorRT-LLM commit 0004396720054fd8e2
 - CudaGraphConfig (decode): batch_sizes, max_batch_size, enable_padding;
 - MoeConfig.backend: AUTO | CUTLASS | CUTEDSL | TRTLLM | DEEPGEMM | DENSEGEMM | VANILLA | TRITON | MARLIN ...;
 - DFlashDecodingConfig: decoding_type "DFlash", mask_token_id, target_layer_ids,
-  attention_backend VANILLA | TRTLLM, plus DecodingBaseConfig's max_draft_len, speculative_model.
+  attention_backend VANILLA | TRTLLM (| FA4 from 1.3.0rc27, its API reference), plus
+  DecodingBaseConfig's max_draft_len, speculative_model;
+- TorchLlmArgs enable_attention_dp / stream_interval / num_postprocess_workers (top level, as in
+  upstream's recipe qwen3.8-low-latency.yaml; sources in dflash_trt/engine/trtllm_fields.json).
+The vLLM and SGLang flags are checked against their parsers' names recorded, with the source
+file and version, in dflash_trt/engine/launch_flags.json (neither peer runs here on a GPU).
 """
 
 from __future__ import annotations
 
+import json
+import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -28,6 +36,7 @@ UPSTREAM_TOP_LEVEL = {
     "tensor_parallel_size", "pipeline_parallel_size", "moe_expert_parallel_size", "moe_tensor_parallel_size",
     "max_batch_size", "max_seq_len", "max_num_tokens", "kv_cache_config", "speculative_config",
     "cuda_graph_config", "moe_config", "attn_backend", "gpus_per_node",
+    "enable_attention_dp", "stream_interval", "num_postprocess_workers",
 }
 UPSTREAM_SECTIONS = {
     "kv_cache_config": {"dtype", "free_gpu_memory_fraction", "enable_block_reuse", "max_tokens", "tokens_per_block"},
@@ -36,6 +45,7 @@ UPSTREAM_SECTIONS = {
     "speculative_config": {"decoding_type", "max_draft_len", "speculative_model", "mask_token_id",
                            "target_layer_ids", "attention_backend"},
 }
+UPSTREAM_DFLASH_ATTENTION = {"VANILLA", "TRTLLM", "FA4"}
 UPSTREAM_MOE_BACKENDS = {"AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA", "TRITON", "MARLIN"}
 
 
@@ -68,8 +78,11 @@ def test_dense_hopper_options_have_no_moe_keys_and_vanilla_attention():
                            target_layer_ids=[1, 9, 17, 25, 33])
     _assert_upstream_shape(opts)
     assert "moe_config" not in opts and "moe_expert_parallel_size" not in opts
-    assert opts["kv_cache_config"]["dtype"] == "auto"  # keeps the checkpoint's kv_cache_quant_algo
-    assert opts["speculative_config"]["attention_backend"] == "VANILLA"
+    # dtype 'auto' (keep the checkpoint's kv_cache_quant_algo) and VANILLA attention are upstream's
+    # defaults: left out, so the file needs only the first release with DFlash.
+    assert "dtype" not in opts.get("kv_cache_config", {})
+    assert "attention_backend" not in opts["speculative_config"]
+    assert "tensor_parallel_size" not in opts  # 1 is the default
     # The YAML round-trips (what trtllm-serve --config reads).
     assert yaml.safe_load(yaml.safe_dump(opts)) == opts
 
@@ -105,3 +118,78 @@ def test_launch_scripts_are_valid_bash_with_the_same_engine(tmp_path):
     assert '"method": "dflash"' in scripts["launch/vllm.sh"] and "--enable-expert-parallel" in scripts["launch/vllm.sh"]
     sgl = scripts["launch/sglang.sh"]
     assert "--speculative-algorithm DFLASH" in sgl and "--speculative-num-draft-tokens 16" in sgl and "--ep-size 8" in sgl
+
+
+LAUNCH_FLAGS = json.loads((Path(__file__).resolve().parents[1] / "dflash_trt/engine/launch_flags.json").read_text())
+
+
+def _argv(script: str) -> list[str]:
+    """The exec'd command of a launch script, split as bash would ("$@" and ${PORT...} kept as words)."""
+    line = next(ln for ln in script.splitlines() if ln.startswith("exec "))
+    return shlex.split(line)[1:]
+
+
+def _flags(argv: list[str]) -> list[str]:
+    return [a for a in argv if a.startswith("--")]
+
+
+@pytest.mark.parametrize("over", [
+    {"gpu": "b300", "tp": 8, "ep": 8, "kv_cache_quant": "fp8", "enable_attention_dp": True, "stream_interval": 10},
+    {"gpu": "h100", "tp": 2},
+    {"gpu": "cpu"},
+])
+def test_launch_flags_exist_in_the_peers_parsers(over):
+    s = resolve_spec(None, over)
+    scripts = launch_scripts(s, is_moe="ep" in over, max_draft_len=15, block_size=16)
+    for name, peer in (("launch/vllm.sh", "vllm"), ("launch/sglang.sh", "sglang")):
+        argv = _argv(scripts[name])
+        command = LAUNCH_FLAGS[peer]["command"]
+        assert argv[:len(command)] == command, (name, argv)
+        unknown = set(_flags(argv)) - set(LAUNCH_FLAGS[peer]["flags"])
+        assert not unknown, (name, unknown)
+    vllm = _argv(scripts["launch/vllm.sh"])
+    spec_cfg = json.loads(vllm[vllm.index("--speculative-config") + 1])
+    assert set(spec_cfg) <= set(LAUNCH_FLAGS["vllm"]["speculative_config_keys"])
+    # The drafter's (non-causal) attention backend goes through speculative_config; the target's is left alone.
+    assert "--attention-backend" not in vllm
+    assert spec_cfg.get("attention_backend") == (None if over["gpu"] == "cpu" else "flash_attn")
+    sgl = _argv(scripts["launch/sglang.sh"])
+    assert "--pp-size" not in sgl  # SGLang's DFLASH only runs at pp_size 1: never passed
+    if over.get("enable_attention_dp"):
+        assert sgl[sgl.index("--attn-dp-size") + 1] == "8" and "--enable-dp-lm-head" in sgl
+        assert sgl[sgl.index("--stream-interval") + 1] == "10"
+
+
+def test_sglang_script_refuses_pipeline_parallel_with_a_clear_message(tmp_path):
+    s = resolve_spec(None, {"gpu": "h100", "tp": 4, "pp": 2})
+    scripts = launch_scripts(s, is_moe=False, max_draft_len=7, block_size=8)
+    path = tmp_path / "sglang.sh"
+    path.write_text(scripts["launch/sglang.sh"])
+    proc = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: SGLang's DFLASH") and "PP 2" in proc.stderr
+    assert "launch/trtllm-serve.sh" in proc.stderr
+    assert LAUNCH_FLAGS["sglang"]["dflash_pp_size"] == 1
+    # the other two scripts still serve the same engine
+    assert "--pipeline-parallel-size 2" in scripts["launch/vllm.sh"]
+
+
+def test_throughput_knobs_reach_the_yaml_only_when_not_upstreams_default():
+    base = resolve_spec(None, {"gpu": "b300", "tp": 8, "ep": 8})
+    opts = llm_api_options(base, is_moe=True, max_draft_len=15, max_num_tokens=8192, mask_token_id=1, target_layer_ids=[1])
+    assert not {"enable_attention_dp", "stream_interval", "num_postprocess_workers"} & set(opts)
+    tuned = resolve_spec(None, {"gpu": "b300", "tp": 8, "ep": 8, "enable_attention_dp": True, "stream_interval": 10,
+                                "num_postprocess_workers": 4, "dflash_attention_backend": "FA4"})
+    opts = llm_api_options(tuned, is_moe=True, max_draft_len=15, max_num_tokens=8192, mask_token_id=1, target_layer_ids=[1])
+    assert (opts["enable_attention_dp"], opts["stream_interval"], opts["num_postprocess_workers"]) == (True, 10, 4)
+    assert opts["speculative_config"]["attention_backend"] in UPSTREAM_DFLASH_ATTENTION
+    assert opts["speculative_config"]["attention_backend"] == "FA4"
+    _assert_upstream_shape(opts)
+    check_llm_api_options(opts)
+
+
+@pytest.mark.parametrize("key, value", [("stream_interval", 0), ("num_postprocess_workers", -1),
+                                        ("dflash_attention_backend", "FLASHINFER")])
+def test_bad_knob_values_are_one_line_errors(key, value):
+    with pytest.raises(DFlashError, match=key):
+        resolve_spec(None, {key: value})

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from dflash_trt.cli import main
 from dflash_trt.runtime import autoregressive_generate
 from dflash_trt.runtime.loading import load_target
+from dflash_trt.sampling_params import SamplingParams
 
 
 def test_generate_json_fields_match_plain_greedy(tiny_pair_dirs):
@@ -20,7 +21,7 @@ def test_generate_json_fields_match_plain_greedy(tiny_pair_dirs):
     for key in ("prompt_ids", "output_ids", "text", "acceptance_lengths", "tau", "acceptance_rate",
                 "total_draft_tokens", "total_accepted_draft_tokens", "per_position_acceptance", "ttft_s", "tpot_s"):
         assert key in out
-    plain = autoregressive_generate(load_target(tdir), out["prompt_ids"], max_new_tokens=12)
+    plain = autoregressive_generate(load_target(tdir), out["prompt_ids"], SamplingParams(max_tokens=12))
     assert out["output_ids"] == plain.output_ids
     assert abs(out["tau"] - (1 + out["total_accepted_draft_tokens"] / len(out["acceptance_lengths"]))) < 1e-9
 

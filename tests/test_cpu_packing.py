@@ -17,6 +17,7 @@ from dflash_trt.runtime.cpu_packing import (
     set_packed,
 )
 from dflash_trt.runtime.loading import load_pair, load_target
+from dflash_trt.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
@@ -65,13 +66,13 @@ def test_greedy_text_is_unchanged_by_packing(tiny_pair_dirs):
     and drafter): one token stream."""
     tdir, ddir = tiny_pair_dirs
     prompts = [[1, 5, 9, 2, 7, 3], [4, 4, 8]]
-    stock = [autoregressive_generate(load_target(tdir), p, max_new_tokens=24).output_ids for p in prompts]
+    stock = [autoregressive_generate(load_target(tdir), p, SamplingParams(max_tokens=24)).output_ids for p in prompts]
     pair = load_pair(tdir, ddir)  # packs both models by default
     assert num_packed(pair.target) > 0 and num_packed(pair.draft) > 0
     for p, want in zip(prompts, stock):
-        assert autoregressive_generate(pair.target, p, max_new_tokens=24).output_ids == want
-        assert dflash_generate(pair.draft, pair.target, p, max_new_tokens=24).output_ids == want
-    assert [r.output_ids for r in batched_generate(pair.draft, pair.target, prompts, max_new_tokens=24)] == stock
+        assert autoregressive_generate(pair.target, p, SamplingParams(max_tokens=24)).output_ids == want
+        assert dflash_generate(pair.draft, pair.target, p, SamplingParams(max_tokens=24)).output_ids == want
+    assert [r.output_ids for r in batched_generate(pair.draft, pair.target, prompts, SamplingParams(max_tokens=24))] == stock
 
 
 def test_packing_declines_where_it_does_not_apply(tiny_pair_dirs):
@@ -100,10 +101,10 @@ def test_a_pair_for_another_device_is_loaded_there_unpacked(tiny_pair_dirs):
     """Regression (seen on an H100): `bench --device cuda` loaded the pair on CPU, packed it, then
     moved it, and the first GPU forward failed inside oneDNN. resolve_pair now loads on the device,
     where packing declines. "meta" stands in for a GPU here (no GPU in CI): any non-CPU device."""
-    from dflash_trt.generation_cli import resolve_pair
+    from dflash_trt.pairs import resolve_pair
 
-    on_cpu = resolve_pair(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]), False, "float32", False)
+    on_cpu = resolve_pair(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]), dtype="float32")
     assert num_packed(on_cpu.target) > 0
-    pair = resolve_pair(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]), False, "float32", False, device="meta")
+    pair = resolve_pair(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]), dtype="float32", device="meta")
     assert num_packed(pair.target) == 0 and num_packed(pair.draft) == 0
     assert {p.device.type for m in (pair.target, pair.draft) for p in m.parameters()} == {"meta"}

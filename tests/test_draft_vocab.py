@@ -27,6 +27,7 @@ from dflash_trt.runtime.draft_vocab import (
 )
 from dflash_trt.runtime.loading import load_pair
 from dflash_trt.runtime.policy import FixedPolicy
+from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.train.data import save_data
 
 
@@ -78,7 +79,7 @@ def test_batched_output_is_unchanged_whatever_the_draft_vocabulary(tiny_pair_dir
     shutil.copytree(ddir, draft_dir)
     prompts = [[1, 5, 9, 2, 7, 3], [4, 4, 8], [11, 12]]
     pair = load_pair(tdir, draft_dir)
-    truth = [autoregressive_generate(pair.target, p, max_new_tokens=20).output_ids for p in prompts]
+    truth = [autoregressive_generate(pair.target, p, SamplingParams(max_tokens=20)).output_ids for p in prompts]
     # the subset: tokens of the target's own answers (as train-draft counts them), capped at `size`
     seqs = [{"ids": p + t, "prompt_len": len(p)} for p, t in zip(prompts, truth)]
     save_draft_vocab(draft_dir, rank_vocab(count_tokens(seqs, pair.target.config.vocab_size), size))
@@ -86,7 +87,7 @@ def test_batched_output_is_unchanged_whatever_the_draft_vocabulary(tiny_pair_dir
     assert draft.draft_vocab is not None and 1 <= draft.draft_vocab.numel() <= size
     rt = BatchedRuntime(pair.target, draft, max_batch=3, max_seq_len=64, policy=FixedPolicy(7))
     assert rt.stats()["draft_vocab"] == draft.draft_vocab.numel()
-    out = batched_generate(draft, pair.target, prompts, max_new_tokens=20, runtime=rt)
+    out = batched_generate(draft, pair.target, prompts, SamplingParams(max_tokens=20), runtime=rt)
     assert [r.output_ids for r in out] == truth
     full = BatchedRuntime(pair.target, draft, max_batch=3, max_seq_len=64, policy=FixedPolicy(7), use_draft_vocab=False)
     assert full.draft_head is None and full.stats()["draft_vocab"] == pair.target.config.vocab_size

@@ -8,6 +8,7 @@ import torch
 from dflash_trt.runtime import DFlashDraftModel, autoregressive_generate, dflash_generate
 from dflash_trt.runtime.draft_model import make_draft_config
 from dflash_trt.runtime.tiny import tiny_target
+from dflash_trt.sampling_params import SamplingParams
 
 
 class OracleDraft(DFlashDraftModel):
@@ -33,7 +34,7 @@ class OracleDraft(DFlashDraftModel):
 
 def make_oracle(target, prompt, n, block_size, sequence=None):
     if sequence is None:
-        sequence = prompt + autoregressive_generate(target, prompt, max_new_tokens=n + block_size).output_ids
+        sequence = prompt + autoregressive_generate(target, prompt, SamplingParams(max_tokens=n + block_size)).output_ids
     cfg = make_draft_config(target.config, num_layers=1, block_size=block_size)
     return OracleDraft(cfg, target.get_output_embeddings().weight.detach(), sequence)
 
@@ -44,12 +45,12 @@ def test_oracle_drafter_reaches_tau_equal_block_size_every_step():
     B, steps = 4, 6
     n = 1 + B * steps  # first token from prefill, then `steps` full blocks
     draft = make_oracle(target, prompt, n, B)
-    result = dflash_generate(draft, target, prompt, max_new_tokens=n)
+    result = dflash_generate(draft, target, prompt, SamplingParams(max_tokens=n))
     assert result.stats.acceptance_lengths == [B] * steps
     assert result.stats.tau == B
     assert result.stats.total_accepted_draft_tokens == result.stats.total_draft_tokens == (B - 1) * steps
     assert result.stats.per_position_acceptance == [1.0] * (B - 1)
-    assert result.output_ids == autoregressive_generate(target, prompt, max_new_tokens=n).output_ids
+    assert result.output_ids == autoregressive_generate(target, prompt, SamplingParams(max_tokens=n)).output_ids
 
 
 def test_wrong_oracle_rejects_and_stays_lossless():
@@ -57,12 +58,12 @@ def test_wrong_oracle_rejects_and_stays_lossless():
     target = tiny_target("llama", seed=6, vocab_size=32, hidden_size=64).double()
     prompt = [7, 7, 2]
     n = 25
-    truth = prompt + autoregressive_generate(target, prompt, max_new_tokens=n + 8).output_ids
+    truth = prompt + autoregressive_generate(target, prompt, SamplingParams(max_tokens=n + 8)).output_ids
     wrong = list(truth)
     p = len(prompt) + 6
     wrong[p] = (wrong[p] + 1) % 32
     draft = make_oracle(target, prompt, n, 8, sequence=wrong)
-    result = dflash_generate(draft, target, prompt, max_new_tokens=n)
+    result = dflash_generate(draft, target, prompt, SamplingParams(max_tokens=n))
     assert result.output_ids == truth[len(prompt): len(prompt) + n]
     assert min(result.stats.acceptance_lengths) < 8  # the corrupted position was rejected
     assert result.stats.tau > 3  # and everything else accepted

@@ -83,7 +83,7 @@ def _edit(path: Path, **changes):
         ({"target_layer_ids": [1, 9]}, "target_layer_ids=[1, 9] has [9] outside the target's layers 0..3"),
         ({"num_target_layers": 36}, "num_target_layers=36 but the target has 4 layers"),
         ({"mask_token_id": 128}, "mask_token_id=128 is outside the target vocabulary (0..127)"),
-        ({"block_size": 1}, "block_size=1; DFlash needs block_size >= 2"),
+        ({"block_size": 1}, "block_size=1 is out of range; accepted: 2..64"),
     ],
 )
 def test_pair_validation_errors_name_field_values_and_fix(pair, changes, expected):
@@ -96,13 +96,19 @@ def test_pair_validation_errors_name_field_values_and_fix(pair, changes, expecte
 
 
 def test_max_draft_len_must_be_below_block_size(pair):
+    """K is checked where it is chosen (SpeculationSettings), against the drafter's block size."""
     from transformers import AutoConfig
+
+    from dflash_trt.speculation import SpeculationSettings
 
     tdir, ddir = pair
     cfg = json.loads((ddir / "config.json").read_text())
-    with pytest.raises(DFlashError, match=r"max_draft_len=8 must be between 1 and block_size-1=7"):
-        validate_pair(cfg, AutoConfig.from_pretrained(tdir), max_draft_len=8)
-    validate_pair(cfg, AutoConfig.from_pretrained(tdir), max_draft_len=7)
+    block = validate_pair(cfg, AutoConfig.from_pretrained(tdir)).block_size
+    with pytest.raises(DFlashError, match=r"max_draft_len=8 \(--max-draft-len\) must be between 1 and block_size-1=7"):
+        SpeculationSettings.for_block(block, 8)
+    with pytest.raises(DFlashError, match=r"max_draft_len=0 \(--max-draft-len\) must be between 1 and block_size-1=7"):
+        SpeculationSettings.for_block(block, 0)
+    assert SpeculationSettings.for_block(block, 7).max_draft_len == 7
 
 
 def test_missing_corrupt_and_pickle_weights_are_refused(pair):

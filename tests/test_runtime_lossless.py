@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from dflash_trt.runtime import dflash_generate
 from dflash_trt.runtime.tiny import random_draft, tiny_target
+from dflash_trt.sampling_params import SamplingParams
 
 
 def hf_greedy(target, prompt: list[int], n: int) -> list[int]:
@@ -66,7 +67,7 @@ def test_greedy_dflash_equals_target_greedy_random_drafter(cfg):
         target_layer_ids=cfg["target_layer_ids"],
     ).double()
     prompt = torch.randint(0, cfg["vocab_size"], (cfg["prompt_len"],)).tolist()
-    result = dflash_generate(draft, target, prompt, max_new_tokens=cfg["max_new_tokens"])
+    result = dflash_generate(draft, target, prompt, SamplingParams(max_tokens=cfg["max_new_tokens"]))
     assert result.output_ids == hf_greedy(target, prompt, cfg["max_new_tokens"])
     s = result.stats
     assert s.num_output_tokens == cfg["max_new_tokens"]
@@ -82,7 +83,7 @@ def test_greedy_lossless_gpt_oss_moe_sliding_window_sinks(seed):
     target = tiny_target("gpt_oss", seed=seed, num_layers=4)
     draft = random_draft(target.config, seed=seed, num_layers=2, block_size=6)
     prompt = torch.randint(0, 128, (17,), generator=torch.Generator().manual_seed(seed)).tolist()
-    result = dflash_generate(draft, target, prompt, max_new_tokens=35)
+    result = dflash_generate(draft, target, prompt, SamplingParams(max_tokens=35))
     assert result.output_ids == hf_greedy(target, prompt, 35)
 
 
@@ -93,6 +94,6 @@ def test_stop_token_truncates_after_first_occurrence():
     reference = hf_greedy(target, prompt, 30)
     stop = reference[7]  # a token the target does emit
     first = reference.index(stop)
-    result = dflash_generate(draft, target, prompt, max_new_tokens=30, stop_token_ids=[stop])
+    result = dflash_generate(draft, target, prompt, SamplingParams(max_tokens=30, stop_token_ids=[stop]))
     assert result.output_ids == reference[: first + 1]
     assert result.stats.finish_reason == "stop"

@@ -16,6 +16,7 @@ from scipy.stats import chisquare
 from dflash_trt.runtime import dflash_generate
 from dflash_trt.runtime.sampling import sampling_probs
 from dflash_trt.runtime.tiny import tiny_target
+from dflash_trt.sampling_params import SamplingParams
 from tests.test_runtime_acceptance import make_oracle
 
 V, T, TOP_P, N, ALPHA = 8, 1.0, 0.95, 1000, 1e-3
@@ -67,7 +68,7 @@ def test_dflash_sampling_matches_target_distribution():
     draft = make_oracle(target, prompt, 3, block_size=4)
     second, third, accepted_third = [], [], 0
     for i in range(N):
-        r = dflash_generate(draft, target, prompt, max_new_tokens=3, temperature=T, top_p=TOP_P, seed=i)
+        r = dflash_generate(draft, target, prompt, SamplingParams(max_tokens=3, temperature=T, top_p=TOP_P, seed=i))
         second.append(r.output_ids[1])
         third.append(r.output_ids[2])
         accepted_third += r.stats.acceptance_lengths[0] >= 2

@@ -1,6 +1,13 @@
 """On a REAL one-node Slurm cluster (Debian slurm-wlm + munge, started by the fixture with
-scripts/slurm_cluster.sh): the generated reference-backend serve job, and `dflash-trt launch`
+scripts/slurm_cluster.sh): the generated serve, build and bench jobs, and `dflash-trt launch`
 under `srun --mpi=pmix -n 2`.
+
+Container flags: the jobs are generated with their default pyxis flags (--container-image,
+--container-name, --container-mounts, --container-workdir) and run as written. pyxis itself is
+not installed here; the cluster loads a STAND-IN SPANK plugin (scripts/pyxis_standin.c) that
+gives srun those options, checks every mount source exists and is mounted at its own path,
+starts the task in the workdir, prints one "[pyxis-standin] ..." line, and runs the task on the
+host (no container, so the jobs get --container-dflash-bin = this venv's dflash-trt).
 
 MPI under srun: Slurm's pmix plugin + Debian Open MPI (libopenmpi3), which mpi4py's wheel loads
 with MPI4PY_MPIABI=openmpi (the launcher selects it when it sees PMIx); the pip `mpich` only
@@ -12,6 +19,7 @@ Slurm is a failure: run `scripts/install_slurm.sh` (as root) before the tests.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -24,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_trt.deploy.slurm import default_container_image
+from dflash_trt.sampling_params import SamplingParams
 from tests.deploy_engines import served_engine, with_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,15 +122,15 @@ def engine(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def expected_text(engine) -> str:
     """The reference runtime's greedy output for PROMPT (what every server must answer)."""
-    from dflash_trt.generation_cli import decode, encode_prompt, stop_ids_of
     from dflash_trt.runtime.generate import dflash_generate
     from dflash_trt.runtime.loading import load_pair
+    from dflash_trt.runtime.tokens import TextCodec
 
     pair = load_pair(engine / "target", engine / "draft")
-    ids = encode_prompt(pair.tokenizer, PROMPT, False, int(pair.target.config.vocab_size))
-    result = dflash_generate(pair.draft, pair.target, ids, max_new_tokens=MAX_TOKENS, temperature=0.0,
-                             stop_token_ids=stop_ids_of(pair.tokenizer, pair.target.config))
-    text = decode(pair.tokenizer, result.output_ids)
+    codec = TextCodec.of_pair(pair)
+    params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=codec.stop_token_ids)
+    result = dflash_generate(pair.draft, pair.target, codec.encode(PROMPT), params)
+    text = codec.decode(result.output_ids)
     assert text.strip(), "the fixture's prompt should produce visible text"
     return text
 
@@ -159,7 +169,8 @@ def test_reference_serve_job_answers_and_cancels_cleanly(cluster, engine, expect
     out = tmp_path / "jobs"
     submitted = cluster.run(DFLASH, "deploy", "slurm", str(engine), "--out", str(out), "--backend", "reference",
                             "--grpc-port", str(port), "--metrics-port", str(port + 1), "--ready-timeout", "120",
-                            "--job-name", "dflash-test", "--submit").stdout
+                            "--job-name", "dflash-test", "--container-dflash-bin", DFLASH,
+                            "--bench-args", "--num-prompts 1 --max-new-tokens 8 --no-plots", "--submit").stdout
     job = submitted.split("submitted serve job ")[1].split()[0]
     endpoints = out / "logs" / f"endpoints-{job}.txt"
     log = out / "logs" / f"dflash-test-serve-{job}.out"
@@ -174,8 +185,19 @@ def test_reference_serve_job_answers_and_cancels_cleanly(cluster, engine, expect
         urls = endpoints.read_text().split()
         assert urls == [f"localhost:{port}"]
         assert ask(urls[0]) == expected_text
-        rank_log = out / "logs" / f"dflash-test-serve-{job}-rank0.log"
-        assert "reference replica" in rank_log.read_text()  # per-rank log file (%t)
+        rank_log = (out / "logs" / f"dflash-test-serve-{job}-rank0.log").read_text()
+        assert "reference replica" in rank_log  # per-rank log file (%t)
+        # the server step got the container flags (through the pyxis stand-in) and ran in the engine dir
+        assert f"[pyxis-standin] image={default_container_image()} name=dflash-trt workdir={engine.resolve()}" in rank_log
+        # the serve job wrote the model repository it serves (none existed)
+        assert (out / "triton_repo" / "dflash" / "config.pbtxt").is_file()
+        # the bench job measures the served endpoint, after the serve job is up
+        bench_job = cluster.run("sbatch", "--parsable", str(out / "bench.sbatch"), job).stdout.strip().split(";")[0]
+        bench_log = out / "logs" / f"dflash-test-bench-{bench_job}.out"
+        assert wait_for_state(cluster, bench_job, 240) == "COMPLETED", bench_log.read_text() if bench_log.exists() else ""
+        report = json.loads((out / "logs" / f"bench-{bench_job}" / "bench.json").read_text())
+        assert report, "bench.json is empty"
+        assert "[pyxis-standin]" in bench_log.read_text() and f"benchmarking localhost:{port}" in bench_log.read_text()
     finally:
         cluster.run("scancel", job, check=False)
     deadline = time.monotonic() + 40
@@ -185,23 +207,29 @@ def test_reference_serve_job_answers_and_cancels_cleanly(cluster, engine, expect
     while processes_mentioning(str(engine)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_mentioning(str(engine)) == []
-    assert "[serve] ready" in log.read_text()
+    text = log.read_text()
+    assert "[serve] ready" in text
+    doctor_line = "ok       engine 'tiny-llama-dflash': reference backend (PyTorch) needs torch"
+    assert doctor_line in text and text.index(doctor_line) < text.index("[serve] ready")  # the doctor ran first
     assert cluster.job_state(job) in ("CANCELLED", "GONE")
     # (Whether the ranks log their graceful stop here races with srun SIGKILLing them on its own
     # SIGTERM; the graceful path is asserted with `scancel --signal=TERM` in the srun test.)
 
 
-def test_serve_job_fails_fast_when_the_server_dies(cluster, tmp_path):
+def test_serve_job_fails_fast_when_the_server_dies(cluster, engine, tmp_path):
     """A server that cannot start (an engine without weights) fails the job with the reason, at once."""
     needs_server()
     from tests.deploy_engines import manifest_engine
 
     broken = manifest_engine(tmp_path / "broken", tp=1, pp=1)
+    # the doctor passes (reference backend: torch is here); the server then finds no weights
+    (broken / "llm_api_options.yaml").write_text((engine / "llm_api_options.yaml").read_text())
     out = tmp_path / "jobs"
     port = _free_port_block(2)
-    submitted = cluster.run(DFLASH, "deploy", "slurm", str(broken), "--out", str(out), "--backend", "reference",
+    # --no-verify: the engine is broken on purpose (no weights); the job, not `deploy`, must notice
+    submitted = cluster.run(DFLASH, "deploy", "slurm", str(broken), "--out", str(out), "--no-verify", "--backend", "reference",
                             "--grpc-port", str(port), "--metrics-port", str(port + 1), "--ready-timeout", "300",
-                            "--job-name", "broken", "--submit").stdout
+                            "--job-name", "broken", "--container-dflash-bin", DFLASH, "--submit").stdout
     job = submitted.split("submitted serve job ")[1].split()[0]
     deadline = time.monotonic() + 90  # far below --ready-timeout: the wait notices the dead step
     while cluster.job_state(job) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
@@ -211,6 +239,59 @@ def test_serve_job_fails_fast_when_the_server_dies(cluster, tmp_path):
     log = (out / "logs" / f"broken-serve-{job}.out").read_text()
     assert "exited before" in log and "[serve] FAILED" in log
     assert not (out / "logs" / f"endpoints-{job}.txt").exists()
+
+
+def wait_for_state(cluster: Cluster, job: str, timeout_s: float) -> str:
+    """Wait until `job` leaves the queue; its final state (from the job record, kept MinJobAge seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while (state := cluster.job_state(job)) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+        assert time.monotonic() < deadline, f"job {job} still {state} after {timeout_s:.0f}s"
+        time.sleep(0.5)
+    return state
+
+
+def test_trtllm_serve_job_stops_at_the_doctor_on_this_gpu_less_node(cluster, engine, tmp_path):
+    """No TensorRT-LLM and no GPU here: the doctor (first step) fails the job with its reasons."""
+    out = tmp_path / "jobs"
+    submitted = cluster.run(DFLASH, "deploy", "slurm", str(engine), "--out", str(out), "--backend", "trtllm",
+                            "--gpus-per-node", "0", "--no-exclusive", "--job-name", "nogpu",
+                            "--container-dflash-bin", DFLASH, "--submit").stdout
+    job = submitted.split("submitted serve job ")[1].split()[0]
+    assert wait_for_state(cluster, job, 90) == "FAILED"
+    log = (out / "logs" / f"nogpu-serve-{job}.out").read_text()
+    assert "MISSING  engine 'tiny-llama-dflash' needs TensorRT-LLM >= " in log and "CANNOT be served here" in log, log
+    assert "1 per node: 0 GPU(s) visible here" in log
+    assert "ensure-repository" not in log and not (out / "triton_repo").exists()  # stopped before anything else
+
+
+@pytest.mark.slow
+def test_build_job_output_survives_the_job(cluster, tiny_pair_dirs, tmp_path):
+    """The build job rebuilds an engine from its recorded spec into --build-out on the host filesystem."""
+    from dflash_trt.engine.manifest import load_manifest
+
+    target, draft = tiny_pair_dirs
+    engine = tmp_path / "engine"
+    built = cluster.run(DFLASH, "build", "--target", str(target), "--draft", str(draft), "--max-seq-len", "256",
+                        "--out", str(engine), "--no-progress", timeout=300)
+    assert built.returncode == 0
+    out, rebuilt = tmp_path / "jobs", tmp_path / "store" / "rebuilt"
+    rebuilt.parent.mkdir()
+    cluster.run(DFLASH, "deploy", "slurm", str(engine), "--out", str(out), "--build-out", str(rebuilt),
+                "--job-name", "rebuild", "--container-dflash-bin", DFLASH)
+    job = cluster.run("sbatch", "--parsable", str(out / "build.sbatch")).stdout.strip().split(";")[0]
+    log = out / "logs" / f"rebuild-build-{job}.out"
+    assert wait_for_state(cluster, job, 300) == "COMPLETED", log.read_text() if log.exists() else "no log"
+    text = log.read_text()
+    # every step got the container flags, with the spec's checkpoints and the output's folder mounted
+    standin = [ln for ln in text.splitlines() if ln.startswith("[pyxis-standin]")]
+    assert len(standin) == 3, text  # doctor, build, verify
+    for path in (target.resolve(), draft.resolve(), rebuilt.parent.resolve()):
+        assert f"{path}:{path}" in standin[1], (path, standin[1])
+    assert f"ok: {rebuilt}" in text and "[build] done" in text
+    # the engine is on the host filesystem after the job: complete, verified, same build as the original
+    assert load_manifest(rebuilt).name == load_manifest(engine).name
+    assert (rebuilt / "llm_api_options.yaml").read_text() == (engine / "llm_api_options.yaml").read_text()
+    assert not [p for p in rebuilt.parent.iterdir() if p.name != "rebuilt"]  # no temporary left behind
 
 
 def test_srun_pmix_trtllm_world_size_mismatch_fails_fast(cluster, engine, tmp_path):

@@ -24,7 +24,8 @@ from dflash_trt.cli import main
 from dflash_trt.engine.manifest import load_manifest
 from dflash_trt.errors import DFlashError
 from dflash_trt.resources import resource_dir
-from dflash_trt.serving.engine_runtime import IncrementalDetokenizer
+from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.serving.detokenizer import IncrementalDetokenizer
 from dflash_trt.serving.repository import TritonRepoSettings, generate_repository, parse_config, render_config
 
 
@@ -62,6 +63,8 @@ def test_generated_config_parses_strictly_and_matches_model_py(engine, tmp_path)
     assert int(params["max_seq_len"]) == manifest.limits.max_seq_len
     assert params["llm_api_options"] == manifest.llm_api_options
     assert 1 <= int(params["default_max_tokens"]) <= manifest.limits.max_seq_len
+    # K is recorded resolved: the engine's limits.max_draft_len unless lowered; serving's policy is adaptive
+    assert int(params["max_draft_len"]) == manifest.limits.max_draft_len and params["policy"] == "adaptive"
 
     names = _model_py_names(repo / "dflash" / "1" / "model.py")
     assert set(names["INPUTS"]) == {i.name for i in cfg.input}
@@ -79,13 +82,22 @@ def test_generated_config_parses_strictly_and_matches_model_py(engine, tmp_path)
 def test_flags_reach_the_config_and_paths_are_escaped(engine):
     odd = '/data/engines/my "quoted" dir\\x'
     settings = TritonRepoSettings(model_name="smol", backend="reference", default_max_tokens=17, max_queue=3,
-                                  speculation="full", device="cuda", cuda_graphs=True, engine_path=odd)
+                                  policy="fixed", max_draft_len=3, device="cuda", cuda_graphs=True, engine_path=odd)
     cfg = parse_config(render_config(engine, settings))
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert cfg.name == "smol"
     assert params["engine_dir"] == odd  # round-trips through text-format escaping
-    assert (params["backend"], params["default_max_tokens"], params["max_queue"], params["speculation"],
-            params["device"], params["cuda_graphs"]) == ("reference", "17", "3", "full", "cuda", "true")
+    # `reference` is the old name of the pytorch backend: the repository records the current one
+    assert (params["backend"], params["default_max_tokens"], params["max_queue"], params["policy"],
+            params["max_draft_len"], params["device"], params["cuda_graphs"]) == (
+        "pytorch", "17", "3", "fixed", "3", "cuda", "true")
+
+
+def test_max_draft_len_above_the_engine_is_refused(engine):
+    """The engine's memory plan holds limits.max_draft_len drafts a step: a repository may lower K, not raise it."""
+    built = load_manifest(engine).limits.max_draft_len
+    with pytest.raises(DFlashError, match=f"above the {built} this engine was built for"):
+        render_config(engine, TritonRepoSettings(max_draft_len=built + 1))
 
 
 def test_default_max_tokens_above_engine_limit_is_refused(engine):
@@ -140,7 +152,7 @@ class _CharTokenizer:
 
 
 def test_detokenizer_holds_back_partial_characters_and_stop_prefixes():
-    d = IncrementalDetokenizer(_CharTokenizer(), stop=["END"])
+    d = IncrementalDetokenizer(TextCodec(_CharTokenizer(), 256), stop=["END"])
     parts = [d.add([ord("a")]), d.add([0]), d.add([0xA9]), d.add([ord("E")]), d.add([ord("N")])]
     assert parts[:3] == ["a", "", "\u00e9"]  # \xc3\xa9 = é, never a replacement char
     assert parts[3:] == ["", ""]  # "EN" could still become "END"
@@ -173,7 +185,8 @@ def test_tensorrt_llm_is_used_only_with_native_dflash(monkeypatch, engine):
     import sys
     import types
 
-    from dflash_trt.serving.engine_runtime import load_engine_runtime, tensorrt_llm_status
+    from dflash_trt.serving.backends import BackendSettings, load_backend
+    from dflash_trt.serving.tensorrt_llm_backend import tensorrt_llm_status
 
     usable, why = tensorrt_llm_status()
     assert not usable and "tensorrt_llm" in why
@@ -185,7 +198,7 @@ def test_tensorrt_llm_is_used_only_with_native_dflash(monkeypatch, engine):
     usable, why = tensorrt_llm_status()
     assert not usable and "1.2.1" in why and "DFlashDecodingConfig" in why
     with pytest.raises(DFlashError, match="backend tensorrt_llm requested"):
-        load_engine_runtime(engine, backend="tensorrt_llm")
+        load_backend(engine, BackendSettings(backend="tensorrt_llm"))
 
 
 from hypothesis import given, settings  # noqa: E402
@@ -201,7 +214,7 @@ def test_detokenizer_stream_equals_whole_decode(ids, cuts, stop):
     """However the ids arrive, the streamed text is the whole decode cut before the first stop
     string, and no piece is ever taken back (pieces only append)."""
     tok = _CharTokenizer()
-    d = IncrementalDetokenizer(tok, stop=stop)
+    d = IncrementalDetokenizer(TextCodec(tok, 256), stop=stop)
     pieces, i = [], 0
     for n in cuts + [len(ids)]:
         if i >= len(ids) or d.stopped:

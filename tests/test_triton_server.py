@@ -220,6 +220,10 @@ def _bad_cases(engine):
          [ok, _raw_input("max_tokens", "INT32", np.array([limit + 1], dtype=np.int32))],
          "INVALID_ARGUMENT", f"max_seq_len={limit}"),
         ("prompt too long", "dflash", [_text([("word " * limit).encode()])], "INVALID_ARGUMENT", "shorten the prompt"),
+        ("temperature NaN", "dflash", [ok, _raw_input("temperature", "FP32", np.array([np.nan], dtype=np.float32))],
+         "INVALID_ARGUMENT", "temperature=nan is not a finite number"),
+        ("top_p 0", "dflash", [ok, _raw_input("top_p", "FP32", np.array([0.0], dtype=np.float32))],
+         "INVALID_ARGUMENT", "top_p=0.0 must be in (0, 1]"),
         ("invalid utf-8", "dflash", [_text([b"caf\xff\xfe"])], "INVALID_ARGUMENT", "not valid UTF-8"),
         ("unknown model", "nope", [ok], "NOT_FOUND", "unknown model"),
     ]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli import friendly_errors
+from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option, policy_option
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
@@ -37,7 +37,10 @@ def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--max-new-tokens", type=int, help="Tokens to generate per request [default: 128].")
 @click.option("--temperature", type=float, help="Sampling temperature; 0 = greedy [default: 0].")
 @click.option("--seed", type=int, help="Seed of the first request; request i uses seed + i [default: 0].")
-@click.option("--block-size", type=int, help="In process: decode with a smaller block than the drafter's [default: its own].")
+@max_draft_len_option("In process: K, the most drafts a step verifies (1..block_size-1) [default: the engine's "
+                      "limits.max_draft_len, else the drafter's block_size - 1]. A server has its own.")
+@policy_option(None, "In process: fixed = the reference loop (K drafts every step) [default]; adaptive = the "
+                     "batched runtime at one sequence, choosing k <= K per step as `serve` does.")
 @click.option("--concurrency", callback=_int_list, help="Concurrency levels to sweep, e.g. 1,2,4,8 [default: 1].")
 @click.option("--device", help="In process: cpu or cuda[:N] [default: cpu].")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="In process weights [default: float32].")
@@ -56,16 +59,14 @@ def bench(config_file: str | None, **flags) -> None:
     total_tokens_per_s and speedup, for every --concurrency level, next to the physical ceiling.
     With no model arguments it runs the embedded default pair in process.
     """
-    import json
-
     from rich.console import Console
 
     from dflash_trt.bench.config import resolve_config
+    from dflash_trt.config import config_line
 
     cfg = resolve_config(config_file, flags)
     console = Console(stderr=True)
-    console.print("[bench] config " + json.dumps(cfg.model_dump(), separators=(",", ":")), markup=False, highlight=False,
-                  soft_wrap=True)
+    console.print(config_line("bench", cfg), markup=False, highlight=False, soft_wrap=True)
     result, records = _run_with_progress(cfg, console)
 
     from dflash_trt.bench.report import markdown, print_table

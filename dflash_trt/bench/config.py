@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from dflash_trt.errors import DFlashError
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class BenchConfig(BaseModel):
@@ -29,7 +26,10 @@ class BenchConfig(BaseModel):
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     seed: int = 0
-    block_size: int | None = Field(None, ge=2)  # in process: decode with a smaller block than the drafter's
+    # in process: K (drafts verified per step, default the engine's or block_size - 1) and the
+    # policy (fixed: the reference loop; adaptive: the batched runtime choosing k <= K per step)
+    max_draft_len: int | None = Field(None, ge=1)
+    policy: Literal["fixed", "adaptive"] | None = None
     concurrency: list[int] = Field(default_factory=lambda: [1])
     # where
     device: str = "cpu"
@@ -64,8 +64,9 @@ class BenchConfig(BaseModel):
             raise ValueError("--engine already holds the target and drafter; drop --target/--draft")
         if bool(self.target) != bool(self.draft):
             raise ValueError("pass both --target and --draft, or neither (to use the embedded default pair)")
-        if self.url and self.block_size:
-            raise ValueError("--block-size applies in process only; the server decides its own draft length")
+        if self.url and (self.max_draft_len or self.policy):
+            raise ValueError("--max-draft-len and --policy apply in process only; a server has its own (set them "
+                             "on `dflash-trt serve` / `deploy triton`)")
         if self.plain_url and not self.url:
             raise ValueError("--plain-url is for endpoint mode; add --url (in process runs plain decoding itself)")
         return self
@@ -75,32 +76,8 @@ class BenchConfig(BaseModel):
         return self.url is None
 
 
-def _one_line(e: ValidationError, where: str) -> DFlashError:
-    err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
-    name = f"--{loc.replace('_', '-')}" if loc else where
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    return DFlashError(f"{where}: {name}: {msg}" if loc else f"{where}: {msg}")
-
-
 def resolve_config(config_file: str | None, flags: dict[str, Any]) -> BenchConfig:
     """File values, then every flag the user actually gave (None = not given) on top."""
-    data: dict[str, Any] = {}
-    if config_file:
-        import yaml
+    from dflash_trt.config import load_config
 
-        path = Path(config_file)
-        if not path.is_file():
-            raise DFlashError(f"bench config {path} not found; pass a YAML file of bench options (see --help)")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as e:
-            raise DFlashError(f"bench config {path} is not valid YAML ({' '.join(str(e).split())})") from None
-        if not isinstance(data, dict):
-            raise DFlashError(f"bench config {path} must be a mapping of option: value")
-        data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    data.update({k: v for k, v in flags.items() if v is not None})
-    try:
-        return BenchConfig(**data)
-    except ValidationError as e:
-        raise _one_line(e, str(config_file) if config_file else "bench") from None
+    return load_config(BenchConfig, config_file, flags, what="bench config")

@@ -1,8 +1,9 @@
 """Benchmark prompts: the project's sets by category (eval split by default) or a user JSONL file.
 
 A JSONL row is ``{"prompt": "..."}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``,
-optionally with ``"id"`` and ``"category"``. The target's chat template is applied when the
-prompt is encoded (:func:`encode_messages`), exactly as the server does for a single user turn.
+optionally with ``"id"`` and ``"category"``. In process the messages are encoded through the
+target's chat template by the tokenizer contract (``TextCodec.encode_messages``), which gives a
+single user turn exactly the ids a server gives its ``text_input``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ class BenchPrompt:
     id: str
     category: str
     messages: tuple[tuple[str, str], ...]  # (role, content) turns; the chat template is applied later
+
+    @property
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The turns as chat messages ({"role", "content"}), what TextCodec.encode_messages takes."""
+        return [{"role": r, "content": c} for r, c in self.messages]
 
     @property
     def single_user_text(self) -> str | None:
@@ -80,21 +86,3 @@ def from_jsonl(path: str | Path) -> list[BenchPrompt]:
     if not out:
         raise DFlashError(f"prompts file {path} has no prompts; {JSONL_HINT}")
     return out
-
-
-def encode_messages(tokenizer: Any, prompt: BenchPrompt, vocab_size: int) -> list[int]:
-    """Token ids the target sees, chat template applied (the same ids `generate` and the server use)."""
-    from dflash_trt.generation_cli import encode_prompt
-
-    text = prompt.single_user_text
-    if text is not None or tokenizer is None:
-        # one user turn: exactly encode_prompt, so in-process and endpoint runs see the same ids
-        return encode_prompt(tokenizer, text if text is not None else "\n".join(c for _, c in prompt.messages),
-                             False, vocab_size)
-    msgs = [{"role": r, "content": c} for r, c in prompt.messages]
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer("\n".join(c for _, c in prompt.messages))["input_ids"]]

@@ -55,7 +55,7 @@ def ceiling_lines(result: dict[str, Any]) -> list[str]:
     if ident:
         lines.append(f"DFlash output identical to plain greedy decoding on {ident['identical']}/{ident['checked']} requests")
     if not result["source"]["parallel"] and len(result["sweep"]) > 1:
-        lines.append("in-process reference runtime decodes one request at a time: concurrent requests queue "
+        lines.append("the in-process runner decodes one request at a time: concurrent requests queue "
                      "(total tokens/s flat, per-user tokens/s ~ 1/C)")
     return [x for x in lines if x]
 

@@ -67,31 +67,27 @@ def _source(cfg: BenchConfig) -> tuple[Any, dict[str, Any], dict[str, Any] | Non
     import torch
 
     from dflash_trt.bench.ceiling import bytes_per_step
-    from dflash_trt.generation_cli import resolve_pair, stop_ids_of
+    from dflash_trt.pairs import resolve_pair
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    pair = resolve_pair(cfg.target, cfg.draft, False, cfg.dtype, False, cfg.engine, device=cfg.device)
+    pair = resolve_pair(cfg.target, cfg.draft, engine_dir=cfg.engine, dtype=cfg.dtype, device=cfg.device,
+                        max_draft_len=cfg.max_draft_len, policy=cfg.policy)
     source: dict[str, Any] = {"kind": "in_process", "engine": cfg.engine, "target": cfg.target, "draft": cfg.draft,
-                              "engine_manifest_sha256": None, "block_size": pair.draft.block_size}
+                              "engine_manifest_sha256": None, "speculation": pair.speculation.to_dict()}
     weights = "none"
     if cfg.engine:
-        from dflash_trt.engine.manifest import MANIFEST_NAME, load_manifest
+        from dflash_trt.engine.manifest import MANIFEST_NAME
 
-        manifest = load_manifest(cfg.engine)
-        weights = manifest.quantization.weights
+        weights = pair.manifest.quantization.weights
         source["engine_manifest_sha256"] = hashlib.sha256((Path(cfg.engine) / MANIFEST_NAME).read_bytes()).hexdigest()
-        source["engine_name"] = manifest.name
+        source["engine_name"] = pair.manifest.name
     elif cfg.target is None:
         from dflash_trt.embedded import default_pair_dirs
 
         t, d = default_pair_dirs()
         source.update(target=str(t), draft=str(d), embedded=True)
-    if cfg.block_size and cfg.block_size > pair.draft.block_size:
-        raise DFlashError(f"--block-size {cfg.block_size} is above the drafter's block_size {pair.draft.block_size}; "
-                          f"use 2..{pair.draft.block_size}")
-    source["block_size"] = cfg.block_size or pair.draft.block_size
-    runner = InProcessRunner(pair, stop_ids_of(pair.tokenizer, pair.target.config), block_size=cfg.block_size)
+    runner = InProcessRunner(pair)
     return runner, source, bytes_per_step(pair.target, weights)
 
 

@@ -111,56 +111,74 @@ def _closed_loop(requests: Sequence[BenchRequest], concurrency: int, one: Callab
 
 
 # ------------------------------------------------------------------------------------------------
-# in process: the reference runtime (one sequence at a time)
+# in process: one decoding thread (the reference loop, or the batched runtime at one sequence)
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class InProcessRunner:
-    """dflash_generate / autoregressive_generate on a loaded pair.
+    """One request at a time on a loaded pair: DFlash with the pair's speculation settings (policy
+    fixed: dflash_generate, K drafts every step; adaptive: the batched runtime at one sequence,
+    choosing k <= K per step and learning across requests), plain decoding with
+    autoregressive_generate.
 
-    The reference loop decodes one sequence at a time, so concurrent users QUEUE for one decoding
-    thread, first come first served (as in the server): total tokens/s stays flat and tokens/s per
-    user falls as 1/C. That is the honest figure for this runtime (parallel=False is recorded); the
-    batched runtime will be a parallel runner. (A plain lock would not do: it is not fair, so a user
-    thread that just finished could take it again and starve the others.)
+    Concurrent users QUEUE for the one decoding thread, first come first served (as in the
+    server's serial path): total tokens/s stays flat and tokens/s per user falls as 1/C. That is
+    the honest figure for this runner (parallel=False is recorded). (A plain lock would not do:
+    it is not fair, so a user thread that just finished could take it again and starve the others.)
     """
 
-    pair: Any  # LoadedPair
-    stop_token_ids: list[int]
-    block_size: int | None = None  # None: the drafter's own block size
+    pair: Any  # dflash_trt.pairs.ResolvedPair
     t0: float = field(default_factory=time.perf_counter)
-    name: str = "reference (serial, in process)"
+    name: str = "in process (serial)"
     parallel: bool = False
     modes: tuple[str, ...] = MODES
     _decoder: ThreadPoolExecutor | None = None  # the one decoding thread, FIFO
     _ids: dict[str, list[int]] = field(default_factory=dict)
+    _batched: Any = None  # BatchedRuntime for the adaptive policy, kept across requests
 
     def encode(self, prompt: BenchPrompt) -> list[int]:
-        from dflash_trt.bench.prompts import encode_messages
-
         if prompt.id not in self._ids:
-            self._ids[prompt.id] = encode_messages(self.pair.tokenizer, prompt, int(self.pair.target.config.vocab_size))
+            self._ids[prompt.id] = self.pair.codec.encode_messages(prompt.chat_messages)
         return self._ids[prompt.id]
+
+    def _params(self, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> Any:
+        from dflash_trt.sampling_params import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                              stop_token_ids=self.pair.codec.stop_token_ids)
+
+    def _dflash(self, ids: list[int], params: Any) -> Any:
+        from dflash_trt.runtime.generate import dflash_generate
+
+        spec = self.pair.speculation
+        if spec.policy == "fixed":
+            return dflash_generate(self.pair.draft, self.pair.target, ids, params, spec)
+        from dflash_trt.runtime.batched import BatchedRuntime, batched_generate
+
+        need = len(ids) + params.resolve_max_tokens()
+        if self._batched is None or self._batched.max_seq_len < need:
+            self._batched = BatchedRuntime(self.pair.target, self.pair.draft, max_batch=1,
+                                           max_seq_len=max(need, 1024), speculation=spec)
+        return batched_generate(self.pair.draft, self.pair.target, [ids], params, runtime=self._batched)[0]
 
     def warmup(self) -> None:
         """First calls pay for lazy initialisation in torch/transformers: keep them out of the figures."""
-        from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+        from dflash_trt.runtime.generate import autoregressive_generate
 
         ids = self.encode(BenchPrompt("warmup", "warmup", (("user", "Hello"),)))
-        dflash_generate(self.pair.draft, self.pair.target, ids, max_new_tokens=8, stop_token_ids=self.stop_token_ids)
-        autoregressive_generate(self.pair.target, ids, max_new_tokens=8, stop_token_ids=self.stop_token_ids)
+        self._dflash(ids, self._params(8))
+        autoregressive_generate(self.pair.target, ids, self._params(8))
 
     def _one(self, mode: str, concurrency: int, req: BenchRequest, t_submit: float) -> RequestRecord:
-        from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+        from dflash_trt.runtime.generate import autoregressive_generate
 
         ids = self.encode(req.prompt)
-        kw = dict(max_new_tokens=req.max_new_tokens, temperature=req.temperature, stop_token_ids=self.stop_token_ids,
-                  seed=req.seed)
+        params = self._params(req.max_new_tokens, req.temperature, req.seed)
 
         def decode() -> tuple[float, Any]:
             t = time.perf_counter()
             if mode == "dflash":
-                return t, dflash_generate(self.pair.draft, self.pair.target, ids, block_size=self.block_size, **kw)
-            return t, autoregressive_generate(self.pair.target, ids, **kw)
+                return t, self._dflash(ids, params)
+            return t, autoregressive_generate(self.pair.target, ids, params)
 
         assert self._decoder is not None
         t_start, result = self._decoder.submit(decode).result()

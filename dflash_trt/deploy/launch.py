@@ -114,7 +114,8 @@ def trtllm_problems(manifest: Any, info: RankInfo) -> list[str]:
     except Exception as e:  # ImportError, or its CUDA libraries failing to load
         problems.append(
             f"tensorrt_llm is not importable here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-            "run inside a TensorRT-LLM container (--container-image nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3) "
+            f"run inside the dflash-trt container (deploy/container: TensorRT-LLM >= {manifest.min_tensorrt_llm_version}; "
+            "the Triton trtllm-python-py3 images have no DFlash; `dflash-trt doctor ENGINE` lists what is missing) "
             "or use --backend reference")
     return problems
 

@@ -40,6 +40,17 @@ def default_dflash_bin() -> str:
     return str(candidate if candidate.exists() else Path(sys.argv[0]).resolve())
 
 
+def container_image_record() -> dict:
+    """deploy/container/image.json: the image the jobs default to, its base and why."""
+    from dflash_trt.resources import resource_dir
+
+    return json.loads((resource_dir("deploy") / "container" / "image.json").read_text(encoding="utf-8"))
+
+
+def default_container_image() -> str:
+    return container_image_record()["default_image"]
+
+
 class SlurmOptions(BaseModel):
     """Everything `dflash-trt deploy slurm` accepts (CLI flags); recorded as deploy_slurm.json."""
 
@@ -55,9 +66,14 @@ class SlurmOptions(BaseModel):
     nodes: int | None = Field(None, ge=1)
     gpus_per_node: int | None = Field(None, ge=0)
     replicas: int = Field(1, ge=1)  # reference backend: independent servers, one per rank
-    container_image: str | None = None
+    exclusive: bool | None = None  # None: whole nodes for the TensorRT-LLM backend, shared for reference
+    # None: no container (the steps run `dflash_bin` on the host)
+    container_image: str | None = Field(default_factory=default_container_image)
+    container_name: str = Field("dflash-trt", pattern=r"^[A-Za-z0-9_.-]+$")  # imported once, reused by every step
     container_mounts: str | None = None
-    model_repository: Path | None = None  # tritonserver: default <out>/triton_repo
+    model_repository: Path | None = None  # default <out>/triton_repo
+    build_gpus: int | None = Field(None, ge=0)  # None: 1 for a GPU engine, 0 for a CPU one
+    build_out: Path | None = None  # None: <engine parent>/<engine name>-rebuilt
     grpc_port: int = Field(8001, ge=1, le=65535)
     http_port: int = Field(8000, ge=1, le=65535)
     metrics_port: int = Field(8002, ge=1, le=65535)
@@ -99,8 +115,9 @@ def plan_layout(mapping: Mapping, opts: SlurmOptions) -> Layout:
     if per_node > gpn:
         raise DFlashError(f"{world} ranks on {nodes} node(s) need {per_node} GPUs per node but --gpus-per-node is "
                           f"{gpn}; use --nodes {-(-world // gpn)} or more GPUs per node")
-    # One GPU per rank; a larger explicit --gpus-per-node is honoured (e.g. whole-node allocations).
-    gpus = opts.gpus_per_node if opts.gpus_per_node else per_node
+    # One GPU per rank; a larger explicit --gpus-per-node is honoured (e.g. whole-node allocations),
+    # and an explicit 0 requests none (clusters without GPU gres: the GPUs come with the node).
+    gpus = opts.gpus_per_node if opts.gpus_per_node is not None else per_node
     return Layout(nodes=nodes, ntasks=world, tasks_per_node=per_node, gpus_per_node=gpus)
 
 
@@ -124,32 +141,59 @@ def _template(name: str) -> str:
     return (resource_dir("deploy") / f"{name}.sbatch").read_text(encoding="utf-8")
 
 
-def _sbatch_lines(opts: SlurmOptions, gpus_per_node: int) -> str:
+def _sbatch_lines(opts: SlurmOptions, gpus_per_node: int, exclusive: bool = False) -> str:
     lines = [f"--partition={opts.partition}" if opts.partition else "",
              f"--account={opts.account}" if opts.account else "",
              f"--time={opts.time}" if opts.time else "",
-             f"--gpus-per-node={gpus_per_node}" if gpus_per_node else ""]
+             f"--gpus-per-node={gpus_per_node}" if gpus_per_node else "",
+             "--exclusive" if exclusive else ""]
     return "".join(f"#SBATCH {line}\n" for line in lines if line)
 
 
-def _container_flags(opts: SlurmOptions, engine_dir: Path, out: Path) -> str:
-    """pyxis/enroot flags; the engine and the output folder are mounted at the same paths."""
+def _mount_list(opts: SlurmOptions, paths: list[Path]) -> list[str]:
+    """The user's mounts plus each of `paths` at its own path (skipping those already covered)."""
+    mounts = [m for m in (opts.container_mounts or "").split(",") if m]
+    for path in paths:
+        covered = any(path == Path(m.split(":")[0]) or Path(m.split(":")[0]) in path.parents for m in mounts)
+        if not covered:
+            mounts.append(f"{path}:{path}")
+    return mounts
+
+
+def container_flags(opts: SlurmOptions, workdir: Path, mount_paths: list[Path]) -> str:
+    """pyxis/enroot flags for every srun step ("" without a container).
+
+    --container-name makes pyxis import the image once per job and reuse the container in every
+    later step; paths are mounted at their own paths, so the same absolute paths work inside.
+    """
     if not opts.container_image:
         return ""
-    mounts = [m for m in (opts.container_mounts or "").split(",") if m]
-    for path in (engine_dir, out):
-        if not any(m.split(":")[0] == str(path) for m in mounts):
-            mounts.append(f"{path}:{path}")
-    # pyxis starts in the image's own workdir unless told: run in the engine directory, whose
-    # llm_api_options.yaml names the drafter relatively (./draft).
-    return (f"--container-image={shlex.quote(opts.container_image)} "
-            f"--container-mounts={shlex.quote(','.join(mounts))} "
-            f"--container-workdir={shlex.quote(str(engine_dir))}")
+    q = shlex.quote
+    return (f"--container-image={q(opts.container_image)} --container-name={q(opts.container_name)} "
+            f"--container-mounts={q(','.join(_mount_list(opts, mount_paths)))} "
+            f"--container-workdir={q(str(workdir))}")
 
 
 def _job_name(manifest: EngineManifest, opts: SlurmOptions) -> str:
     base = opts.job_name or re.sub(r"[^A-Za-z0-9_.-]+", "-", manifest.name).strip("-") or "dflash"
     return base
+
+
+def build_sources(manifest: EngineManifest) -> list[Path]:
+    """Files the build job reads: the checkpoints (and calibration prompts) named in the recorded spec."""
+    spec = manifest.spec
+    paths = [spec.get("target"), spec.get("draft"), (spec.get("calibration") or {}).get("prompts")]
+    found = []
+    for p in paths:
+        if isinstance(p, str) and p:
+            path = Path(p).expanduser()
+            if path.exists():
+                found.append(path.resolve())
+    return found
+
+
+def build_output(engine_dir: Path, manifest: EngineManifest, opts: SlurmOptions) -> Path:
+    return (opts.build_out or engine_dir.parent / f"{engine_dir.name}-rebuilt").resolve()
 
 
 def render_jobs(engine_dir: str | Path, opts: SlurmOptions) -> dict[str, str]:
@@ -162,30 +206,31 @@ def render_jobs(engine_dir: str | Path, opts: SlurmOptions) -> dict[str, str]:
     log_dir = out / "logs"
     name = _job_name(manifest, opts)
     q = shlex.quote
-    container = _container_flags(opts, engine_dir, out)
-    step_bin = q(opts.container_dflash_bin) if opts.container_image else '"$DFLASH"'
+    repo = (opts.model_repository or out / "triton_repo").resolve()
+    step_bin = opts.container_dflash_bin if opts.container_image else opts.dflash_bin
+    exclusive = opts.exclusive if opts.exclusive is not None else opts.backend == "trtllm"
     common = {"engine_name": manifest.name, "log_dir": q(str(log_dir)), "dflash_bin": q(opts.dflash_bin),
-              "container_flags": container, "ready_timeout": opts.ready_timeout}
+              "step_bin": q(step_bin), "ready_timeout": opts.ready_timeout}
 
     layout_desc = f"TP {mapping.tp} x PP {mapping.pp} = {mapping.world_size} ranks"
     if opts.backend == "reference":
-        serve_cmd = (f"{step_bin} launch \"$ENGINE\" --backend reference --host 0.0.0.0 "
+        serve_cmd = (f"\"$STEP_DFLASH\" launch \"$ENGINE\" --backend reference --host 0.0.0.0 "
                      f"--grpc-port {opts.grpc_port} --metrics-port {opts.metrics_port} "
-                     f"--port-stride {opts.port_stride}")
+                     f"--port-stride {opts.port_stride} --model-repository \"$REPO\"")
         preflight = ""
         endpoint_count, port, scheme, path = layout.ntasks, opts.grpc_port, "", ""
         endpoint_rule = (f"every rank is a replica serving gRPC on {opts.grpc_port} + rank x {opts.port_stride} "
                          f"(metrics {opts.metrics_port} + rank x {opts.port_stride})")
         task_note = " (reference backend: one independent replica per task instead)"
         layout_desc = f"{layout.ntasks} reference replica(s); engine built for {layout_desc}"
+        repo_backend = "reference"
     else:
         # Every rank checks world size == TP x PP and that TensorRT-LLM imports, in its own short
         # step, BEFORE the server starts: a mismatch fails the job in seconds instead of hanging.
         preflight = ("# Preflight on EVERY rank: MPI world size == TP x PP and TensorRT-LLM importable.\n"
-                     f"\"${{SRUN[@]}}\" --label {step_bin} launch \"$ENGINE\" --backend trtllm --check\n")
+                     "\"${SRUN[@]}\" --label \"$STEP_DFLASH\" launch \"$ENGINE\" --backend trtllm --check\n")
         if opts.server == "tritonserver":
-            repo = (opts.model_repository or out / "triton_repo").resolve()
-            serve_cmd = (f"trtllm-llmapi-launch tritonserver --model-repository={q(str(repo))} "
+            serve_cmd = (f"trtllm-llmapi-launch tritonserver --model-repository=\"$REPO\" "
                          f"--grpc-port={opts.grpc_port} --http-port={opts.http_port} "
                          f"--metrics-port={opts.metrics_port}")
             port, scheme, path = opts.grpc_port, "", ""
@@ -199,31 +244,42 @@ def render_jobs(engine_dir: str | Path, opts: SlurmOptions) -> dict[str, str]:
             endpoint_rule = f"rank 0 (TensorRT-LLM leader) serves OpenAI HTTP on port {opts.http_port}"
         endpoint_count = 1
         task_note = ""
+        repo_backend = "tensorrt_llm"
+    # trtllm-serve reads the engine directly; every other server reads the model repository.
+    ensure_repo = "" if opts.backend == "trtllm" and opts.server == "trtllm-serve" else (
+        "echo \"[serve] model repository $REPO (written from the engine if missing, checked if present)\"\n"
+        f"\"${{ONE[@]}}\" \"$STEP_DFLASH\" deploy ensure-repository \"$ENGINE\" \"$REPO\" --backend {repo_backend}\n")
+    serve_mounts = [engine_dir, out] + ([] if out in repo.parents else [repo.parent])
     serve = render(_template("serve"), {
         **common, "job_name": f"{name}-serve", "script_path": q(str(out / "serve.sbatch")), "layout": layout_desc,
         "backend": opts.backend if opts.backend == "reference" else f"trtllm/{opts.server}", "task_note": task_note,
         "nodes": layout.nodes, "ntasks": layout.ntasks, "tasks_per_node": layout.tasks_per_node,
-        "sbatch_optional": _sbatch_lines(opts, layout.gpus_per_node), "engine_dir": q(str(engine_dir)),
+        "sbatch_optional": _sbatch_lines(opts, layout.gpus_per_node, exclusive), "engine_dir": q(str(engine_dir)),
+        "repo": q(str(repo)), "container_flags": container_flags(opts, engine_dir, serve_mounts),
+        "doctor_backend": "reference" if opts.backend == "reference" else "trtllm", "ensure_repository": ensure_repo,
         "ready_port": port, "port_stride": opts.port_stride, "mpi": q(opts.mpi), "preflight": preflight,
         "serve_command": serve_cmd, "endpoint_rule": endpoint_rule, "endpoint_count": endpoint_count,
         "url_scheme": scheme, "url_path": path,
     })
 
-    # Calibration and export run on the GPUs of ONE node (the TP ranks' share of a node).
-    build_gpus = layout.tasks_per_node if opts.backend == "trtllm" else layout.gpus_per_node
+    # The build (ModelOpt calibration, export) is one process: it gets the GPUs it uses and no more.
+    build_gpus = opts.build_gpus if opts.build_gpus is not None else (0 if manifest.gpu == "cpu" else 1)
     spec_path = out / SPEC_NAME
-    build_out = engine_dir.parent / f"{engine_dir.name}-rebuilt"
+    build_out = build_output(engine_dir, manifest, opts)
+    # The output's PARENT is mounted: the build writes a temporary directory beside it and renames it
+    # into place, so the engine lands on the host filesystem and outlives the container and the job.
+    build_mounts = [out, build_out.parent, *build_sources(manifest)]
     build = render(_template("build"), {
         **common, "job_name": f"{name}-build", "script_path": q(str(out / "build.sbatch")),
-        "sbatch_optional": _sbatch_lines(opts, build_gpus), "spec_path": q(str(spec_path)),
-        "build_out": q(str(build_out)),
-        # --device cuda: the job holds GPUs, so calibration and the gate must run there (an error,
-        # not a silent CPU build, when the allocation comes without visible GPUs)
-        "build_command": f"{step_bin} build --spec \"$SPEC\" --out \"$OUT\"" + (" --device cuda" if build_gpus else ""),
+        "sbatch_optional": _sbatch_lines(opts, build_gpus, exclusive and build_gpus > 0),
+        "spec_path": q(str(spec_path)), "build_out": q(str(build_out)),
+        "container_flags": container_flags(opts, out, build_mounts),
+        "build_device": "auto" if build_gpus else "cpu", "build_gpus": build_gpus,
     })
     bench = render(_template("bench"), {
         **common, "job_name": f"{name}-bench", "script_path": q(str(out / "bench.sbatch")),
         "sbatch_optional": _sbatch_lines(opts, 0), "bench_args": opts.bench_args,
+        "container_flags": container_flags(opts, out, [out]),
     })
     return {"serve": serve, "build": build, "bench": bench}
 

@@ -96,12 +96,12 @@ def check_quant(spec: BuildSpec) -> None:
 
 def check_limits(spec: BuildSpec, block_size: int | None) -> tuple[int, int]:
     """(max_draft_len, max_num_tokens) resolved from the spec and the drafter's block size."""
-    draft_len = spec.max_draft_len if spec.max_draft_len is not None else (block_size - 1 if block_size else 15)
-    if block_size is not None and not 1 <= draft_len < block_size:
-        raise DFlashError(
-            f"--max-draft-len {draft_len} must be between 1 and block_size-1 = {block_size - 1} "
-            "(the block holds the anchor plus the drafts); lower --max-draft-len"
-        )
+    if block_size is not None:  # K's rule lives in SpeculationSettings, the same for every command
+        from dflash_trt.speculation import SpeculationSettings
+
+        draft_len = SpeculationSettings.for_block(block_size, spec.max_draft_len).max_draft_len
+    else:  # `plan` without a drafter: the published drafters' block of 16
+        draft_len = spec.max_draft_len if spec.max_draft_len is not None else 15
     # A decode step of a full batch verifies max_draft_len + 1 tokens per request.
     need = spec.max_batch_size * (draft_len + 1)
     num_tokens = spec.max_num_tokens if spec.max_num_tokens is not None else max(8192, need)

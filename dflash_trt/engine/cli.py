@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from dflash_trt.cli import friendly_errors
+from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option, no_progress_option
 
 # Flag name -> dotted build-spec key. Flags left unset (None) do not override the YAML.
 FLAG_TO_KEY = {
@@ -60,7 +60,8 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--nodes", type=click.IntRange(min=1), help="Nodes available (default 1)."),
         click.option("--max-batch-size", type=click.IntRange(min=1), help="Largest batch the engine serves."),
         click.option("--max-seq-len", type=click.IntRange(min=2), help="Prompt + output tokens per request."),
-        click.option("--max-draft-len", type=click.IntRange(min=1), help="Draft tokens per step (< block_size)."),
+        max_draft_len_option("K: the most draft tokens one step verifies (1..block_size-1), recorded in the "
+                             "manifest and used by every runtime [default: the drafter's block_size - 1]."),
         click.option("--max-num-tokens", type=click.IntRange(min=1), help="Tokens per scheduler iteration."),
         click.option("--free-gpu-memory-fraction", type=click.FloatRange(0, 1, min_open=True),
                      help="Share of free HBM given to the KV cache (default 0.9)."),
@@ -149,7 +150,7 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
 @click.option("--dry-run", is_flag=True, help="Stop after validation and planning.")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory (atomically).")
 @click.option("--profile", is_flag=True, help="Print the time and peak RSS of each build phase.")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@no_progress_option()
 @friendly_errors
 def build(spec_file: str | None, as_json: bool, dry_run: bool, force: bool, profile: bool, no_progress: bool,
           **flags: Any) -> None:
@@ -158,7 +159,6 @@ def build(spec_file: str | None, as_json: bool, dry_run: bool, force: bool, prof
     With no --target/--draft the embedded default pair is used. Flags override --spec keys.
     """
     from dflash_trt.engine.builder import Profile, build_engine, default_name, prepare, print_spec, render_profile, show_plan
-
     from dflash_trt.engine.devices import resolve_device
 
     spec = _resolve(spec_file, flags)

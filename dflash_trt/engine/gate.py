@@ -106,15 +106,20 @@ def drop_interval(before: TauSample, after: TauSample) -> tuple[float, float, fl
 
 
 def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_tokens: int, desc: str,
-                progress: bool = True) -> TauSample:
-    """Greedy DFlash on each prompt with the reference loop; one TauSample entry per prompt."""
+                progress: bool = True, max_draft_len: int | None = None) -> TauSample:
+    """Greedy DFlash on each prompt with the reference loop, K = max_draft_len drafts a step (the
+    engine's); one TauSample entry per prompt."""
     from tqdm import tqdm
 
     from dflash_trt.runtime.generate import dflash_generate
+    from dflash_trt.sampling_params import SamplingParams
+    from dflash_trt.speculation import SpeculationSettings
 
     sample = TauSample()
+    params = SamplingParams(max_tokens=max_new_tokens)
+    speculation = SpeculationSettings.for_block(draft.block_size, max_draft_len)
     for ids in tqdm(prompt_ids, desc=desc, unit="prompt", disable=not progress, file=sys.stderr):
-        s = dflash_generate(draft, target, ids, max_new_tokens=max_new_tokens).stats
+        s = dflash_generate(draft, target, ids, params, speculation).stats
         sample.add(sum(s.acceptance_lengths), s.num_steps, s.total_draft_tokens, s.total_accepted_draft_tokens)
     return sample
 

@@ -85,7 +85,3 @@ def moe_backend(gpu: str, expert_format: str) -> str | None:
 # --quant -> format of the quantized linear layers ("none" keeps the checkpoint's own format).
 QUANT_TO_FORMAT: dict[str, str] = {"none": "bf16", "fp8": "fp8", "nvfp4": "nvfp4"}
 KV_BYTES: dict[str, float] = {"none": 2.0, "fp8": 1.0}  # KV-cache element size (bf16 or FP8)
-
-# The first TensorRT-LLM release line whose LLM API has DFlashDecodingConfig (PR 12794 landed
-# after the 1.2.x branch; 1.3 is the PyTorch-only line that carries it).
-MIN_TENSORRT_LLM_VERSION = "1.3.0"

@@ -5,6 +5,10 @@ CudaGraphConfig, MoeConfig, DFlashDecodingConfig) as of NVIDIA/TensorRT-LLM comm
 line). Those models are pydantic with extra="forbid": one unknown or misplaced key and
 `trtllm-serve --config` refuses the file, so `verify` re-checks the file against the tables below.
 
+Which release accepts the file is data: `trtllm_fields.json` (read by `trtllm_versions`) records
+each key's first published TensorRT-LLM version and upstream's default. Keys equal to the default
+are left out, so an engine only needs the release that has every key it actually writes.
+
 Paths inside the file are relative to the engine directory; the launch scripts `cd` there first.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_trt.engine.hardware import GPUS, moe_backend
+from dflash_trt.engine.trtllm_versions import requirements, strip_defaults
 from dflash_trt.errors import DFlashError
 
 # The keys this project writes or accepts, per section (a subset of upstream's fields).
@@ -21,6 +26,8 @@ TOP_LEVEL_KEYS = frozenset({
     "gpus_per_node", "max_batch_size", "max_seq_len", "max_num_tokens", "max_input_len", "dtype",
     "kv_cache_config", "cuda_graph_config", "moe_config", "speculative_config", "attn_backend",
     "enable_chunked_prefill", "disable_overlap_scheduler", "trust_remote_code",
+    # Throughput knobs of upstream's recipes (TorchLlmArgs; see trtllm_fields.json for sources).
+    "enable_attention_dp", "stream_interval", "num_postprocess_workers",
 })
 SECTION_KEYS: dict[str, frozenset[str]] = {
     "kv_cache_config": frozenset({"dtype", "free_gpu_memory_fraction", "enable_block_reuse", "max_tokens",
@@ -33,7 +40,7 @@ SECTION_KEYS: dict[str, frozenset[str]] = {
 }
 ENUMS: dict[tuple[str, str], frozenset[str]] = {
     ("speculative_config", "decoding_type"): frozenset({"DFlash"}),
-    ("speculative_config", "attention_backend"): frozenset({"VANILLA", "TRTLLM"}),
+    ("speculative_config", "attention_backend"): frozenset({"VANILLA", "TRTLLM", "FA4"}),
     ("kv_cache_config", "dtype"): frozenset({"auto", "fp8", "float16", "bfloat16", "nvfp4"}),
     ("moe_config", "backend"): frozenset({"AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "VANILLA", "TRITON"}),
 }
@@ -46,7 +53,9 @@ def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_toke
 
     `dtype`: the engine's unquantized dtype, written explicitly (TensorRT-LLM's "auto" would
     follow config.json). `expert_format` (mxfp4 | nvfp4 | fp8 | bf16...): picks the MoE backend
-    as TensorRT-LLM's gpt-oss guide does (hardware.moe_backend).
+    as TensorRT-LLM's gpt-oss guide does (hardware.moe_backend). Keys equal to upstream's default
+    are left out (`strip_defaults`): each written key is one a release may lack, and the
+    manifest's minimum TensorRT-LLM version follows what is written.
     """
     gpu = GPUS[spec.gpu]
     opts: dict[str, Any] = {
@@ -72,6 +81,11 @@ def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_toke
     backend = moe_backend(spec.gpu, expert_format) if expert_format else gpu.moe_backend
     if is_moe and backend:
         opts["moe_config"] = {"backend": backend}
+    opts.update({
+        "enable_attention_dp": spec.enable_attention_dp,
+        "stream_interval": spec.stream_interval,
+        "num_postprocess_workers": spec.num_postprocess_workers,
+    })
     opts["speculative_config"] = {
         "decoding_type": "DFlash",
         "max_draft_len": max_draft_len,
@@ -80,9 +94,15 @@ def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_toke
         # directory states what runs, and a swapped drafter is caught by verify's hashes.
         "mask_token_id": mask_token_id,
         "target_layer_ids": list(target_layer_ids),
-        "attention_backend": gpu.dflash_attention_backend,
+        "attention_backend": dflash_attention_backend(spec),
     }
-    return opts
+    return strip_defaults(opts)
+
+
+def dflash_attention_backend(spec: Any) -> str:
+    """DFlashDecodingConfig.attention_backend: the spec's choice, or the GPU's default ("auto")."""
+    choice = spec.dflash_attention_backend
+    return GPUS[spec.gpu].dflash_attention_backend if choice == "auto" else choice
 
 
 def render_yaml(opts: dict[str, Any], header: str) -> str:
@@ -117,34 +137,63 @@ def check_llm_api_options(opts: Any, where: str = "llm_api_options.yaml") -> Non
     spec = opts.get("speculative_config")
     if not spec or spec.get("decoding_type") != "DFlash" or not spec.get("speculative_model"):
         raise DFlashError(f"{where}: speculative_config needs decoding_type: DFlash and speculative_model; rebuild")
+    requirements(opts)  # every key has a recorded first TensorRT-LLM version
 
 
 def launch_scripts(spec: Any, *, is_moe: bool, max_draft_len: int, block_size: int) -> dict[str, str]:
-    """The same engine as trtllm-serve, vLLM and SGLang commands (bash, run from anywhere)."""
-    head = "#!/usr/bin/env bash\n# Generated by dflash-trt build. Paths are relative to the engine directory.\nset -euo pipefail\ncd \"$(dirname \"$0\")/..\"\n"
+    """The same engine as trtllm-serve, vLLM and SGLang commands (bash, run from anywhere).
+
+    Flag names are those of the peers' argument parsers, recorded with their source in
+    `launch_flags.json` (tests check every flag emitted here against it).
+    """
+    head = "#!/usr/bin/env bash\n# Generated by dflash-trt build. Paths are relative to the engine directory.\nset -euo pipefail\n"
+    cd = "cd \"$(dirname \"$0\")/..\"\n"
     multi = spec.tp * spec.pp > spec.gpus_per_node
-    trt = head
+    trt = head + cd
     if multi:
         trt += "# Multi-node: run under `srun --mpi=pmix` with one task per GPU (see dflash-trt deploy slurm).\n"
         trt += "exec trtllm-llmapi-launch trtllm-serve ./target --config ./llm_api_options.yaml --host 0.0.0.0 --port \"${PORT:-8000}\" \"$@\"\n"
     else:
         trt += "exec trtllm-serve ./target --config ./llm_api_options.yaml --host 0.0.0.0 --port \"${PORT:-8000}\" \"$@\"\n"
+    return {"launch/trtllm-serve.sh": trt, "launch/vllm.sh": head + cd + _vllm_command(spec, is_moe, max_draft_len),
+            "launch/sglang.sh": head + _sglang_command(spec, is_moe, max_draft_len, block_size, cd)}
+
+
+def _vllm_command(spec: Any, is_moe: bool, max_draft_len: int) -> str:
     import json
 
-    vcfg = json.dumps({"method": "dflash", "model": "./draft", "num_speculative_tokens": max_draft_len})
-    vllm = head + (
-        f"exec vllm serve ./target --speculative-config '{vcfg}' --tensor-parallel-size {spec.tp} "
-        f"--pipeline-parallel-size {spec.pp} --max-model-len {spec.max_seq_len} --max-num-seqs {spec.max_batch_size} "
-        + ("--enable-expert-parallel " if is_moe and spec.ep > 1 else "")
-        + ("--kv-cache-dtype fp8 " if spec.kv_cache_quant == "fp8" else "")
-        + "--attention-backend flash_attn --port \"${PORT:-8000}\" \"$@\"\n"
-    )
-    sgl = head + (
+    speculative = {"method": "dflash", "model": "./draft", "num_speculative_tokens": max_draft_len}
+    if spec.gpu != "cpu":
+        # The drafter's attention is non-causal: pick a backend that supports it for the DRAFTER
+        # only (SpeculativeConfig.attention_backend) and leave the target's to vLLM's choice.
+        speculative["attention_backend"] = "flash_attn"
+    return (f"exec vllm serve ./target --speculative-config '{json.dumps(speculative)}' "
+            f"--tensor-parallel-size {spec.tp} --pipeline-parallel-size {spec.pp} "
+            f"--max-model-len {spec.max_seq_len} --max-num-seqs {spec.max_batch_size} "
+            + ("--enable-expert-parallel " if is_moe and spec.ep > 1 else "")
+            + ("--kv-cache-dtype fp8 " if spec.kv_cache_quant == "fp8" else "")
+            + "--port \"${PORT:-8000}\" \"$@\"\n")
+
+
+def _sglang_command(spec: Any, is_moe: bool, max_draft_len: int, block_size: int, cd: str) -> str:
+    if spec.pp > 1:
+        # SGLang's DFLASH worker refuses pp_size != 1 (speculative_hook.py); say so before loading.
+        return ("echo \"error: SGLang's DFLASH speculative decoding supports pipeline parallel size 1 only and this "
+                f"engine is built for PP {spec.pp}; serve it with launch/trtllm-serve.sh or launch/vllm.sh, or rebuild "
+                "with --pp 1\" >&2\nexit 2\n")
+    flags = [f"--tp-size {spec.tp}"]
+    if is_moe and spec.ep > 1:
+        flags.append(f"--ep-size {spec.ep}")
+    if spec.enable_attention_dp:
+        # Attention data parallel across the TP ranks; DFLASH with DP attention needs the DP LM head.
+        flags.append(f"--attn-dp-size {spec.tp} --enable-dp-lm-head")
+    if spec.stream_interval != 1:
+        flags.append(f"--stream-interval {spec.stream_interval}")
+    if spec.kv_cache_quant == "fp8":
+        flags.append("--kv-cache-dtype fp8_e4m3")
+    return cd + (
         "exec python -m sglang.launch_server --model-path ./target --speculative-algorithm DFLASH "
         f"--speculative-draft-model-path ./draft --speculative-num-draft-tokens {min(block_size, max_draft_len + 1)} "
-        f"--tp-size {spec.tp} --pp-size {spec.pp} "
-        + (f"--ep-size {spec.ep} " if is_moe and spec.ep > 1 else "")
-        + ("--kv-cache-dtype fp8_e4m3 " if spec.kv_cache_quant == "fp8" else "")
-        + f"--context-length {spec.max_seq_len} --port \"${{PORT:-30000}}\" \"$@\"\n"
+        + " ".join(flags)
+        + f" --context-length {spec.max_seq_len} --port \"${{PORT:-30000}}\" \"$@\"\n"
     )
-    return {"launch/trtllm-serve.sh": trt, "launch/vllm.sh": vllm, "launch/sglang.sh": sgl}

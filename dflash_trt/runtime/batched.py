@@ -3,17 +3,23 @@
 One step over the n running rows (slots 0..n-1 of preallocated caches, see batched_cache.py):
 
     admit   waiting requests into free slots; prefill them in one left-padded target pass
-    k       = policy.choose(n)                         0 = plain decoding (no draft pass)
-    draft   one drafter pass over [each row's unconsumed context ; anchor, MASK x k]
+    k       = policy.choose(n, K)                      0 = plain decoding (no draft pass)
+    draft   one drafter pass over [each row's unconsumed context ; anchor, MASK x (B-1)]
+            (the full trained block; slots 1..k are this step's drafts)
     verify  one target pass over [pending, draft_1..k] per row      -> logits [n, k+1, V]
     accept  a_i = longest prefix with draft == posterior (on device)
     sync    ONE device-to-host copy: posteriors, a_i, newcomers' first tokens
-    commit  posterior[0..a_i] per row; stop tokens, max_new_tokens, callbacks per row;
-            rows that finished free their slot (the last row moves into the hole)
+    commit  posterior[0..a_i] per row, capped at the tokens its budget has left; stop tokens,
+            callbacks per row; rows that finished free their slot (the last row moves into the hole)
 
-Rows differ in length, acceptance, k_i (a row near its max_new_tokens drafts fewer) and sampling
-parameters. Rollback is free: cache index == position, a 4D mask built from positions hides
+Rows differ in length, acceptance, budget and sampling parameters; every row drafts the full
+block and verifies the step's k, also at its budget's tail (only the commit is capped, as in the
+reference loop). Rollback is free: cache index == position, a 4D mask built from positions hides
 everything past a row's committed length, and the next step overwrites it.
+
+B, K and the policy come from :class:`~dflash_trt.speculation.SpeculationSettings`; the default
+policy is fixed (k = K every step: deterministic, the reference loop's schedule). Serving opts
+into the adaptive policy (runtime/policy.py).
 
 Per sequence the output equals the reference loop's (dflash_generate) token for token at
 temperature 0 (tests/test_batched_*.py), since every row sees exactly the K/V and context the
@@ -35,17 +41,19 @@ from typing import Any
 
 import torch
 
-from dflash_trt.errors import DFlashError
+from dflash_trt.errors import DFlashError, InvalidRequest
 from dflash_trt.metrics import GenerationStats
 from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache, additive_mask
 from dflash_trt.runtime.cuda_graphs import StepGraphs
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.draft_vocab import DraftVocabHead
 from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
-from dflash_trt.runtime.generate import GenerationResult, StepCallback, _finish, _truncate_at_stop
-from dflash_trt.runtime.policy import AdaptivePolicy, Decision, FixedPolicy, SpeculationPolicy
+from dflash_trt.runtime.generate import GenerationResult, StepCallback, finish, truncate_at_stop
+from dflash_trt.runtime.policy import AdaptivePolicy, Decision, FixedPolicy, SpeculationPolicy, make_policy
 from dflash_trt.runtime.sampling import sample
 from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.sampling_params import GREEDY, SamplingParams
+from dflash_trt.speculation import SpeculationSettings
 
 # HF attention implementations that take an explicit 4D mask
 MASK_ATTENTION = ("sdpa", "eager", GROUPED_SDPA)
@@ -69,11 +77,7 @@ def unsupported_reason(target: Any, draft: DFlashDraftModel | None = None) -> st
 @dataclass
 class SequenceRequest:
     prompt_ids: list[int]
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: Sequence[int] = ()
+    params: SamplingParams = GREEDY  # max_tokens None: 256; stop_token_ids end the sequence
     on_step: StepCallback | None = None  # called with each step's new tokens; True stops the sequence
 
 
@@ -94,6 +98,7 @@ class BatchedSequence:
     t0: float = 0.0  # admission time (ttft_s and total_time_s are measured from here)
     generator: torch.Generator | None = None
     stop: frozenset[int] = frozenset()
+    budget: int = 0  # tokens it may generate (its params' max_tokens, resolved)
     # with capture_layer_ids: the target's features [fed positions, n*H] (bfloat16), set at finish
     features: torch.Tensor | None = None
 
@@ -107,7 +112,7 @@ class BatchedSequence:
 
     @property
     def remaining(self) -> int:
-        return self.request.max_new_tokens - len(self.out)
+        return self.budget - len(self.out)
 
 
 def calibration_tokens(num_candidates: int, block_size: int, reps: int = 3) -> int:
@@ -142,9 +147,11 @@ class BatchedRuntime:
     """
 
     def __init__(self, target: Any, draft: DFlashDraftModel | None = None, max_batch: int = 8,
-                 max_seq_len: int = 2048, policy: SpeculationPolicy | None = None,
-                 block_size: int | None = None, width_multiple: int = 16, use_draft_vocab: bool = True,
+                 max_seq_len: int = 2048, speculation: SpeculationSettings | None = None,
+                 policy: SpeculationPolicy | None = None, width_multiple: int = 16, use_draft_vocab: bool = True,
                  capture_layer_ids: Sequence[int] | None = None, cuda_graphs: bool = False) -> None:
+        """`speculation`: B, K and the policy (default: K = B-1, fixed). `policy`: a policy object
+        that overrides the one `speculation` names (benchmarks, calibrated or probing policies)."""
         self.target = TargetAdapter(target)
         self.draft = draft
         why = unsupported_reason(self.target.model, draft)
@@ -152,8 +159,15 @@ class BatchedRuntime:
             raise DFlashError(f"batched runtime: {why}; use dflash_generate (the reference loop) for this pair")
         if max_batch < 1 or max_seq_len < 2:
             raise DFlashError(f"need max_batch >= 1 and max_seq_len >= 2, got {max_batch}, {max_seq_len}")
-        self.block_size = (block_size or draft.block_size) if draft is not None else 1
-        self.policy: SpeculationPolicy = policy or (AdaptivePolicy(self.block_size) if draft is not None
+        self.speculation: SpeculationSettings | None = None
+        if draft is not None:
+            self.speculation = speculation or SpeculationSettings.for_block(draft.block_size)
+            if self.speculation.block_size != draft.block_size:
+                raise DFlashError(f"speculation settings are for block_size {self.speculation.block_size} but the "
+                                  f"drafter's block is {draft.block_size}; build them from this drafter")
+        self.block_size = draft.block_size if draft is not None else 1  # B: what a draft pass covers
+        self.max_draft_len = self.speculation.max_draft_len if self.speculation is not None else 0  # K
+        self.policy: SpeculationPolicy = policy or (make_policy(self.speculation) if self.speculation is not None
                                                      else FixedPolicy(0))
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.layer_ids = tuple(draft.target_layer_ids) if draft is not None else ()
@@ -200,20 +214,17 @@ class BatchedRuntime:
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, request: SequenceRequest) -> BatchedSequence:
-        p, n = request.prompt_ids, request.max_new_tokens
+        """Queue a sequence; InvalidRequest (nothing queued) when it cannot run here."""
+        p, n = request.prompt_ids, request.params.resolve_max_tokens()
         if not p:
-            raise DFlashError("prompt_ids is empty: give at least one prompt token")
-        if n < 1:
-            raise DFlashError(f"max_new_tokens must be >= 1, got {n}")
+            raise InvalidRequest("the prompt is empty (no tokens); give at least one prompt token")
         if len(p) + n > self.max_seq_len:
-            raise DFlashError(f"prompt ({len(p)} tokens) + max_new_tokens ({n}) exceeds max_seq_len="
-                              f"{self.max_seq_len}; shorten the prompt or lower max_new_tokens")
-        if request.temperature < 0 or not 0 < request.top_p <= 1:
-            raise DFlashError(f"need temperature >= 0 and 0 < top_p <= 1, got {request.temperature}, {request.top_p}")
+            raise InvalidRequest(f"prompt ({len(p)} tokens) + max_tokens ({n}) exceeds max_seq_len="
+                                 f"{self.max_seq_len}; shorten the prompt or lower max_tokens")
         vocab = self.target.vocab_size
         if min(p) < 0 or max(p) >= vocab:
-            raise DFlashError(f"prompt token ids must lie in 0..{vocab - 1}; got {min(p)}..{max(p)}")
-        seq = BatchedSequence(request)
+            raise InvalidRequest(f"prompt token ids must lie in 0..{vocab - 1}; got {min(p)}..{max(p)}")
+        seq = BatchedSequence(request, budget=n)
         self.waiting.append(seq)
         return seq
 
@@ -243,7 +254,7 @@ class BatchedRuntime:
         n_old = len(self.rows)
         new = self._admit()
         first = self._prefill(new) if new else None  # [m] on device
-        decode = self._decode(n_old) if n_old else None  # (k_rows, posterior [n, k+1], a [n])
+        decode = self._decode(n_old) if n_old else None  # (k, posterior [n, k+1], a [n])
         # a step that captured a CUDA graph timed the capture too: no cost sample (here, calibrate())
         self.step_captured = self.graphs is not None and self.graphs.take_captured_flag()
         # The ONE device-to-host synchronisation of the step.
@@ -256,16 +267,18 @@ class BatchedRuntime:
         finished: list[BatchedSequence] = []
         now = time.perf_counter()
         if decode is not None:
-            k_rows, post, _ = decode
+            k, post, _ = decode
             width = post.shape[1]
             flat, accepted = host[: n_old * width], host[n_old * width: n_old * width + n_old]
             for i, seq in enumerate(self.rows[:n_old]):
-                a, k_i = int(accepted[i]), k_rows[i]
-                seq.stats.record_step(drafted=k_i, accepted=a)
-                if k_i > 0:
-                    self.policy.observe_acceptance(k_i, a)
+                a = int(accepted[i])
+                if k > 0:
+                    self.policy.observe_acceptance(k, a)  # what verification saw, whatever is committed
+                left = seq.remaining  # >= 1: the commit is capped at the budget (the reference's rule)
+                tokens = [int(t) for t in flat[i * width: i * width + a + 1]][:left]
+                seq.stats.record_step(drafted=min(k, left - 1), accepted=len(tokens) - 1)
                 seq.start += a + 1  # block[0..a] stay in the cache; posterior[a] is the new pending
-                if self._commit(seq, [int(t) for t in flat[i * width: i * width + a + 1]]):
+                if self._commit(seq, tokens):
                     finished.append(seq)
             # Untimed: steps with a prefill, and drafting steps that first catch the drafter up on a
             # prompt or on plain steps' commits (their cost says nothing about steady drafting, and
@@ -299,8 +312,9 @@ class BatchedRuntime:
             req = seq.request
             seq.slot, seq.t0 = len(self.rows), time.perf_counter()
             seq.stats = GenerationStats(num_prompt_tokens=len(req.prompt_ids))
-            seq.stop = frozenset(int(t) for t in req.stop_token_ids)
-            seq.generator = torch.Generator(device=self.device).manual_seed(req.seed) if req.seed is not None else None
+            seq.stop = frozenset(req.params.stop_token_ids)
+            seed = req.params.seed
+            seq.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
             self.rows.append(seq)
             new.append(seq)
         return new
@@ -319,24 +333,22 @@ class BatchedRuntime:
             self.features[r, write] = feats
         return logits
 
-    def _sample_rows(self, logits: torch.Tensor, seqs: Sequence[BatchedSequence],
-                     lengths: Sequence[int] | None = None) -> torch.Tensor:
+    def _sample_rows(self, logits: torch.Tensor, seqs: Sequence[BatchedSequence]) -> torch.Tensor:
         # logits [n, S, V] -> tokens [n, S]. Greedy rows: one argmax. Seeded rows: one by one, each
-        # over its own real length only (its generator is consumed exactly as the reference loop
-        # does). Unseeded sampled rows: one draw per (temperature, top_p) group from the global
+        # with its own generator, consumed exactly as the reference loop does (S draws a step).
+        # Unseeded sampled rows: one draw per (temperature, top_p) group from the global
         # generator; per-row calls cost ~10 kernel launches each, which at hundreds of sampled rows
         # on a GPU took longer than the target's forward.
         tokens = logits.argmax(-1)
         groups: dict[tuple[float, float], list[int]] = {}
         for i, seq in enumerate(seqs):
-            r = seq.request
-            if r.temperature <= 0:
+            r = seq.request.params
+            if r.greedy:
                 continue
             if seq.generator is None:
                 groups.setdefault((r.temperature, r.top_p), []).append(i)
                 continue
-            s = lengths[i] if lengths is not None else logits.shape[1]
-            tokens[i, :s] = sample(logits[i, :s], r.temperature, r.top_p, seq.generator)
+            tokens[i] = sample(logits[i], r.temperature, r.top_p, seq.generator)
         for (temperature, top_p), idx in groups.items():
             rows = torch.tensor(idx, device=logits.device)
             tokens[rows] = sample(logits[rows], temperature, top_p)  # [m, S]
@@ -364,26 +376,25 @@ class BatchedRuntime:
                                logits_to_keep=1)  # [m, 1, V]
         return self._sample_rows(logits, new)[:, -1]
 
-    def _decode(self, n: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """Draft + verify for rows 0..n-1. Returns (k per row, posterior [n, k+1], accepted [n])."""
+    def _decode(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Draft + verify for rows 0..n-1. Returns (k, posterior [n, k+1], accepted [n])."""
         dev, seqs = self.device, self.rows[:n]
-        k_max = min(self.block_size - 1, max(s.remaining - 1 for s in seqs))
+        K = self.max_draft_len
         if self.draft is None:
             decision = Decision(n, 0, reason="plain")
-        elif any(s.request.seed is not None and s.request.temperature > 0 for s in seqs):
+        elif any(s.request.params.seed is not None and not s.request.params.greedy for s in seqs):
             # A seeded sample is a function of the draft schedule (each step draws k+1 tokens from
-            # the row's generator). Pinning the reference loop's schedule makes a seed reproduce
-            # the same text under any load, and the same text as dflash_generate.
-            decision = Decision(n, k_max, reason="seeded sampling pins the reference schedule")
+            # the row's generator). Pinning the reference loop's schedule (k = K) makes a seed
+            # reproduce the same text under any load, and the same text as dflash_generate.
+            decision = Decision(n, K, reason="seeded sampling pins the reference schedule")
         else:
-            decision = self.policy.choose(n, k_max)
+            decision = self.policy.choose(n, K)
         self.last_decision = decision
         k = decision.k
         self._catching_up = k > 0 and not all(s.drafted_last for s in seqs)
         for s in seqs:
             s.drafted_last = k > 0
-        k_rows = [min(k, s.remaining - 1) for s in seqs]
-        greedy = all(s.request.temperature <= 0 for s in seqs)
+        greedy = all(s.request.params.greedy for s in seqs)
         N = self._pass_rows(n) if greedy else n  # rows n..N-1: padding on free slots (static shapes)
         pad = N - n
         starts = torch.tensor([s.start for s in seqs] + [0] * pad, device=dev)  # [N]
@@ -393,11 +404,8 @@ class BatchedRuntime:
         if pad:
             write = torch.cat([positions[:n], torch.full((pad, k + 1), self.dump, device=dev)])
         block = torch.tensor([[s.out[-1]] for s in seqs] + [[0]] * pad, device=dev)  # [N, 1] pending tokens
-        # host-to-device copies before the passes are launched: a copy from pageable memory waits
-        # for the work queued before it, so one made after them would hold the host until they end
-        k_t = torch.tensor(k_rows, device=dev)[:, None]  # [n, 1]
         if k > 0:
-            block = torch.cat([block, self._draft(seqs, N, starts, write, block, k, k_rows)], dim=1)
+            block = torch.cat([block, self._draft(seqs, N, starts, block, k)], dim=1)  # [N, k+1]
         W = self._width(max(s.start for s in seqs) + k + 1)
         keys = torch.arange(W, device=dev)
         visible = keys[None, None, None, :] <= positions[:, None, :, None]  # causal, per-row offset
@@ -406,14 +414,14 @@ class BatchedRuntime:
             post = self._verify_greedy(block, positions, write, mask)[:n]  # [n, k+1]
         else:
             logits = self._forward(slice(0, n), block, positions, write, mask)  # [n, k+1, V]
-            post = self._sample_rows(logits, seqs, [k_i + 1 for k_i in k_rows])
+            post = self._sample_rows(logits, seqs)
         # post[j] = the target's token after block[j]
         if k > 0:
-            matches = (block[:n, 1:] == post[:, :-1]) & (arange[None, :k] < k_t)  # [n, k]
+            matches = block[:n, 1:] == post[:, :-1]  # [n, k]
             accepted = matches.int().cumprod(dim=1).sum(dim=1)
         else:
             accepted = torch.zeros(n, dtype=torch.long, device=dev)
-        return k_rows, post, accepted
+        return k, post, accepted
 
     def _pass_rows(self, n: int) -> int:
         """Rows a pass runs with: n, or with static shapes the next power of two (<= max_batch)."""
@@ -435,13 +443,13 @@ class BatchedRuntime:
             return verify(ids, positions, write, mask)[0]
         return self.graphs(("verify", N, ids.shape[1], mask.shape[-1]), verify, ids, positions, write, mask)[0]
 
-    def _draft(self, seqs: list[BatchedSequence], N: int, starts: torch.Tensor, block_write: torch.Tensor,
-               pending: torch.Tensor, k: int, k_rows: list[int]) -> torch.Tensor:
-        """One drafter pass over every row's unconsumed context and its block -> drafts [N, k].
-        starts [N], block_write [N, k+1] (the block's cache indices), pending [N, 1]; rows >= len(seqs)
-        are padding (their context and block go to the dump index)."""
+    def _draft(self, seqs: list[BatchedSequence], N: int, starts: torch.Tensor, pending: torch.Tensor,
+               k: int) -> torch.Tensor:
+        """One drafter pass over every row's unconsumed context and its full block [pending, MASK x
+        (B-1)] -> the first k drafts [N, k]. starts [N], pending [N, 1]; rows >= len(seqs) are
+        padding (their context and block go to the dump index)."""
         assert self.draft is not None and self.draft_cache is not None and self.features is not None
-        dev, n = self.device, len(seqs)
+        dev, n, B = self.device, len(seqs), self.block_size
         pad = N - n
         backlog = [s.start - s.draft_len for s in seqs] + [0] * pad  # >= 1 for real rows
         C = max(backlog)
@@ -453,23 +461,24 @@ class BatchedRuntime:
         ctx_pos = torch.tensor([s.draft_len for s in seqs] + [0] * pad, device=dev)[:, None] + cols  # [N, C]
         ctx_ok = cols[None, :] < torch.tensor(backlog, device=dev)[:, None]  # [N, C]
         ctx_pos = torch.where(ctx_ok, ctx_pos, (starts[:, None] - 1).clamp(min=0))  # padding reads a real row: finite
-        block = torch.full((N, k + 1), self.draft.mask_token_id, device=dev)
+        block = torch.full((N, B), self.draft.mask_token_id, device=dev)  # [N, B]
         block[:, :1] = pending
-        draft_pos = torch.cat([ctx_pos, starts[:, None] + torch.arange(k + 1, device=dev)], dim=1)  # [N, C+k+1]
+        block_pos = starts[:, None] + torch.arange(B, device=dev)  # [N, B]
+        block_write = block_pos if not pad else torch.cat([block_pos[:n], torch.full((pad, B), self.dump, device=dev)])
+        draft_pos = torch.cat([ctx_pos, block_pos], dim=1)  # [N, C+B]
         write = torch.cat([torch.where(ctx_ok, ctx_pos, self.dump), block_write], dim=1)
-        ends = starts + torch.tensor(k_rows + [0] * pad, device=dev) + 1  # [N]: keys < end: context or own block
-        W = self._width(max(s.start for s in seqs) + k + 1)
-        visible = (torch.arange(W, device=dev)[None, :] < ends[:, None])[:, None, None, :]  # [N, 1, 1, W]
-        mask = additive_mask(visible, self.target.dtype)
+        W = self._width(max(s.start for s in seqs) + B)
+        visible = (torch.arange(W, device=dev)[None, :] < (starts + B)[:, None])[:, None, None, :]  # [N, 1, 1, W]
+        mask = additive_mask(visible, self.target.dtype)  # keys < start + B: context and the row's own block
 
         def draft(ctx_pos, block, draft_pos, write, mask):  # a graph reads only its inputs and persistent buffers
             self.draft_cache.kv.prepare(slice(0, N), write, W)
             rows = torch.arange(N, device=ctx_pos.device)[:, None].expand_as(ctx_pos)
             ctx = self.features[rows, ctx_pos]  # [N, C, n_ctx*H]
-            hidden = self.draft(ctx, self.target.embed(block), draft_pos, self.draft_cache, mask)  # [N, k+1, H]
+            hidden = self.draft(ctx, self.target.embed(block), draft_pos, self.draft_cache, mask)  # [N, B, H]
             if self.draft_head is not None:
-                return (self.draft_head(hidden[:, 1:]),)  # [N, k] token ids: slot j predicts position start+j
-            return (self.target.lm_head(hidden[:, 1:]).argmax(-1),)  # [N, k]
+                return (self.draft_head(hidden[:, 1 : k + 1]),)  # [N, k] token ids: slot j predicts position start+j
+            return (self.target.lm_head(hidden[:, 1 : k + 1]).argmax(-1),)  # [N, k]
 
         inputs = (ctx_pos, block, draft_pos, write, mask)
         if graphed and self.graphs is not None:
@@ -481,8 +490,8 @@ class BatchedRuntime:
         return drafts
 
     def _commit(self, seq: BatchedSequence, new: list[int]) -> bool:
-        """Append a step's tokens to `seq`; True when it is finished."""
-        new, stopped = _truncate_at_stop(new, set(seq.stop))
+        """Append a step's tokens (already capped at its budget) to `seq`; True when it is finished."""
+        new, stopped = truncate_at_stop(new, seq.stop)
         seq.out.extend(new)
         cb = seq.request.on_step
         if cb is not None and cb(new):
@@ -496,7 +505,7 @@ class BatchedRuntime:
             if not s.out:  # cancelled before its first token
                 s.result = GenerationResult(list(s.request.prompt_ids), [], s.stats)
             else:
-                s.result = _finish(list(s.request.prompt_ids), s.out, set(s.stop), s.stats, s.t0)
+                s.result = finish(list(s.request.prompt_ids), s.out, s.stop, s.stats, s.t0)
             if self.keep_features and self.features is not None and s.slot >= 0:
                 s.features = self.features[s.slot, : s.start].to(torch.bfloat16, copy=True)  # [fed, n*H]
         keep = [s for s in self.rows if id(s) not in gone]
@@ -530,7 +539,7 @@ class BatchedRuntime:
             for n in batch_sizes:
                 n = min(n, self.max_batch)
                 seqs = [self.add(SequenceRequest(torch.randint(0, self.target.vocab_size, (prompt_len,), generator=gen)
-                                                 .tolist(), budget)) for _ in range(n)]
+                                                 .tolist(), SamplingParams(max_tokens=budget))) for _ in range(n)]
                 self.policy = FixedPolicy(max(cands))
                 self.step()  # prefill
                 self.step()  # first decode pass also drafts the whole prompt's context: not timed
@@ -572,6 +581,7 @@ class BatchedRuntime:
         summary = self.policy.summary() if hasattr(self.policy, "summary") else {"policy": type(self.policy).__name__}
         return {"steps": self.steps, "running": len(self.rows), "waiting": len(self.waiting),
                 "max_batch": self.max_batch,
+                "speculation": self.speculation.to_dict() if self.speculation is not None else None,
                 "draft_vocab": self.draft_head.size if self.draft_head is not None else self.target.vocab_size,
                 **summary}
 
@@ -580,26 +590,26 @@ def batched_generate(
     draft: DFlashDraftModel | None,
     target: Any,
     prompts: Sequence[Sequence[int]],
-    max_new_tokens: int | Sequence[int] = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    stop_token_ids: Sequence[int] | None = None,
-    seeds: Sequence[int | None] | None = None,
+    params: SamplingParams | Sequence[SamplingParams] = GREEDY,
     max_batch: int | None = None,
     max_seq_len: int | None = None,
+    speculation: SpeculationSettings | None = None,
     policy: SpeculationPolicy | None = None,
     arrivals: Sequence[int] | None = None,
     runtime: BatchedRuntime | None = None,
     cuda_graphs: bool = False,
 ) -> list[GenerationResult]:
     """Decode `prompts` together; prompt i joins at step `arrivals[i]` (default: all at once).
-    draft=None decodes without speculation. Results in prompt order."""
+    `params`: one SamplingParams for every prompt, or one per prompt. draft=None decodes without
+    speculation. Results in prompt order."""
     n = len(prompts)
-    budgets = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    per_prompt = [params] * n if isinstance(params, SamplingParams) else list(params)
+    if len(per_prompt) != n:
+        raise DFlashError(f"{len(per_prompt)} SamplingParams for {n} prompts; give one, or one per prompt")
     if runtime is None:
-        need = max(len(p) + b for p, b in zip(prompts, budgets))
+        need = max(len(p) + sp.resolve_max_tokens() for p, sp in zip(prompts, per_prompt))
         runtime = BatchedRuntime(target, draft, max_batch=max_batch or n, max_seq_len=max_seq_len or need,
-                                 policy=policy, cuda_graphs=cuda_graphs)
+                                 speculation=speculation, policy=policy, cuda_graphs=cuda_graphs)
     arrivals = list(arrivals) if arrivals is not None else [0] * n
     order = sorted(range(n), key=lambda i: arrivals[i])
     handles: dict[int, BatchedSequence] = {}
@@ -607,9 +617,7 @@ def batched_generate(
     while len(handles) < n or runtime.has_work():
         while len(handles) < n and arrivals[order[len(handles)]] <= step:
             i = order[len(handles)]
-            handles[i] = runtime.add(SequenceRequest(
-                list(prompts[i]), budgets[i], temperature, top_p, seeds[i] if seeds else None,
-                tuple(stop_token_ids or ())))
+            handles[i] = runtime.add(SequenceRequest(list(prompts[i]), per_prompt[i]))
         runtime.step()
         step += 1
     return [handles[i].result for i in range(n)]  # type: ignore[misc]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,9 +26,6 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.gqa_attention import grouped_attention
-
-if TYPE_CHECKING:
-    from dflash_trt.runtime.target import TargetAdapter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -60,6 +57,9 @@ class DFlashSettings:
 
     @staticmethod
     def from_config_dict(cfg: dict[str, Any], where: str = "config.json") -> "DFlashSettings":
+        from dflash_trt.runtime.drafter_config import check_drafter_config
+
+        check_drafter_config(cfg, where)  # types and ranges first: one line, never a traceback
         dcfg = cfg.get("dflash_config") or {}
         # block_size sits at top level in Qwen3/Llama drafters, inside dflash_config in newer ones.
         block_size = dcfg.get("block_size", cfg.get("block_size"))
@@ -272,28 +272,6 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, cos, sin, cache, attn_mask)
         return self.norm(x)
-
-    # -- the API users know from the DFlash release ------------------------------------------
-    def spec_generate(
-        self,
-        target: "nn.Module | TargetAdapter",
-        input_ids: torch.Tensor,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop_token_ids: list[int] | None = None,
-        seed: int | None = None,
-        return_stats: bool = False,
-    ):
-        """Speculative generation. Returns ``[1, prompt + generated]`` ids, or the full
-        :class:`~dflash_trt.runtime.generate.GenerationResult` with ``return_stats=True``."""
-        from dflash_trt.runtime.generate import dflash_generate
-
-        result = dflash_generate(
-            self, target, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, stop_token_ids=stop_token_ids, seed=seed,
-        )
-        return result if return_stats else result.sequence
 
     # -- z-lab checkpoint I/O -------------------------------------------------------------------
     def to_config_dict(self) -> dict[str, Any]:

@@ -32,7 +32,10 @@ import logging
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from dflash_trt.speculation import SpeculationSettings
 
 log = logging.getLogger("dflash_trt.policy")
 
@@ -56,6 +59,8 @@ class Decision:
 
 
 class SpeculationPolicy(Protocol):
+    """Chooses k (drafts verified this step) for a batch; k_max = K (SpeculationSettings)."""
+
     def choose(self, batch: int, k_max: int) -> Decision: ...
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None: ...
@@ -65,7 +70,7 @@ class SpeculationPolicy(Protocol):
 
 @dataclass
 class FixedPolicy:
-    """Always k = min(k, k_max): k = block_size - 1 is the reference loop, k = 0 plain decoding."""
+    """Always k = min(k, k_max): k = K is the reference loop's schedule, k = 0 plain decoding."""
 
     k: int
 
@@ -173,11 +178,12 @@ class CostTable:
         return {str(k): {str(n): round(r, 4) for n, r in sorted(v.items())} for k, v in sorted(self.ratios.items())}
 
 
-def default_candidates(block_size: int) -> list[int]:
-    """0 (plain), 1, 3, 7, ... and block_size - 1: few shapes (CUDA-graph friendly), wide range."""
-    ks = {0, block_size - 1}
+def default_candidates(max_draft_len: int) -> list[int]:
+    """0 (plain), 1, 3, 7, ... and K = max_draft_len: few shapes (CUDA-graph friendly), wide range,
+    never above K (the engine's memory plan holds K drafts per step)."""
+    ks = {0, max_draft_len}
     k = 1
-    while k < block_size - 1:
+    while k < max_draft_len:
         ks.add(k)
         k = 2 * k + 1
     return sorted(ks)
@@ -221,7 +227,7 @@ class AdaptivePolicy:
 
     def __post_init__(self) -> None:
         if self.candidates is None:
-            self.candidates = default_candidates(self.block_size)
+            self.candidates = default_candidates(self.block_size - 1)
         if any(not 0 <= k < self.block_size for k in self.candidates):
             raise ValueError(f"candidates {self.candidates} must lie in 0..{self.block_size - 1}")
         self._drafted = [0.0] * (self.block_size - 1)
@@ -348,3 +354,10 @@ class AdaptivePolicy:
             "recent_k_counts": {str(k): v for k, v in sorted(counts.items())},
             "last_decision": self.decisions[-1].to_dict() if self.decisions else None,
         }
+
+
+def make_policy(settings: "SpeculationSettings") -> SpeculationPolicy:
+    """The policy `settings` names: fixed (k = K every step) or adaptive (candidates up to K)."""
+    if settings.policy == "adaptive":
+        return AdaptivePolicy(settings.block_size, candidates=default_candidates(settings.max_draft_len))
+    return FixedPolicy(settings.max_draft_len)

@@ -7,7 +7,7 @@ Layer indexing (the classic silent bug): the feature of "layer l" is the OUTPUT 
 l (after its residual add), i.e. HF ``output_hidden_states[l + 1]``; index 0 would be the
 embedding. This matches z-lab and TensorRT-LLM. vLLM and SGLang capture the state ENTERING a
 layer and therefore add 1 to the ids. An off-by-one keeps the output lossless and silently
-destroys acceptance, so tests/test_target.py pins it.
+destroys acceptance, so tests/test_target_layers.py pins it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class TargetAdapter:
             model = model.model
         self.model = model.eval()
         self.config = model.config
-        self._decoder_layers = _find_decoder_layers(model)
+        self._decoder_layers = find_decoder_layers(model)
         # Hooks are registered once per model and shared by every adapter over it; adapters are
         # created per request, and re-registering would pile up hooks on the layers.
         state = model.__dict__.get("_dflash_capture")
@@ -131,7 +131,8 @@ class _CaptureState:
         return record
 
 
-def _find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of an HF causal LM (Llama-style `model.layers`, GPT-style `transformer.h`)."""
     base = getattr(model, "model", None) or getattr(model, "transformer", None) or model
     for name in ("layers", "h", "blocks"):
         layers = getattr(base, name, None)

@@ -8,32 +8,29 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.draft_model import DFlashSettings, check_is_drafter
 
 
-def validate_settings(settings: DFlashSettings, max_draft_len: int | None = None, where: str = "drafter") -> None:
-    """Checks that need only the drafter's own config."""
+def validate_settings(settings: DFlashSettings, where: str = "drafter") -> None:
+    """Checks that need only the drafter's own config.
+
+    Repeated target_layer_ids are allowed, as z-lab's reference allows them (its own
+    build_target_layer_ids gives [1, 1] for a 4-layer target and 2 draft layers): the drafter's
+    fc then reads that layer's features twice. The draft length K is checked where it is chosen
+    (SpeculationSettings)."""
     if settings.block_size < 2:
         raise DFlashError(
             f"{where}: block_size={settings.block_size}; DFlash needs block_size >= 2 "
             "(one anchor plus at least one drafted token), fix block_size in config.json"
         )
-    if max_draft_len is not None and not 1 <= max_draft_len < settings.block_size:
-        raise DFlashError(
-            f"max_draft_len={max_draft_len} must be between 1 and block_size-1={settings.block_size - 1} "
-            "(the block holds the anchor token plus the drafts); lower --max-draft-len"
-        )
-    if len(set(settings.target_layer_ids)) != len(settings.target_layer_ids):
-        raise DFlashError(f"{where}: dflash_config.target_layer_ids={list(settings.target_layer_ids)} repeats a layer")
 
 
 def validate_pair(
     draft_config: dict[str, Any],
     target_config: Any,
-    max_draft_len: int | None = None,
     where: str = "drafter",
 ) -> DFlashSettings:
     """Raise DFlashError unless the drafter config fits the target config."""
     check_is_drafter(draft_config, where)
     s = DFlashSettings.from_config_dict(draft_config, where=f"{where} config.json")
-    validate_settings(s, max_draft_len, where)
+    validate_settings(s, where)
     t_hidden = int(target_config.hidden_size)
     t_layers = int(target_config.num_hidden_layers)
     t_vocab = int(target_config.vocab_size)

@@ -7,43 +7,45 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli import friendly_errors
+from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option, policy_option
 from dflash_trt.errors import DFlashError
+from dflash_trt.serving.backends import BACKEND_ALIASES, BACKENDS, normalize_backend
 
-_BACKEND_HELP = ("Runtime inside the model: auto = TensorRT-LLM when it is importable and has DFlash, else the "
-                 "reference runtime; tensorrt_llm = require it; reference = dflash-trt's PyTorch runtime.")
+_BACKEND_HELP = ("Runtime inside the model: auto = TensorRT-LLM when it is importable and has DFlash, else pytorch; "
+                 "tensorrt_llm = require it; pytorch = dflash-trt's own runtime: the batched runtime with --policy "
+                 "(the reference loop, one request at a time, for pairs it cannot run). `reference` = pytorch.")
+
+
+def backend_option(help: str):
+    """`--backend`: auto | tensorrt_llm | pytorch (`reference`, the old name of pytorch, still accepted)."""
+    return click.option("--backend", type=click.Choice([*BACKENDS, *BACKEND_ALIASES]), default="auto",
+                        show_default=True, callback=lambda ctx, param, value: normalize_backend(value), help=help)
 
 
 def _settings(**kw):
-    from dflash_trt.serving.repository import TritonRepoSettings
+    from dflash_trt.serving.repository import resolve_repo_settings
 
-    try:
-        return TritonRepoSettings(**{k: v for k, v in kw.items() if v is not None})
-    except Exception as e:  # pydantic ValidationError -> one line
-        errors = getattr(e, "errors", None)
-        if errors:
-            err = errors()[0]
-            raise DFlashError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
-        raise
+    return resolve_repo_settings(kw)
 
 
 def _repo_options(fn):
     for opt in reversed([
         click.option("--model-name", default="dflash", show_default=True, help="Triton model name (folder name)."),
-        click.option("--backend", type=click.Choice(["auto", "tensorrt_llm", "reference"]), default="auto",
-                     show_default=True, help=_BACKEND_HELP),
+        backend_option(_BACKEND_HELP),
         click.option("--default-max-tokens", type=click.IntRange(min=1), default=None,
                      help="max_tokens when a request sends none [default: min(256, max_seq_len / 2)]."),
         click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
                      help="Requests that may wait for the runtime before new ones get UNAVAILABLE."),
-        click.option("--speculation", type=click.Choice(["adaptive", "full"]), default="adaptive", show_default=True,
-                     help="Reference runtime: adaptive draft length per step (never slower than plain "
-                          "decoding) or the full block every step (reproducible tau)."),
+        max_draft_len_option("K: the most drafts a step verifies [default: the engine's limits.max_draft_len; "
+                             "lower only: the engine's memory plan holds that many]."),
+        policy_option("adaptive", "pytorch backend: adaptive = k <= K per step from measured costs (never slower "
+                                  "than plain decoding); fixed = K every step (reproducible tau). TensorRT-LLM "
+                                  "always verifies K."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
-                     show_default=True, help="Weights dtype for the reference runtime."),
-        click.option("--device", default="cpu", show_default=True, help="Device for the reference runtime (cpu, cuda)."),
+                     show_default=True, help="Weights dtype for the pytorch backend."),
+        click.option("--device", default="cpu", show_default=True, help="Device for the pytorch backend (cpu, cuda)."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,
-                     help="Reference runtime on a GPU: replay the greedy draft and verify passes as CUDA graphs."),
+                     help="pytorch backend on a GPU: replay the greedy draft and verify passes as CUDA graphs."),
     ]):
         fn = opt(fn)
     return fn
@@ -59,17 +61,21 @@ def _repo_options(fn):
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @friendly_errors
 def triton(engine: str, out: str, model_name: str, backend: str, default_max_tokens: int | None, max_queue: int,
-           speculation: str, dtype: str, device: str, cuda_graphs: bool, engine_path: str | None, force: bool) -> None:
+           max_draft_len: int | None, policy: str, dtype: str, device: str, cuda_graphs: bool, engine_path: str | None,
+           force: bool) -> None:
     """Write a Triton model repository (Python backend, decoupled streaming) for ENGINE.
 
     Serve it with `tritonserver --model-repository OUT` (TensorRT-LLM container) or `dflash-trt serve
     --model-repository OUT` anywhere else.
     """
+    from dflash_trt.engine.verify import verify_engine
     from dflash_trt.serving.repository import generate_repository
 
     settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
-                         max_queue=max_queue, speculation=speculation, dtype=dtype, device=device,
+                         max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, dtype=dtype, device=device,
                          cuda_graphs=cuda_graphs, engine_path=engine_path)
+    if Path(engine).is_dir():  # (a missing one is named by generate_repository)
+        verify_engine(engine)  # an altered engine is refused here, not by the server at startup
     click.echo(f"[deploy triton] engine={Path(engine).resolve()} out={out} "
                + " ".join(f"{k}={v}" for k, v in settings.model_dump().items()), err=True)
     repo = generate_repository(engine, out, settings, overwrite=force)
@@ -113,14 +119,14 @@ def _default_engine() -> Path:
 @friendly_errors
 def serve(source: str | None, model_repository: str | None, grpc_address: str, grpc_port: int, metrics_port: int,
           allow_metrics: bool, load_models: tuple[str, ...], exit_timeout_secs: float, ready_file: str | None,
-          model_name: str, backend: str, default_max_tokens: int | None, max_queue: int, speculation: str,
-          dtype: str, device: str, cuda_graphs: bool) -> None:
+          model_name: str, backend: str, default_max_tokens: int | None, max_queue: int, max_draft_len: int | None,
+          policy: str, dtype: str, device: str, cuda_graphs: bool) -> None:
     """Serve a model repository (or an engine directory) over Triton's gRPC protocol, with metrics.
 
     The repository's model.py runs through the Triton Python-backend interface, exactly as in
     tritonserver; the real tritonclient talks to it unchanged. The options --model-name, --backend,
-    --default-max-tokens, --max-queue, --dtype, --device and --cuda-graphs apply when SOURCE is an engine
-    directory.
+    --default-max-tokens, --max-queue, --max-draft-len, --policy, --dtype, --device and --cuda-graphs apply
+    when SOURCE is an engine directory.
     """
     import logging
     import shutil
@@ -141,8 +147,8 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
             model_repository = str(engine)  # SOURCE was a repository after all
         else:
             settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
-                                 max_queue=max_queue, speculation=speculation, dtype=dtype, device=device,
-                                 cuda_graphs=cuda_graphs)
+                                 max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, dtype=dtype,
+                                 device=device, cuda_graphs=cuda_graphs)
             tmp = Path(tempfile.mkdtemp(prefix="dflash-trt-repo-"))
             model_repository = str(generate_repository(engine, tmp / "repo", settings))
     click.echo(json.dumps({"model_repository": model_repository, "grpc": f"{grpc_address}:{grpc_port}",

@@ -115,6 +115,9 @@ class HostedModel:
             self.instance.initialize(args)
         except pb_utils.TritonModelException as e:
             raise DFlashError(f"model {self.name!r} failed to load: {e}")
+        except ImportError as e:  # a model.py copied by another dflash-trt version names modules this one lacks
+            raise DFlashError(f"model {self.name!r} failed to load: {e}; the repository was written by another "
+                              f"dflash-trt version, regenerate it with `dflash-trt deploy triton`")
 
     # -- request decoding (Triton core's checks) --------------------------------------------------
     def decode_inputs(self, request: Any) -> list[pb_utils.Tensor]:

@@ -15,36 +15,33 @@ from __future__ import annotations
 
 import shutil
 import string
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.serving.backends import BackendSettings
 
 TEMPLATE_MODEL = "dflash"  # folder name inside triton_repo/
 REPO_RECORD = "dflash_trt_repo.json"
 
 
-class TritonRepoSettings(BaseModel):
-    """Everything `deploy triton` decides; printed and recorded in dflash_trt_repo.json."""
-
-    model_config = ConfigDict(extra="forbid")
+class TritonRepoSettings(BackendSettings):
+    """Everything `deploy triton` decides: the backend settings (serving/backends.py) the model
+    loads its engine with, the model's name and the engine path the server sees; printed and
+    recorded in dflash_trt_repo.json."""
 
     model_name: str = Field("dflash", pattern=r"^[A-Za-z0-9_.-]+$")
-    backend: Literal["auto", "tensorrt_llm", "reference"] = "auto"
-    default_max_tokens: int | None = Field(None, ge=1)  # None: min(256, max_seq_len // 2)
-    max_queue: int = Field(64, ge=1)
-    # adaptive: the batched runtime picks the draft length per step from measured costs (down to
-    # plain decoding), never slower than plain; full: always block_size - 1 drafts, as the reference
-    # loop does (reproducible tau, e.g. for benchmarks comparing transports).
-    speculation: Literal["adaptive", "full"] = "adaptive"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # reference runtime only
-    device: str = "cpu"  # reference runtime only: cpu | cuda | cuda:N
-    # reference runtime on a GPU: greedy draft/verify passes replayed as CUDA graphs
-    # (runtime/cuda_graphs.py); no effect on a CPU
-    cuda_graphs: bool = False
     engine_path: str | None = None  # the engine directory as the server sees it (containers)
+
+
+def resolve_repo_settings(flags: Mapping[str, Any]) -> TritonRepoSettings:
+    """The settings of `deploy triton` / `serve` flags (None = not given), by the one config loader."""
+    from dflash_trt.config import load_config
+
+    return load_config(TritonRepoSettings, flags=flags, what="repository settings")
 
 
 def _pbtxt_string(value: str) -> str:
@@ -56,12 +53,16 @@ def render_config(engine_dir: Path, settings: TritonRepoSettings) -> str:
     """config.pbtxt text for `engine_dir`; raises DFlashError if it would not parse."""
     from dflash_trt.engine.manifest import load_manifest
     from dflash_trt.resources import resource_dir
+    from dflash_trt.serving.backends import default_max_tokens_for
+    from dflash_trt.speculation import SpeculationSettings
 
     manifest = load_manifest(engine_dir)
     limit = manifest.limits.max_seq_len
-    default_max = settings.default_max_tokens or min(256, max(1, limit // 2))
-    if default_max > limit:
-        raise DFlashError(f"--default-max-tokens {default_max} is above the engine's max_seq_len {limit}; lower it")
+    if settings.default_max_tokens is not None and settings.default_max_tokens > limit:
+        raise DFlashError(f"--default-max-tokens {settings.default_max_tokens} is above the engine's max_seq_len "
+                          f"{limit}; lower it")
+    default_max = default_max_tokens_for(limit, settings.default_max_tokens)
+    speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy)
     template = (resource_dir("triton_repo") / TEMPLATE_MODEL / "config.pbtxt.in").read_text(encoding="utf-8")
     values = {
         "model_name": settings.model_name,
@@ -76,7 +77,8 @@ def render_config(engine_dir: Path, settings: TritonRepoSettings) -> str:
         "max_seq_len": limit,
         "default_max_tokens": default_max,
         "max_queue": settings.max_queue,
-        "speculation": settings.speculation,
+        "policy": speculation.policy,
+        "max_draft_len": speculation.max_draft_len,
         "dtype": settings.dtype,
         "device": settings.device,
         "cuda_graphs": str(settings.cuda_graphs).lower(),

@@ -5,10 +5,11 @@ a deployment is in config.pbtxt's `parameters`. Runs inside a real Triton server
 backend provides `triton_python_backend_utils`) and inside `dflash-trt serve` (which installs its
 own implementation of that module), so both run this exact file.
 
-The engine is loaded by dflash_trt.serving.engine_runtime: TensorRT-LLM's LLM API (from the
-engine's llm_api_options.yaml) when `tensorrt_llm` is importable and has DFlashDecodingConfig,
-otherwise dflash-trt's reference runtime; the choice and its reason are logged. This file only
-translates Triton requests and responses.
+The engine is loaded by dflash_trt.serving.backends.load_backend: TensorRT-LLM's LLM API (from
+the engine's llm_api_options.yaml) when `tensorrt_llm` is importable and has DFlashDecodingConfig,
+otherwise dflash-trt's pytorch backend (the batched runtime with the repository's policy); the
+choice and its reason are logged. This file only translates Triton requests and responses
+(dflash_trt.serving.protocol): the sampling inputs become one SamplingParams, validated once.
 """
 
 import json
@@ -21,7 +22,7 @@ import triton_python_backend_utils as pb_utils
 INPUTS = ("text_input", "max_tokens", "temperature", "top_p", "seed", "stop", "stream")
 OUTPUTS = ("text_output", "finish_reason", "acceptance_length", "acceptance_rate", "total_draft_tokens",
            "total_accepted_draft_tokens", "num_output_tokens", "queue_time_ms", "decode_time_ms")
-PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "speculation", "dtype", "device")
+PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "policy", "max_draft_len", "dtype", "device")
 OPTIONAL_PARAMETERS = {"cuda_graphs": "false"}  # absent from repositories written before it existed
 
 
@@ -31,7 +32,7 @@ class _BadRequest(Exception):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from dflash_trt.serving.engine_runtime import load_engine_runtime
+        from dflash_trt.serving.backends import BackendSettings, load_backend
 
         self.model_config = config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
@@ -46,13 +47,14 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 f"config.pbtxt does not declare {sorted(missing)} that model.py uses; regenerate it with "
                 f"`dflash-trt deploy triton`")
-        self.engine = load_engine_runtime(
-            params["engine_dir"], backend=params["backend"], dtype=params["dtype"], device=params["device"],
+        settings = BackendSettings(
+            backend=params["backend"], dtype=params["dtype"], device=params["device"],
             default_max_tokens=int(params["default_max_tokens"]), max_queue=int(params["max_queue"]),
-            speculation=params["speculation"],
+            policy=params["policy"], max_draft_len=int(params["max_draft_len"]),
             cuda_graphs=params.get("cuda_graphs", OPTIONAL_PARAMETERS["cuda_graphs"]) == "true",
         )
-        pb_utils.Logger.log_info(f"dflash: engine {params['engine_dir']} loaded with the {self.engine.backend} backend")
+        self.engine = load_backend(params["engine_dir"], settings)
+        pb_utils.Logger.log_info(f"dflash: engine {params['engine_dir']} loaded: {self.engine.describe()}")
 
     def execute(self, requests):
         # Decoupled: return at once and answer through each request's response sender, so the
@@ -68,13 +70,13 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------------------------------
     def _serve(self, request):
-        from dflash_trt.serving.engine_runtime import RequestError, ServerBusy
+        from dflash_trt.serving.protocol import InvalidRequest, ServerBusy
 
         sender = request.get_response_sender()
         try:
             gen_request, stream = self._parse(request)
             generation = self.engine.submit(gen_request)
-        except (_BadRequest, RequestError) as e:
+        except (_BadRequest, InvalidRequest) as e:
             return self._fail(sender, str(e), pb_utils.TritonError.INVALID_ARG)
         except ServerBusy as e:
             return self._fail(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
@@ -118,7 +120,8 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _parse(self, request):
-        from dflash_trt.serving.engine_runtime import GenerateRequest
+        from dflash_trt.sampling_params import SamplingParams
+        from dflash_trt.serving.protocol import GenerateRequest
 
         def scalar(name, default=None):
             tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -144,12 +147,14 @@ class TritonPythonModel:
         stop = () if stop_tensor is None else tuple(text(s, "stop") for s in stop_tensor.as_numpy().reshape(-1))
         max_tokens = scalar("max_tokens")
         seed = scalar("seed")
-        gen_request = GenerateRequest(
-            prompt=text(prompt, "text_input"),
+        params = SamplingParams(  # raises InvalidRequest (NaN, inf, out of range)
             max_tokens=None if max_tokens is None else int(max_tokens),
             temperature=float(scalar("temperature", 0.0)),
             top_p=float(scalar("top_p", 1.0)),
             seed=None if seed is None else int(seed),
             stop=stop,
         )
-        return gen_request, bool(scalar("stream", False))
+        prompt_text = text(prompt, "text_input")
+        if not prompt_text:
+            raise _BadRequest("text_input is empty; send a non-empty prompt")
+        return GenerateRequest(prompt=prompt_text, params=params), bool(scalar("stream", False))

@@ -1,0 +1,70 @@
+"""What every command module shares: the error contract, JSON output, and the flags that must
+mean the same on every command (``--max-draft-len``, ``--policy``).
+
+The command modules (``dflash_trt/cli.py``, ``generation_cli.py`` and each area's ``cli.py``)
+import this; nothing below the command layer does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.speculation import POLICIES
+
+
+def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn DFlashError into one line on stderr and a non-zero exit, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except DFlashError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def emit_json(obj: Any) -> None:
+    """One JSON object on one line of stdout."""
+    click.echo(json.dumps(obj, indent=None, separators=(",", ":")))
+
+
+MAX_DRAFT_LEN_HELP = ("K: the most draft tokens one step verifies (1..block_size-1) [default: the engine's "
+                      "limits.max_draft_len, else the drafter's block_size - 1].")
+
+
+def max_draft_len_option(help: str = MAX_DRAFT_LEN_HELP) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option("--max-draft-len", type=click.IntRange(min=1), default=None, help=help)
+
+
+def policy_option(default: str | None, help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option("--policy", type=click.Choice(POLICIES), default=default, show_default=default is not None,
+                        help=help)
+
+
+def _quiet_library_bars(ctx: click.Context, param: click.Parameter, no_progress: bool) -> bool:
+    """--no-progress also silences the bars transformers and huggingface_hub draw themselves
+    ("Loading weights", "Writing model shards"): our own tqdm/rich bars take `progress` directly."""
+    if no_progress:
+        import huggingface_hub.utils
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
+    return no_progress
+
+
+def no_progress_option(help: str = "No progress bars.") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option("--no-progress", is_flag=True, callback=_quiet_library_bars, help=help)

@@ -1,0 +1,321 @@
+"""`dflash-trt doctor [ENGINE]`: can this environment serve that engine? One line per finding.
+
+Every Slurm job runs it first (inside the container, on every node), and it is meant for login
+nodes too. It reports what is installed (Python, torch, tensorrt_llm and the fields of its
+DFlashDecodingConfig, tritonserver, GPUs with memory and FP4/FP8 capability, the NVLink topology)
+and, for an engine, every reason it cannot be served here, each with the fix:
+
+- TensorRT-LLM backend (GPU engines): tensorrt_llm importable, at least the manifest's
+  min_tensorrt_llm_version (the release that has every key its llm_api_options.yaml writes), every
+  written key a field of the INSTALLED DFlashDecodingConfig / TorchLlmArgs (pydantic extra=forbid:
+  one missing field and the file is refused), as many GPUs on this node as the engine has ranks
+  per node, FP4 tensor cores for an NVFP4 engine, FP8 for an FP8 one.
+- reference backend (the project's PyTorch runtime; CPU engines): torch importable.
+
+Probing is read-only and bounded: nvidia-smi and the tensorrt_llm import run as child processes
+with timeouts (a broken CUDA install must not hang a job's first step).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Backend = Literal["auto", "trtllm", "reference"]
+PROBE_TIMEOUT_S = 300  # importing tensorrt_llm loads CUDA libraries and can take a minute
+FP4_MIN_CC = (10, 0)  # Blackwell: native NVFP4 tensor cores (sm_100, sm_103, sm_120)
+FP8_MIN_CC = (8, 9)  # Ada / Hopper and later
+CONTAINER_HINT = "run inside the dflash-trt container (deploy/container/README.md)"
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    memory_mib: int
+    compute_capability: tuple[int, int] | None
+
+    @property
+    def fp4(self) -> bool:
+        return self.compute_capability is not None and self.compute_capability >= FP4_MIN_CC
+
+    @property
+    def fp8(self) -> bool:
+        return self.compute_capability is not None and self.compute_capability >= FP8_MIN_CC
+
+    def describe(self) -> str:
+        cc = ".".join(map(str, self.compute_capability)) if self.compute_capability else "?"
+        caps = "FP4+FP8" if self.fp4 else "FP8" if self.fp8 else "no FP8/FP4"
+        return f"GPU {self.index}: {self.name}, {self.memory_mib / 1024:.0f} GiB, sm_{cc.replace('.', '')} ({caps})"
+
+
+@dataclass
+class Environment:
+    """What `probe_environment` found (tests build one by hand from recorded upstream data)."""
+
+    python: str
+    torch: str | None = None
+    torch_cuda: str | None = None  # torch.version.cuda
+    tensorrt_llm: str | None = None  # installed version
+    tensorrt_llm_error: str | None = None  # why it cannot be imported
+    dflash_fields: list[str] | None = None  # DFlashDecodingConfig.model_fields; None: class absent
+    llm_args_fields: list[str] | None = None  # TorchLlmArgs.model_fields
+    tritonserver: str | None = None  # path of the binary
+    gpus: list[GpuInfo] = field(default_factory=list)
+    gpu_source: str = "none"  # nvidia-smi | torch | none
+    topology: str | None = None  # `nvidia-smi topo -m`
+
+
+@dataclass(frozen=True)
+class Finding:
+    ok: bool  # False: this blocks serving the engine (or is missing for any GPU engine)
+    what: str
+    fix: str = ""
+
+    def line(self) -> str:
+        if self.ok:
+            return f"ok       {self.what}"
+        return f"MISSING  {self.what}" + (f"; fix: {self.fix}" if self.fix else "")
+
+
+# --------------------------------------------------------------------------------------------
+# Probing (real commands; nothing here is mocked in the tests, which run it on this machine)
+# --------------------------------------------------------------------------------------------
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def parse_nvidia_smi(csv_text: str) -> list[GpuInfo]:
+    """Rows of `nvidia-smi --query-gpu=index,name,memory.total,compute_cap --format=csv,noheader,nounits`."""
+    gpus = []
+    for row in csv_text.strip().splitlines():
+        parts = [p.strip() for p in row.split(",")]
+        if len(parts) < 4:
+            continue
+        try:
+            cc = tuple(int(x) for x in parts[3].split(".")[:2])
+            capability = (cc[0], cc[1]) if len(cc) == 2 else None
+        except ValueError:
+            capability = None
+        gpus.append(GpuInfo(int(parts[0]), parts[1], int(float(parts[2])), capability))
+    return gpus
+
+
+def _run(cmd: list[str], timeout: float = 30) -> str | None:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _probe_gpus(env: Environment) -> None:
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        out = _run([smi, "--query-gpu=index,name,memory.total,compute_cap", "--format=csv,noheader,nounits"])
+        if out is not None:
+            env.gpus, env.gpu_source = parse_nvidia_smi(out), "nvidia-smi"
+            env.topology = _run([smi, "topo", "-m"])
+            return
+    if env.torch is None:
+        return
+    code = ("import json, torch\n"
+            "n = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
+            "print(json.dumps([[i, torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory // 2**20,"
+            " list(torch.cuda.get_device_capability(i))] for i in range(n)]))")
+    out = _run([sys.executable, "-c", code], timeout=PROBE_TIMEOUT_S)
+    if out:
+        rows = json.loads(out.strip().splitlines()[-1])
+        env.gpus = [GpuInfo(i, name, mem, (cc[0], cc[1])) for i, name, mem, cc in rows]
+        env.gpu_source = "torch" if env.gpus else "none"
+
+
+_TRTLLM_PROBE = """
+import json
+out = {}
+try:
+    from tensorrt_llm.llmapi import llm_args
+    out["version"] = __import__("tensorrt_llm").__version__
+    cls = getattr(llm_args, "DFlashDecodingConfig", None)
+    out["dflash_fields"] = sorted(cls.model_fields) if cls is not None else None
+    out["llm_args_fields"] = sorted(llm_args.TorchLlmArgs.model_fields)
+except Exception as e:
+    out["error"] = type(e).__name__ + ": " + (str(e).splitlines() or [""])[0]
+print("DFLASH_TRT_PROBE " + json.dumps(out))
+"""
+
+
+def _probe_trtllm(env: Environment) -> None:
+    env.tensorrt_llm = _version("tensorrt_llm") or _version("tensorrt-llm")
+    if env.tensorrt_llm is None:
+        env.tensorrt_llm_error = "not installed"
+        return
+    try:
+        proc = subprocess.run([sys.executable, "-c", _TRTLLM_PROBE], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        env.tensorrt_llm_error = f"import did not finish within {PROBE_TIMEOUT_S}s"
+        return
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("DFLASH_TRT_PROBE ")), None)
+    if line is None:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        env.tensorrt_llm_error = f"import crashed (exit {proc.returncode}): {tail}"
+        return
+    found = json.loads(line.split(" ", 1)[1])
+    env.tensorrt_llm_error = found.get("error")
+    env.tensorrt_llm = found.get("version", env.tensorrt_llm)
+    env.dflash_fields = found.get("dflash_fields")
+    env.llm_args_fields = found.get("llm_args_fields")
+
+
+def probe_environment() -> Environment:
+    env = Environment(python=platform.python_version())
+    env.torch = _version("torch")
+    if env.torch is not None:
+        out = _run([sys.executable, "-c", "import torch; print(torch.version.cuda)"], timeout=PROBE_TIMEOUT_S)
+        env.torch_cuda = (out or "").strip() or None
+        if env.torch_cuda == "None":
+            env.torch_cuda = None
+    _probe_trtllm(env)
+    env.tritonserver = shutil.which("tritonserver") or next(
+        (str(p) for p in [Path("/opt/tritonserver/bin/tritonserver")] if p.is_file()), None)
+    _probe_gpus(env)
+    return env
+
+
+# --------------------------------------------------------------------------------------------
+# Verdicts
+# --------------------------------------------------------------------------------------------
+
+def environment_findings(env: Environment) -> list[Finding]:
+    """What is installed; a missing piece is reported with its fix but only blocks an engine that needs it."""
+    found = [Finding(True, f"python {env.python}")]
+    found.append(Finding(env.torch is not None, f"torch {env.torch} (CUDA {env.torch_cuda or 'none'})"
+                         if env.torch else "torch: not installed", "pip install 'dflash-trt[all]' (torch first)"))
+    if env.tensorrt_llm and not env.tensorrt_llm_error:
+        found.append(Finding(True, f"tensorrt_llm {env.tensorrt_llm}"))
+        if env.dflash_fields is None:
+            found.append(Finding(False, f"tensorrt_llm {env.tensorrt_llm} has no DFlashDecodingConfig (no DFlash)",
+                                 f"{CONTAINER_HINT}, or upgrade TensorRT-LLM"))
+        else:
+            found.append(Finding(True, "DFlashDecodingConfig fields: " + ", ".join(env.dflash_fields)))
+    else:
+        found.append(Finding(False, f"tensorrt_llm: {env.tensorrt_llm_error or 'not installed'}"
+                             + (f" (version {env.tensorrt_llm} installed)" if env.tensorrt_llm else ""),
+                             CONTAINER_HINT + "; the reference backend needs none"))
+    found.append(Finding(env.tritonserver is not None, f"tritonserver {env.tritonserver}" if env.tritonserver
+                         else "tritonserver: not found on PATH or in /opt/tritonserver/bin",
+                         CONTAINER_HINT + " (it copies /opt/tritonserver in), or serve with --server trtllm-serve"))
+    if env.gpus:
+        found += [Finding(True, g.describe() + f" [{env.gpu_source}]") for g in env.gpus]
+    else:
+        found.append(Finding(False, "GPUs: none visible (no nvidia-smi, and torch sees no CUDA device)",
+                             "run on a GPU node (srun/sbatch --gpus-per-node=N); CPU engines need none"))
+    if env.topology:
+        found.append(Finding(True, "topology (nvidia-smi topo -m):\n" + env.topology.rstrip()))
+    elif env.gpus:
+        found.append(Finding(True, "topology: `nvidia-smi topo -m` unavailable"))
+    return found
+
+
+def _written_keys(opts: dict[str, Any]) -> tuple[list[str], list[str]]:
+    spec = opts.get("speculative_config") or {}
+    return [k for k in opts if k != "speculative_config"], list(spec)
+
+
+def engine_findings(env: Environment, manifest: Any, opts: dict[str, Any], backend: Backend) -> list[Finding]:
+    """Why this engine cannot be served here (empty: it can), plus what was checked."""
+    from dflash_trt.engine.trtllm_versions import requirements, unmet
+
+    if backend == "auto":
+        backend = "reference" if manifest.gpu == "cpu" else "trtllm"
+    name = f"engine {manifest.name!r}"
+    if backend == "reference":
+        return [Finding(env.torch is not None, f"{name}: reference backend (PyTorch) needs torch",
+                        "pip install 'dflash-trt[all]'")]
+    found: list[Finding] = []
+    need = manifest.min_tensorrt_llm_version
+    if not env.tensorrt_llm or env.tensorrt_llm_error:
+        found.append(Finding(False, f"{name} needs TensorRT-LLM >= {need}; tensorrt_llm "
+                             f"{env.tensorrt_llm_error or 'not installed'}",
+                             f"{CONTAINER_HINT}, or pip install 'tensorrt-llm>={need}' from NVIDIA's index; "
+                             "or serve it with --backend reference"))
+    else:
+        required = manifest.tensorrt_llm_requirements or requirements(opts)
+        required = {**required, "min_tensorrt_llm_version": need}
+        too_old = unmet(required, env.tensorrt_llm)
+        found.append(Finding(not too_old, f"{name} needs TensorRT-LLM >= {need}, installed {env.tensorrt_llm}"
+                             + (f" lacks {', '.join(k for k in too_old if k != 'min_tensorrt_llm_version')}"
+                                if too_old else ""),
+                             f"use an image with TensorRT-LLM >= {need} ({CONTAINER_HINT})"))
+        top, spec_keys = _written_keys(opts)
+        if env.dflash_fields is not None:
+            missing = [k for k in spec_keys if k not in env.dflash_fields]
+            found.append(Finding(not missing, f"{name}: speculative_config keys in the installed DFlashDecodingConfig"
+                                 + (f"; missing {', '.join(missing)}" if missing else ""),
+                                 f"TensorRT-LLM >= {need} has them; or rebuild without those settings"))
+        if env.llm_args_fields is not None:
+            missing = [k for k in top if k not in env.llm_args_fields]
+            found.append(Finding(not missing, f"{name}: top-level keys in the installed TorchLlmArgs"
+                                 + (f"; missing {', '.join(missing)}" if missing else ""),
+                                 f"TensorRT-LLM >= {need} has them"))
+    per_node = manifest.mapping.tasks_per_node
+    found.append(Finding(len(env.gpus) >= per_node,
+                         f"{name} runs {manifest.mapping.world_size} rank(s), {per_node} per node: "
+                         f"{len(env.gpus)} GPU(s) visible here",
+                         f"run on nodes with >= {per_node} GPUs (sbatch --gpus-per-node={per_node}), "
+                         "or rebuild for fewer ranks (--tp/--pp)"))
+    weights = manifest.quantization.weights
+    if weights == "nvfp4":
+        slow = [g for g in env.gpus if not g.fp4]
+        found.append(Finding(bool(env.gpus) and not slow, f"{name} is NVFP4: needs FP4 tensor cores (Blackwell, sm_100+)"
+                             + (f"; {slow[0].name} is sm_{''.join(map(str, slow[0].compute_capability or ()))}"
+                                if slow else ""),
+                             "run on B200/B300 nodes, or rebuild with --quant fp8 for Hopper"))
+    elif weights == "fp8" or manifest.quantization.kv_cache == "fp8":
+        slow = [g for g in env.gpus if not g.fp8]
+        found.append(Finding(bool(env.gpus) and not slow, f"{name} uses FP8: needs sm_89+ (Ada, Hopper, Blackwell)",
+                             "run on H100/H200/B200/B300 nodes, or rebuild with --quant none"))
+    return found
+
+
+def load_engine(engine_dir: str | Path) -> tuple[Any, dict[str, Any]]:
+    """(the manifest, its llm_api_options mapping); DFlashError naming the file and the rebuild."""
+    from dflash_trt.config import read_config_file
+    from dflash_trt.engine.manifest import load_manifest
+
+    manifest = load_manifest(engine_dir)
+    opts = read_config_file(Path(engine_dir) / manifest.llm_api_options, "llm_api_options", fix="rebuild the engine")
+    return manifest, opts
+
+
+def run_doctor(engine_dir: str | Path | None, backend: Backend = "auto", as_json: bool = False,
+               echo: Any = print) -> int:
+    """Print the findings; 1 when ENGINE cannot be served here, else 0 (no engine: always 0)."""
+    loaded = load_engine(engine_dir) if engine_dir is not None else None  # bad input fails before probing
+    env = probe_environment()
+    general = environment_findings(env)
+    specific = engine_findings(env, *loaded, backend) if loaded else []
+    servable = all(f.ok for f in specific)
+    if as_json:
+        echo(json.dumps({"environment": asdict(env), "findings": [asdict(f) for f in general + specific],
+                         "engine": str(engine_dir) if engine_dir else None,
+                         "servable": servable if loaded else None}, default=list))
+    else:
+        for f in general + specific:
+            echo(f.line())
+        if loaded:
+            echo(f"verdict: {engine_dir} can be served here" if servable
+                 else f"verdict: {engine_dir} CANNOT be served here ({sum(not f.ok for f in specific)} problem(s) above)")
+    return 0 if servable else 1

@@ -1,0 +1,116 @@
+"""Which TensorRT-LLM release accepts an `llm_api_options.yaml`: the version gate.
+
+TensorRT-LLM's LLM-API models are pydantic with extra="forbid", so a release that lacks ONE key
+the file writes refuses the whole file. `trtllm_fields.json` (beside this module, with its
+sources) records, for every key dflash-trt may write, the first published release that has it
+and upstream's default. From it:
+
+- `strip_defaults` leaves out every key whose value equals upstream's default (it changes
+  nothing, and a key that is not written cannot be refused by an older release);
+- `requirements` / `min_version` give the oldest published release that accepts a given file
+  (the build records it in the manifest; `dflash-trt doctor` compares it with what is installed).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+from dflash_trt.errors import DFlashError
+
+FIELDS_FILE = Path(__file__).with_name("trtllm_fields.json")
+
+
+@functools.lru_cache(maxsize=1)
+def table() -> dict[str, Any]:
+    return json.loads(FIELDS_FILE.read_text(encoding="utf-8"))
+
+
+def published_versions() -> list[str]:
+    """Every published release in version order (PyPI and GitHub-only)."""
+    pub = table()["published_versions"]
+    return sorted(pub["pypi"] + pub["github_only"], key=Version)
+
+
+def parse_version(text: str, what: str = "TensorRT-LLM version") -> Version:
+    try:
+        return Version(text)
+    except InvalidVersion:
+        raise DFlashError(f"{what} {text!r} is not a version (expected e.g. 1.3.0rc27)")
+
+
+def _fields() -> dict[str, dict[str, Any]]:
+    return table()["fields"]
+
+
+def upstream_default(dotted: str) -> Any:
+    """TensorRT-LLM's default for an LLM-API key ("max_seq_len", "kv_cache_config.dtype"), or None."""
+    return (_fields().get(dotted) or {}).get("default")
+
+
+def _walk(opts: dict[str, Any], prefix: str = ""):
+    """(dotted key, value) for every key of the file; sections are walked, not reported as leaves."""
+    for key, value in opts.items():
+        dotted = f"{prefix}{key}"
+        yield dotted, value
+        if isinstance(value, dict):
+            yield from _walk(value, dotted + ".")
+
+
+def strip_defaults(opts: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `opts` without the keys whose value is upstream's default (recursively), and
+    without the sections that leaves empty."""
+    fields = _fields()
+
+    def strip(section: dict[str, Any], prefix: str) -> dict[str, Any]:
+        out = {}
+        for key, value in section.items():
+            dotted = f"{prefix}{key}"
+            if isinstance(value, dict):
+                inner = strip(value, dotted + ".")
+                if inner or not value:  # a section left empty by stripping is left out too
+                    out[key] = inner
+                continue
+            entry = fields.get(dotted)
+            if entry is not None and entry.get("default") is not None and value == entry["default"]:
+                continue
+            out[key] = value
+        return out
+
+    return strip(opts, "")
+
+
+def requirements(opts: dict[str, Any]) -> dict[str, str]:
+    """{"key" or "key=value": first release that accepts it} for every key the file writes.
+
+    A key missing from the table is a bug in dflash-trt (it would write something nobody checked
+    against upstream), reported as such rather than guessed.
+    """
+    fields = _fields()
+    needs: dict[str, str] = {}
+    for dotted, value in _walk(opts):
+        entry = fields.get(dotted)
+        if entry is None:
+            raise DFlashError(f"llm_api_options key {dotted!r} has no entry in {FIELDS_FILE.name}; "
+                              "record its first TensorRT-LLM version there (with the source) before writing it")
+        needs[dotted] = entry["first_version"]
+        by_value = entry.get("values")
+        if by_value and not isinstance(value, (dict, list)) and str(value) in by_value:
+            needs[f"{dotted}={value}"] = by_value[str(value)]
+    return needs
+
+
+def min_version(opts: dict[str, Any]) -> str:
+    """The oldest published TensorRT-LLM release that accepts every key of `opts`."""
+    needs = requirements(opts)
+    return max(needs.values(), key=Version) if needs else published_versions()[0]
+
+
+def unmet(required: dict[str, str], installed: str) -> dict[str, str]:
+    """The subset of `required` that `installed` is too old for."""
+    have = parse_version(installed, "installed TensorRT-LLM version")
+    return {key: version for key, version in required.items() if Version(version) > have}

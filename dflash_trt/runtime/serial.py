@@ -1,0 +1,76 @@
+"""The reference loop behind the batched runtime's interface: one sequence, one whole request per
+step, for pairs the batched runtime cannot run (sliding-window targets such as gpt-oss; see
+runtime.batched.unsupported_reason).
+
+A scheduler written for :class:`~dflash_trt.runtime.batched.BatchedRuntime` (``add``, ``step``,
+``cancel``, ``has_work``, ``stats``) drives this unchanged: ``add`` queues, ``step`` runs the next
+queued request to its end through :func:`~dflash_trt.runtime.generate.dflash_generate` (its
+``on_step`` callback streams and can stop it) and returns it as finished. The policy is fixed
+(K drafts every step), the reference loop's schedule.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from dflash_trt.errors import InvalidRequest
+from dflash_trt.metrics import GenerationStats
+from dflash_trt.runtime.batched import BatchedSequence, SequenceRequest
+from dflash_trt.runtime.generate import GenerationResult, dflash_generate
+from dflash_trt.speculation import SpeculationSettings
+
+
+class SerialRuntime:
+    """One request at a time through the reference loop (max_batch = 1)."""
+
+    max_batch = 1
+
+    def __init__(self, target: Any, draft: Any, max_seq_len: int, speculation: SpeculationSettings) -> None:
+        self.target, self.draft = target, draft
+        self.max_seq_len = max_seq_len
+        self.speculation = speculation.replace(policy="fixed")
+        self.waiting: deque[BatchedSequence] = deque()
+        self.steps = 0
+
+    def add(self, request: SequenceRequest) -> BatchedSequence:
+        n = request.params.resolve_max_tokens()
+        if not request.prompt_ids:
+            raise InvalidRequest("the prompt is empty (no tokens); give at least one prompt token")
+        if len(request.prompt_ids) + n > self.max_seq_len:
+            raise InvalidRequest(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({n}) exceeds max_seq_len="
+                                 f"{self.max_seq_len}; shorten the prompt or lower max_tokens")
+        seq = BatchedSequence(request, budget=n)
+        self.waiting.append(seq)
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return 0  # between steps nothing runs: a step is a whole request
+
+    def cancel(self, seq: BatchedSequence) -> None:
+        """A queued sequence ends with no tokens (a running one stops through its on_step)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            seq.result = GenerationResult(list(seq.request.prompt_ids), [], GenerationStats())
+
+    def step(self) -> list[BatchedSequence]:
+        """Run the next queued request to its end; returns it (or nothing when idle)."""
+        if not self.waiting:
+            return []
+        seq = self.waiting.popleft()
+        seq.t0 = time.perf_counter()
+        seq.result = dflash_generate(self.draft, self.target, seq.request.prompt_ids, seq.request.params,
+                                     self.speculation, on_step=seq.request.on_step)
+        seq.stats = seq.result.stats
+        self.steps += 1
+        return [seq]
+
+    def stats(self) -> dict[str, Any]:
+        return {"runtime": "reference loop (one request at a time)", "steps": self.steps, "running": 0,
+                "waiting": len(self.waiting), "max_batch": 1, "speculation": self.speculation.to_dict(),
+                "policy": "fixed"}

@@ -1,0 +1,130 @@
+"""Backend selection: which runtime serves an engine directory, with which settings.
+
+    backend = load_backend(engine_dir, BackendSettings(backend="auto", policy="adaptive"))
+
+- ``tensorrt_llm``: TensorRT-LLM's LLM API (serving/tensorrt_llm_backend.py), used when it is
+  importable AND has DFlashDecodingConfig; asked for explicitly and missing, it is an error.
+- ``pytorch``: dflash-trt's own runtime (serving/pytorch_backend.py: the batched runtime with
+  the settings' policy, the reference loop for pairs the batched runtime cannot run). The old
+  name ``reference`` is accepted and means the same.
+- ``auto``: tensorrt_llm when usable, else pytorch.
+
+The choice and its reason are logged: silently serving with the slow path is a failure mode.
+K comes from the engine manifest (``limits.max_draft_len``), lowered by ``max_draft_len`` if set.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.serving.protocol import Backend
+
+log = logging.getLogger("dflash_trt.serving")
+
+BACKENDS = ("auto", "tensorrt_llm", "pytorch")
+BACKEND_ALIASES = {"reference": "pytorch"}  # old names still accepted
+
+
+def normalize_backend(name: str) -> str:
+    """The current name of a backend (old aliases mapped); DFlashError for an unknown one."""
+    name = BACKEND_ALIASES.get(name, name)
+    if name not in BACKENDS:
+        raise DFlashError(f"unknown backend {name!r}; use one of {', '.join(BACKENDS)}")
+    return name
+
+
+def default_max_tokens_for(max_seq_len: int, requested: int | None = None) -> int:
+    """max_tokens of a request that names none: `requested`, else min(256, max_seq_len / 2)."""
+    return min(requested or min(256, max(1, max_seq_len // 2)), max_seq_len)
+
+
+class BackendSettings(BaseModel):
+    """How a server runs an engine: recorded in the Triton repository (config.pbtxt parameters)
+    and given by `serve` / `deploy triton` flags."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["auto", "tensorrt_llm", "pytorch"] = "auto"
+    default_max_tokens: int | None = Field(None, ge=1)  # None: min(256, max_seq_len // 2)
+    max_queue: int = Field(64, ge=1)
+    # adaptive: the batched runtime picks k <= K per step from measured costs (down to plain
+    # decoding), never slower than plain; fixed: K every step, as the reference loop does
+    # (reproducible tau, e.g. for benchmarks comparing transports)
+    policy: Literal["adaptive", "fixed"] = "adaptive"
+    max_draft_len: int | None = Field(None, ge=1)  # K; None: the engine's limits.max_draft_len
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # pytorch backend only
+    device: str = "cpu"  # pytorch backend only: cpu | cuda | cuda:N
+    # pytorch backend on a GPU: greedy draft/verify passes replayed as CUDA graphs
+    # (runtime/cuda_graphs.py); no effect on a CPU
+    cuda_graphs: bool = False
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _alias(cls, v: object) -> object:
+        return BACKEND_ALIASES.get(v, v) if isinstance(v, str) else v
+
+
+def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None) -> Backend:
+    """Load `engine_dir` with the backend `settings` name (see the module docstring)."""
+    from dflash_trt.engine.manifest import load_manifest
+    from dflash_trt.serving.tensorrt_llm_backend import tensorrt_llm_status
+    from dflash_trt.speculation import SpeculationSettings
+
+    settings = settings or BackendSettings()
+    engine_dir = Path(engine_dir).resolve()
+    manifest = load_manifest(engine_dir)
+    speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy)
+    limit = manifest.limits.max_seq_len
+    default = default_max_tokens_for(limit, settings.default_max_tokens)
+    usable, why = tensorrt_llm_status()
+    if settings.backend == "tensorrt_llm" and not usable:
+        raise DFlashError(f"backend tensorrt_llm requested but {why}; use --backend pytorch or a TensorRT-LLM >= "
+                          f"{manifest.min_tensorrt_llm_version} container")
+    if usable and settings.backend != "pytorch":
+        from dflash_trt.serving.tensorrt_llm_backend import TensorRTLLMBackend
+
+        log.info("engine %s: TensorRT-LLM LLM API (%s)", engine_dir, why)
+        return TensorRTLLMBackend(engine_dir, manifest, speculation, _codec(engine_dir, manifest), default)
+    log.info("engine %s: dflash-trt pytorch backend (%s)", engine_dir,
+             "requested" if settings.backend == "pytorch" else why)
+
+    from dflash_trt.engine.loader import load_engine
+    from dflash_trt.runtime.target import TargetAdapter
+    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.serving.pytorch_backend import PyTorchBackend
+
+    # the engine loader re-checks every file's sha256 and dequantizes FP8/NVFP4 targets
+    pair = load_engine(engine_dir, dtype=settings.dtype, device=settings.device)
+    if pair.tokenizer is None:
+        raise DFlashError(_no_tokenizer(engine_dir, manifest))
+    return PyTorchBackend(
+        engine_dir=engine_dir, target=TargetAdapter(pair.target), draft=pair.draft, codec=TextCodec.of_pair(pair, limit),
+        speculation=speculation, max_seq_len=limit, default_max_tokens=default, max_queue=settings.max_queue,
+        max_batch=manifest.limits.max_batch_size, cuda_graphs=settings.cuda_graphs,
+    )
+
+
+def _no_tokenizer(engine_dir: Path, manifest: object) -> str:
+    return (f"{engine_dir / manifest.target.path}: no tokenizer (tokenizer.json); the server needs one for text "  # type: ignore[attr-defined]
+            f"in/out: rebuild the engine from a checkpoint that has a tokenizer")
+
+
+def _codec(engine_dir: Path, manifest: object):
+    """The tokenizer contract from the engine's target directory (without loading weights)."""
+    from transformers import AutoConfig
+
+    from dflash_trt.runtime.loading import load_tokenizer
+    from dflash_trt.runtime.tokens import TextCodec
+
+    tdir = engine_dir / manifest.target.path  # type: ignore[attr-defined]
+    tokenizer = load_tokenizer(tdir)
+    if tokenizer is None:
+        raise DFlashError(_no_tokenizer(engine_dir, manifest))
+    return TextCodec.for_model(tokenizer, AutoConfig.from_pretrained(tdir, trust_remote_code=False,
+                                                                     local_files_only=True),
+                               manifest.limits.max_seq_len)  # type: ignore[attr-defined]

@@ -1,0 +1,88 @@
+"""`SpeculationSettings`: how many draft tokens a DFlash step verifies, defined once.
+
+The vocabulary (the same letters in code, CLI help, manifest, README):
+
+- **B** (``block_size``): the drafter's TRAINED block: [anchor, MASK x (B-1)]. The drafter
+  always drafts the full block B in one pass, as it was trained (bidirectional attention inside
+  the block: a shorter block changes its proposals); slot j proposes the token j positions after
+  the anchor. Fixed by the checkpoint (config.json ``block_size``).
+- **K** (``max_draft_len``): the most draft tokens one step verifies, 1 <= K <= B-1. A step
+  verifies [anchor, draft_1..draft_k] with one target pass of k+1 tokens. It is what TensorRT-LLM
+  calls ``max_draft_len`` (``speculative_config``), vLLM ``num_speculative_tokens``, and SGLang
+  sizes as ``--speculative-num-draft-tokens`` = K + 1. An engine records it in its manifest
+  (``limits.max_draft_len``, the memory plan is sized for it) and every runtime and backend
+  reads it from there; ``--max-draft-len`` means K on `build`, `generate`, `serve`,
+  `deploy triton` and `bench`.
+- **k**: the draft tokens THIS step verifies, 0 <= k <= K (0 = a plain decoding step). The
+  ``policy`` chooses it:
+  - ``fixed``: k = K every step (the reference loop's schedule; deterministic, so the library's
+    default: the same prompt gives the same steps whatever the machine's speed);
+  - ``adaptive``: the batched runtime picks k per step from measured step costs and running
+    acceptance, among candidates 0, 1, 3, 7, ... capped at K (runtime/policy.py), so that sharing
+    passes never makes DFlash slower than plain decoding. Serving opts into it.
+
+At the end of a request's budget a step still drafts and verifies its k tokens and only what it
+commits is capped (z-lab's reference and vLLM do the same), so every step's acceptance equals
+that of the same request with a larger budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dflash_trt.errors import DFlashError
+
+Policy = Literal["adaptive", "fixed"]
+POLICIES: tuple[str, ...] = ("adaptive", "fixed")
+FIXED: Policy = "fixed"
+ADAPTIVE: Policy = "adaptive"
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """B, K and the policy of one runtime (see the module docstring). Validated when built:
+    a K outside 1..B-1 or an unknown policy is a DFlashError naming the flag and the fix."""
+
+    block_size: int  # B
+    max_draft_len: int  # K
+    policy: Policy = FIXED
+
+    def __post_init__(self) -> None:
+        B, K = self.block_size, self.max_draft_len
+        if B < 2:
+            raise DFlashError(f"block_size={B}; DFlash needs block_size >= 2 (an anchor plus at least one draft)")
+        if not 1 <= K <= B - 1:
+            raise DFlashError(f"max_draft_len={K} (--max-draft-len) must be between 1 and block_size-1={B - 1}: the "
+                              f"drafter's block holds the anchor plus B-1 drafts; choose K in 1..{B - 1}")
+        if self.policy not in POLICIES:
+            raise DFlashError(f"--policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+
+    @classmethod
+    def for_block(cls, block_size: int, max_draft_len: int | None = None, policy: str | None = None
+                  ) -> "SpeculationSettings":
+        """Settings for a drafter of block `block_size`: K defaults to B-1, the policy to fixed."""
+        K = block_size - 1 if max_draft_len is None else int(max_draft_len)
+        return cls(int(block_size), K, policy or FIXED)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_manifest(cls, manifest: Any, max_draft_len: int | None = None, policy: str | None = None
+                      ) -> "SpeculationSettings":
+        """Settings of an engine (its manifest's draft.block_size and limits.max_draft_len).
+
+        `max_draft_len` may lower K for this run, never raise it: the engine's memory plan (and
+        TensorRT-LLM's KV and token budgets) were sized for the manifest's K."""
+        built = int(manifest.limits.max_draft_len)
+        K = built if max_draft_len is None else int(max_draft_len)
+        if K > built:
+            raise DFlashError(f"--max-draft-len {K} is above the {built} this engine was built for (its memory plan "
+                              f"holds {built} drafts per step); use at most {built} or rebuild with --max-draft-len {K}")
+        return cls.for_block(int(manifest.draft.block_size), K, policy)
+
+    def replace(self, **changes: Any) -> "SpeculationSettings":
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"block_size": self.block_size, "max_draft_len": self.max_draft_len, "policy": self.policy}
