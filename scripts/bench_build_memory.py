@@ -7,7 +7,7 @@ interpreter baseline (a process that imports torch, transformers and ModelOpt an
 and the ratio (peak - baseline) / checkpoint size: the goal is <= 1.5.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_build_memory.py
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_build_memory.py --sizes 60M --builds fp8-h100
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_build_memory.py --size 60M --build fp8-h100
 
 A random drafter never fits its target (tau is 1), so the gate runs with --min-tau 1.0 and a few
 short prompts: it still loads what it loads in a real build (the exported target, dequantized in
@@ -16,7 +16,6 @@ the engine dtype), which is what memory is about.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import subprocess
@@ -24,6 +23,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import click
 
 # name -> (hidden, layers, intermediate, heads, kv heads); vocab 32000, untied embeddings
 SIZES = {
@@ -92,17 +95,19 @@ def _profile_rows(stderr: str) -> dict[str, tuple[float, float]]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    ap.add_argument("--builds", nargs="+", default=list(BUILDS), choices=list(BUILDS))
-    ap.add_argument("--cli", default=f"{sys.executable} -m dflash_trt.cli",
-                    help="the dflash-trt command to measure (another checkout's python -m dflash_trt.cli)")
-    ap.add_argument("--extra", default=" ".join(GATE + ["--device", "cpu"]),
-                    help="flags added to every build (default: a short gate, --device cpu)")
-    ap.add_argument("--workdir", type=Path, help="keep the checkpoints here (default: a temporary directory)")
-    ap.add_argument("--out", type=Path, help="write every figure as JSON")
-    args = ap.parse_args()
+@click.command(help=__doc__)
+@click.option("--size", "sizes", multiple=True, type=click.Choice(list(SIZES)), default=tuple(SIZES),
+              show_default=True, help="repeat for several")
+@click.option("--build", "builds", multiple=True, type=click.Choice(list(BUILDS)), default=tuple(BUILDS),
+              show_default=True, help="repeat for several")
+@click.option("--cli", default=f"{sys.executable} -m dflash_trt.cli",
+              help="the dflash-trt command to measure (another checkout's python -m dflash_trt.cli)")
+@click.option("--extra", default=" ".join(GATE + ["--device", "cpu"]), show_default=True,
+              help="flags added to every build (default: a short gate, --device cpu)")
+@click.option("--workdir", type=click.Path(path_type=Path), help="keep the checkpoints here (default: a temporary directory)")
+@click.option("--out", type=click.Path(path_type=Path), help="write every figure as JSON")
+def main(**options: Any) -> None:
+    args = SimpleNamespace(**options)
     cli, extra = shlex.split(args.cli), shlex.split(args.extra)
     python = cli[0] if cli[0].endswith(("python", "python3")) else sys.executable
     baseline = float(subprocess.run([python, "-c", BASELINE], capture_output=True, text=True, check=True).stdout)

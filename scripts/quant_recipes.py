@@ -2,7 +2,7 @@
 
 Two studies on a target + drafter pair (default: the embedded SmolLM2-135M pair):
 
-  --recipes: for every (quant, recipe, keep_layers) given, the same steps `dflash-trt build`
+  --recipe (repeated): for every (quant, recipe, keep_layers) given, the same steps `dflash-trt build`
   takes -- ModelOpt calibration on the train prompts, export, the exported weights dequantized
   in the engine dtype -- and the acceptance gate's statistics (dflash_trt.engine.gate): tau on
   held-out prompts before/after with 95% intervals, the paired drop and its interval. tau before
@@ -15,19 +15,21 @@ Two studies on a target + drafter pair (default: the embedded SmolLM2-135M pair)
   recipes study then measures tau for real.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/quant_recipes.py --gpu h100 --quant fp8 \\
-        --recipes full mlp-only --out fp8.json
+        --recipe full --recipe mlp-only --out fp8.json
     OMP_NUM_THREADS=2 .venv/bin/python scripts/quant_recipes.py --sensitivity --quant nvfp4
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import click
 import torch
 
 
@@ -53,7 +55,7 @@ def _ids(tokenizer, vocab: int, split: str, n: int, max_len: int) -> list[list[i
     return encode_prompts(tokenizer, load_calibration_prompts(None, n, split=split), vocab, max_len)
 
 
-def recipes_study(args: argparse.Namespace) -> list[dict]:
+def recipes_study(args: SimpleNamespace) -> list[dict]:
     from dflash_trt.engine import gate
     from dflash_trt.engine.checkpoint_io import load_checkpoint
     from dflash_trt.engine.quantize import quantize_and_export
@@ -127,7 +129,7 @@ def _fake_quant_weight(w: torch.Tensor, quant: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sensitivity_study(args: argparse.Namespace) -> list[dict]:
+def sensitivity_study(args: SimpleNamespace) -> list[dict]:
     from dflash_trt.runtime.generate import autoregressive_generate
     from dflash_trt.sampling_params import SamplingParams
 
@@ -174,28 +176,30 @@ def sensitivity_study(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, help="default: the embedded SmolLM2-135M-Instruct")
-    ap.add_argument("--draft", type=Path, help="default: the embedded drafter")
-    ap.add_argument("--quant", nargs="+", default=["fp8", "nvfp4"], choices=["fp8", "nvfp4"])
-    ap.add_argument("--recipes", nargs="*", default=[], metavar="RECIPE[:I,J]",
-                    help="e.g. full mlp-only mlp-only:0,29 (layers after ':' kept in 16 bits)")
-    ap.add_argument("--sensitivity", action="store_true", help="per-layer argmax flips and KL (weights only)")
-    ap.add_argument("--dtype", default="bfloat16", help="engine dtype of a GPU build (bfloat16)")
-    ap.add_argument("--compute-dtype", help="run the models in this dtype (e.g. float32 on a CPU without native "
-                    "bf16: weights stay exactly the --dtype ones, 3x faster there)")
-    ap.add_argument("--gate-prompts", type=int, default=24)
-    ap.add_argument("--gate-tokens", type=int, default=96)
-    ap.add_argument("--calib-size", type=int, default=16)
-    ap.add_argument("--calib-max-length", type=int, default=256)
-    ap.add_argument("--max-tau-drop", type=float, default=0.10)
-    ap.add_argument("--fake-quant", action="store_true",
-                    help="fp8: also measure ModelOpt's calibrated fake-quant model (weights AND activations)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, help="write the rows as JSON")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args()
+@click.command(help=__doc__)
+@click.option("--target", type=click.Path(path_type=Path), help="default: the embedded SmolLM2-135M-Instruct")
+@click.option("--draft", type=click.Path(path_type=Path), help="default: the embedded drafter")
+@click.option("--quant", "quant", multiple=True, type=click.Choice(["fp8", "nvfp4"]), default=("fp8", "nvfp4"),
+              show_default=True, help="repeat for several")
+@click.option("--recipe", "recipes", multiple=True, metavar="RECIPE[:I,J]",
+              help="repeat: e.g. --recipe full --recipe mlp-only:0,29 (layers after ':' kept in 16 bits)")
+@click.option("--sensitivity", is_flag=True, help="per-layer argmax flips and KL (weights only)")
+@click.option("--dtype", default="bfloat16", show_default=True, help="engine dtype of a GPU build")
+@click.option("--compute-dtype", help="run the models in this dtype (e.g. float32 on a CPU without native bf16: "
+              "weights stay exactly the --dtype ones, 3x faster there)")
+@click.option("--gate-prompts", type=click.IntRange(min=2), default=24, show_default=True)
+@click.option("--gate-tokens", type=click.IntRange(min=2), default=96, show_default=True)
+@click.option("--calib-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--calib-max-length", type=click.IntRange(min=8), default=256, show_default=True)
+@click.option("--max-tau-drop", type=click.FloatRange(0, 1), default=0.10, show_default=True)
+@click.option("--fake-quant", is_flag=True,
+              help="fp8: also measure ModelOpt's calibrated fake-quant model (weights AND activations)")
+@click.option("--threads", type=click.IntRange(min=1))
+@click.option("--out", type=click.Path(path_type=Path), help="write the rows as JSON")
+@click.option("--no-progress", is_flag=True)
+def main(**options: Any) -> None:
+    args = SimpleNamespace(**options)
+    args.quant, args.recipes = list(args.quant), list(args.recipes)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.compute_dtype:
