@@ -51,8 +51,8 @@ def test_fp8_export_equals_modelopt_fake_quant(tmp_path):
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
 
-    from dflash_trt.engine.dequant import load_quantized_target
-    from dflash_trt.engine.quantize import modelopt_config
+    from dflash_trt.engine.checkpoint_io import load_checkpoint
+    from dflash_trt.engine.recipes import modelopt_config, resolve_recipe
     from dflash_trt.runtime.tiny import tiny_target
 
     model = tiny_target("llama", seed=3)
@@ -61,7 +61,8 @@ def test_fp8_export_equals_modelopt_fake_quant(tmp_path):
         for ids in ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]):
             m(torch.tensor([ids]))
 
-    mtq.quantize(model, modelopt_config("fp8", "none"), forward_loop)
+    full = resolve_recipe("fp8", "full", None, is_moe=False, native_experts=None, num_layers=4)
+    mtq.quantize(model, modelopt_config("fp8", "none", full), forward_loop)
     fake = {}
     for name, mod in model.named_modules():
         if hasattr(mod, "weight_quantizer") and mod.weight_quantizer.is_enabled:
@@ -69,7 +70,7 @@ def test_fp8_export_equals_modelopt_fake_quant(tmp_path):
                 fake[name + ".weight"] = mod.weight_quantizer(mod.weight.detach().clone())
     assert len(fake) == 4 * 7  # q,k,v,o,gate,up,down in each of 4 layers; lm_head stays float
     export_hf_checkpoint(model, export_dir=tmp_path / "t")  # (replaces the weights in place)
-    loaded = load_quantized_target(tmp_path / "t").state_dict()
+    loaded = load_checkpoint(tmp_path / "t").state_dict()
     for key, ref in fake.items():
         torch.testing.assert_close(loaded[key], ref, rtol=1e-6, atol=1e-8)
 

@@ -21,7 +21,7 @@ import yaml
 from click.testing import CliRunner
 
 from dflash_trt.cli import main
-from dflash_trt.engine.builder import acceptance_gate, build_engine, prepare
+from dflash_trt.engine.builder import build_engine, prepare
 from dflash_trt.engine.loader import load_engine
 from dflash_trt.engine.manifest import load_manifest
 from dflash_trt.engine.spec import resolve_spec
@@ -35,9 +35,10 @@ PROMPT = [5, 17, 33, 2, 9, 41, 7]
 
 
 def _build(out: Path, target: Path, draft: Path, **over) -> Path:
+    # Random drafters do not fit their target (tau is 1): min_tau 1.0 lets the gate run anyway.
     spec = resolve_spec(None, {"target": str(target), "draft": str(draft), "gpu": "cpu", "max_seq_len": 256,
                                "calibration.num_samples": 4, "calibration.max_length": 32,
-                               "gate.num_prompts": 2, "gate.max_new_tokens": 12, **over})
+                               "gate.num_prompts": 2, "gate.max_new_tokens": 12, "gate.min_tau": 1.0, **over})
     return build_engine(prepare(spec), out, progress=False)
 
 
@@ -127,8 +128,11 @@ def test_engine_generates_what_the_reference_runtime_generates(engines, tiny_pai
     ref = dflash_generate(ref_draft, ref_target, PROMPT, SamplingParams(max_tokens=24))
     assert got.output_ids == ref.output_ids
     assert got.output_ids == autoregressive_generate(ref_target, PROMPT, SamplingParams(max_tokens=24)).output_ids  # lossless
-    w = pair.target.model.layers[0].self_attn.q_proj.weight
-    orig = _reference_target(tiny_pair_dirs[0]).model.layers[0].self_attn.q_proj.weight
+    src = _reference_target(tiny_pair_dirs[0]).model.layers[0]
+    w = pair.target.model.layers[0].mlp.down_proj.weight
+    orig = src.mlp.down_proj.weight
+    # the default recipe (mlp-only) leaves attention in its source dtype, untouched
+    assert torch.equal(pair.target.model.layers[0].self_attn.q_proj.weight, src.self_attn.q_proj.weight)
     if quant == "none":
         assert torch.equal(w, orig)
     else:  # really quantized, and close: NVFP4 error < 1/6 of the largest weight, FP8 < 1/16
@@ -190,15 +194,6 @@ def test_failed_build_leaves_no_directory(tiny_pair_dirs, tmp_path):
     assert not out.exists() and list(tmp_path.iterdir()) == []  # no half-written or .partial directory
 
 
-def test_acceptance_gate_fails_a_large_drop_unless_accepted():
-    before, after = {"tau": 3.0}, {"tau": 2.5}  # -16.7%
-    with pytest.raises(DFlashError, match=r"tau fell from 3.000 to 2.500 \(16.7% > 10%\)"):
-        acceptance_gate(before, after, "nvfp4", 0.10, False)
-    rec = acceptance_gate(before, after, "nvfp4", 0.10, True)
-    assert rec["accepted_by_flag"] and rec["relative_drop"] == pytest.approx(1 / 6)
-    assert not acceptance_gate(before, {"tau": 2.8}, "fp8", 0.10, False)["accepted_by_flag"]
-
-
 def test_cli_build_verify_and_refuse_to_overwrite(tiny_pair_dirs, tmp_path):
     target, draft = tiny_pair_dirs
     out = tmp_path / "eng"
@@ -207,7 +202,9 @@ def test_cli_build_verify_and_refuse_to_overwrite(tiny_pair_dirs, tmp_path):
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["engine"] == str(out) and summary["peak_rss_mib"] > 0 and "load" in summary["timings_s"]
+    # --quant none streams the checkpoint into the engine: no model is loaded
+    assert summary["engine"] == str(out) and summary["peak_rss_mib"] > 0 and "export" in summary["timings_s"]
+    assert "load" not in summary["timings_s"]
     assert "build profile" in r.stderr
     assert load_manifest(out).name.endswith("none-cpu-tp1")
     ok = CliRunner().invoke(main, ["verify", str(out)])

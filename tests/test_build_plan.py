@@ -4,6 +4,9 @@ gpt-oss-120b (public config.json): H=2880, 36 layers alternating sliding(128)/fu
 64 heads x head_dim 64, 8 KV heads, 128 experts (top-4) of width 2880, vocab 201088, untied
 lm_head, attention biases + sinks, expert biases. Mapping: tp=8, ep=8 (moe_tp=1), pp=1.
 Drafter: none given, so the planner's stated estimate (5 Qwen3-style layers at target width).
+The hand computations use recipe `full` (attention quantized too); gpt-oss's experts are fused,
+so their FP32 weight_scale_2 / input_scale come once per fused tensor (gate_up_proj, down_proj)
+per layer -- what ModelOpt's export writes (tests/test_build_gptoss.py checks plan against build).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def _hand_common():
 def _plan(**over):
     arch, _, _ = resolve_arch("gpt-oss-120b")
     spec = resolve_spec(None, {"target": "gpt-oss-120b", "tp": 8, "ep": 8, "kv_cache_quant": "fp8",
-                               "max_draft_len": 15, **over})
+                               "max_draft_len": 15, "recipe": "full", **over})
     return arch, prepare(spec, need_checkpoints=False).plan
 
 
@@ -52,7 +55,7 @@ def test_gpt_oss_120b_on_8x_b300_nvfp4_matches_hand_computation():
     _, plan = _plan(gpu="b300", quant="nvfp4", max_batch_size=256, max_seq_len=16384)
     attn, experts, unq, draft = _hand_common()
     nvfp4 = 0.5 + 1 / 16  # E2M1 + one FP8 scale per 16 weights
-    quantized = 36 * (attn * nvfp4 + 4 * 8 + experts * nvfp4 + 16 * 3 * 8)  # + FP32 per-tensor scales
+    quantized = 36 * (attn * nvfp4 + 4 * 8 + experts * nvfp4 + 2 * 8)  # + FP32 per-tensor scales
     assert plan.target_quantized_bytes == pytest.approx(quantized, rel=1e-12)  # 8.129 GB
     assert plan.target_unquantized_bytes == pytest.approx(unq, rel=1e-12)  # 1.340 GB
     assert plan.draft_bytes == pytest.approx(draft, rel=1e-12)  # 0.597 GB
@@ -74,7 +77,7 @@ def test_gpt_oss_120b_on_8x_b300_nvfp4_matches_hand_computation():
 def test_gpt_oss_120b_on_8x_h100_fp8_matches_hand_computation():
     _, plan = _plan(gpu="h100", quant="fp8", max_batch_size=64, max_seq_len=8192)
     attn, experts, unq, draft = _hand_common()
-    quantized = 36 * (attn * 1.0 + 4 * 8 + experts * 1.0 + 16 * 3 * 8)  # FP8: 1 B + FP32 scales
+    quantized = 36 * (attn * 1.0 + 4 * 8 + experts * 1.0 + 2 * 8)  # FP8: 1 B + FP32 scales
     assert plan.target_quantized_bytes == pytest.approx(quantized, rel=1e-12)  # 14.45 GB
     assert plan.target_unquantized_bytes == pytest.approx(unq, rel=1e-12)
     per_seq = 2 * 18 * 64 * 8192 + 2 * 18 * 64 * 128 + 2 * 5 * 8 * 64 * 2 * 8192
@@ -86,14 +89,23 @@ def test_gpt_oss_120b_on_8x_h100_fp8_matches_hand_computation():
 
 
 def test_nvfp4_halves_fp8_expert_bytes_roughly_and_quant_none_keeps_mxfp4():
-    _, nv = _plan(gpu="b300", quant="nvfp4")
-    _, fp8 = _plan(gpu="b300", quant="fp8")
-    _, none = _plan(gpu="b300", quant="none")
-    assert nv.target_quantized_bytes / fp8.target_quantized_bytes == pytest.approx(0.5625, rel=1e-3)
-    # The released checkpoint's experts are MXFP4 (0.5 + 1/32 B) and its attention bf16.
+    _, nv = _plan(gpu="b300", quant="nvfp4", recipe="auto")
+    _, fp8 = _plan(gpu="b300", quant="fp8", recipe="auto")
+    _, none = _plan(gpu="b300", quant="none", recipe="auto")
     _, experts_params, _, _ = _hand_common()
-    assert none.target_quantized_bytes == pytest.approx(
-        36 * ((2 * 2880 * 512 + 2 * 2880 * 64) * 2 + experts_params * (0.5 + 1 / 32)), rel=1e-12)
+    assert nv.recipe == fp8.recipe == "mlp-only" and none.recipe == "none"
+    assert (nv.expert_format, fp8.expert_format, none.expert_format) == ("nvfp4", "fp8", "mxfp4")
+    assert nv.expert_bytes == pytest.approx(36 * (experts_params * (0.5 + 1 / 16) + 2 * 8), rel=1e-12)
+    assert fp8.expert_bytes == pytest.approx(36 * (experts_params * 1.0 + 2 * 8), rel=1e-12)
+    # The released checkpoint's experts are MXFP4 (0.5 + 1/32 B) and its attention bf16, as the
+    # default (mlp-only) recipe keeps it for nvfp4 / fp8 too.
+    attn_bf16 = (2 * 2880 * 512 + 2 * 2880 * 64) * 2
+    assert none.expert_bytes == pytest.approx(36 * experts_params * (0.5 + 1 / 32), rel=1e-12)
+    for plan in (nv, fp8, none):
+        assert plan.target_quantized_bytes == pytest.approx(36 * attn_bf16 + plan.expert_bytes, rel=1e-12)
+    # fp8 on gpt-oss doubles the expert bytes of the shipped MXFP4: plan says so
+    assert any("1.9x the bytes of the shipped MXFP4" in n for n in fp8.notes)
+    assert not any("shipped" in n for n in nv.notes + none.notes)
 
 
 def test_plan_reports_does_not_fit():
@@ -108,7 +120,8 @@ def test_plan_reports_does_not_fit():
 def test_plan_cli_prints_the_table_for_the_b300_recipe():
     r = CliRunner().invoke(main, ["plan", "--spec", "gpt-oss-120b-8xb300-nvfp4", "--target", "gpt-oss-120b", "--json"])
     assert r.exit_code == 0, r.stderr
-    for row in ("target weights (quantized layers)", "KV cache per token", "KV tokens that fit", "verdict"):
+    for row in ("target weights (linear layers)", "of which MoE experts (nvfp4)", "KV cache per token",
+                "KV tokens that fit", "verdict", "drafter: replicated on every GPU (not sharded)", "in bf16"):
         assert row in r.stderr
     import json
 

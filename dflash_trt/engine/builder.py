@@ -19,8 +19,18 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dflash_trt.engine.archs import ArchSpec, resolve_arch
-from dflash_trt.engine.checks import check_limits, check_mapping, check_quant
+from dflash_trt.engine.devices import BuildDevice
+from dflash_trt.engine.checks import (
+    check_dtype,
+    check_limits,
+    check_mapping,
+    check_moe_backend,
+    check_quant,
+    expert_format,
+)
+from dflash_trt.engine.hardware import GPUS
 from dflash_trt.engine.plan import DraftShape, MemoryPlan, plan_memory, render_plan
+from dflash_trt.engine.recipes import ResolvedRecipe, resolve_recipe
 from dflash_trt.engine.spec import BuildSpec
 from dflash_trt.errors import DFlashError
 
@@ -36,6 +46,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 class Profile:
     phases: dict[str, float] = field(default_factory=dict)
     peak_rss_mib: dict[str, float] = field(default_factory=dict)
+    peak_gpu_mib: dict[str, float] = field(default_factory=dict)  # largest per-GPU peak, when on GPUs
+    rss_mib: dict[str, float] = field(default_factory=dict)  # resident at the end of the phase
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -44,9 +56,42 @@ class Profile:
             yield
         finally:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
-            # ru_maxrss is the process's peak so far (KiB on Linux): read after each phase, the
-            # first phase whose value jumps is the one that set the peak.
-            self.peak_rss_mib[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            # The process's peak so far: read after each phase, the first phase whose value jumps
+            # is the one that set the peak.
+            self.peak_rss_mib[name] = peak_rss_mib()
+            self.rss_mib[name] = _proc_status_mib("VmRSS") or 0.0
+            gpu = _gpu_peak_mib()
+            if gpu is not None:
+                self.peak_gpu_mib[name] = gpu
+
+
+def _proc_status_mib(field: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far (MiB): VmHWM on Linux, which starts afresh at
+    exec; getrusage's ru_maxrss survives exec, so a build started by a large parent process would
+    report the parent's peak."""
+    hwm = _proc_status_mib("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _gpu_peak_mib() -> float | None:
+    """The largest peak allocation on any GPU so far (None when torch has not touched a GPU)."""
+    if "torch" not in sys.modules:
+        return None
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 2**20
 
 
 @contextmanager
@@ -104,6 +149,10 @@ class Prepared:
     max_draft_len: int
     max_num_tokens: int
     plan: MemoryPlan
+    recipe: ResolvedRecipe | None = None
+    dtype_name: str = "bfloat16"  # the engine's unquantized dtype
+    expert_format: str | None = None  # MoE experts as written (mxfp4 | nvfp4 | fp8 | bf16 ...)
+    source_format: str | None = None  # MXFP4 for gpt-oss as released; None for a 16-bit checkpoint
 
 
 def _resolve_dirs(spec: BuildSpec) -> tuple[str | None, str | None]:
@@ -164,14 +213,37 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
 
         settings = validate_pair(draft_cfg, _Cfg, where=str(ddir))
         block_size, mask, layer_ids = settings.block_size, settings.mask_token_id, list(settings.target_layer_ids)
+    source_format = None
     if tdir is not None:
         _check_tokenizers(tdir, ddir, arch.vocab_size)
+        source_format = _source_format(tdir)
+    elif arch.native_expert_format:
+        source_format = arch.native_expert_format.upper()
     check_mapping(arch, spec)
     check_quant(spec)
+    check_dtype(spec)
+    dtype_name = resolve_dtype_name(spec, tcfg.get("dtype") or tcfg.get("torch_dtype"))
+    recipe = resolve_recipe(spec.quant, spec.recipe, spec.keep_layers, is_moe=arch.is_moe,
+                            native_experts=arch.native_expert_format, num_layers=arch.num_layers)
+    experts = expert_format(arch, spec.quant, dtype_name) if arch.is_moe else None
+    if experts:
+        check_moe_backend(arch, spec, experts)
     draft_len, num_tokens = check_limits(spec, block_size)
     shape = DraftShape.from_config(draft_cfg) if draft_cfg else DraftShape.estimate(arch, spec.draft_num_layers)
-    plan = plan_memory(arch, spec, shape, draft_len, num_tokens)
-    return Prepared(spec, arch, tdir, ddir, draft_cfg, block_size, mask, layer_ids, draft_len, num_tokens, plan)
+    plan = plan_memory(arch, spec, shape, draft_len, num_tokens, recipe)
+    return Prepared(spec, arch, tdir, ddir, draft_cfg, block_size, mask, layer_ids, draft_len, num_tokens, plan,
+                    recipe, dtype_name, experts, source_format)
+
+
+def _source_format(tdir: Path) -> str | None:
+    """MXFP4 (gpt-oss as released) or None; a ModelOpt export is refused as a build input."""
+    from dflash_trt.engine.dequant import read_quant_algo
+
+    algo = read_quant_algo(tdir)
+    if algo in ("FP8", "NVFP4"):
+        raise DFlashError(f"{tdir} is already a ModelOpt {algo} export (hf_quant_config.json); `build` quantizes "
+                          "a 16-bit checkpoint (or gpt-oss's released MXFP4 one): pass the original checkpoint")
+    return algo
 
 
 def print_spec(spec: BuildSpec, console: Any) -> None:
@@ -182,64 +254,19 @@ def print_spec(spec: BuildSpec, console: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Acceptance: tau with the reference runtime
-# ---------------------------------------------------------------------------------------------
-
-
-def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_tokens: int, desc: str,
-                progress: bool = True, max_draft_len: int | None = None) -> dict[str, float]:
-    """Greedy DFlash on each prompt, K = max_draft_len drafts a step (the engine's); tau over all
-    steps (includes the bonus token)."""
-    from tqdm import tqdm
-
-    from dflash_trt.runtime.generate import dflash_generate
-    from dflash_trt.sampling_params import SamplingParams
-    from dflash_trt.speculation import SpeculationSettings
-
-    steps = committed = drafted = accepted = 0
-    params = SamplingParams(max_tokens=max_new_tokens)
-    speculation = SpeculationSettings.for_block(draft.block_size, max_draft_len)
-    for ids in tqdm(prompt_ids, desc=desc, unit="prompt", disable=not progress, file=sys.stderr):
-        s = dflash_generate(draft, target, ids, params, speculation).stats
-        steps += s.num_steps
-        committed += sum(s.acceptance_lengths)  # tau counts the bonus token of every step
-        drafted += s.total_draft_tokens
-        accepted += s.total_accepted_draft_tokens
-    return {"tau": committed / steps if steps else 0.0, "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "steps": steps, "prompts": len(prompt_ids)}
-
-
-def acceptance_gate(before: dict[str, Any], after: dict[str, Any], quant: str, max_drop: float,
-                    accept_drop: bool) -> dict[str, Any]:
-    """The gate's record; DFlashError when tau fell by more than `max_drop` (relative) unless accepted.
-
-    Quantization keeps DFlash lossless (the target verifies) but can silently cost acceptance:
-    the drafter was trained on the float target's hidden states and outputs.
-    """
-    drop = (before["tau"] - after["tau"]) / before["tau"] if before["tau"] else 0.0
-    record = {"before": before, "after": after, "relative_drop": drop, "max_tau_drop": max_drop,
-              "accepted_by_flag": False}
-    if drop > max_drop:
-        if not accept_drop:
-            raise DFlashError(
-                f"acceptance gate failed: tau fell from {before['tau']:.3f} to {after['tau']:.3f} "
-                f"({drop:.1%} > {max_drop:.0%}) after {quant} quantization; calibrate on more prompts, "
-                "try --quant fp8 or --kv-cache-quant none, or pass --accept-tau-drop to keep the engine"
-            )
-        record["accepted_by_flag"] = True
-    return record
-
-
-# ---------------------------------------------------------------------------------------------
 # The build
 # ---------------------------------------------------------------------------------------------
 
 
-def _resolve_dtype(spec: BuildSpec, tcfg_dtype: str | None):
-    import torch
-
-    name = spec.dtype if spec.dtype != "auto" else (tcfg_dtype or "bfloat16")
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(str(name), torch.bfloat16)
+def resolve_dtype_name(spec: BuildSpec, checkpoint_dtype: str | None) -> str:
+    """The engine's unquantized dtype: --dtype, else the checkpoint's 16-bit one (bfloat16 for a
+    float32 checkpoint on a GPU engine); the CPU recipe keeps a float32 checkpoint in float32."""
+    if spec.dtype != "auto":
+        return spec.dtype
+    ckpt = str(checkpoint_dtype or "bfloat16").removeprefix("torch.")
+    if ckpt in ("bfloat16", "float16"):
+        return ckpt
+    return "float32" if GPUS[spec.gpu].emulated and ckpt == "float32" else "bfloat16"
 
 
 def default_name(p: Prepared) -> str:
@@ -248,21 +275,62 @@ def default_name(p: Prepared) -> str:
         f"ep{s.ep}" if s.ep > 1 else "")
 
 
+def _free() -> None:
+    """Collect a model the caller just dropped, before the next one loads (host RAM, GPU cache)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:  # glibc keeps freed heap memory mapped; hand it back so the next model does not add to it
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool) -> tuple[list[list[int]], list[list[int]]]:
+    from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
+
+    spec = p.spec
+    calib: list[list[int]] = []
+    if spec.quant != "none":
+        prompts = load_calibration_prompts(spec.calibration.prompts, spec.calibration.num_samples, split="train")
+        calib = encode_prompts(tokenizer, prompts, p.arch.vocab_size, spec.calibration.max_length)
+    gate: list[list[int]] = []
+    if gate_on:
+        prompts = load_calibration_prompts(spec.gate.prompts, spec.gate.num_prompts, split="eval")
+        gate = encode_prompts(tokenizer, prompts, p.arch.vocab_size, spec.calibration.max_length)
+        if len(gate) < 2:
+            raise DFlashError(f"the acceptance gate needs at least 2 prompts for an interval, got {len(gate)}; "
+                              "give more gate prompts")
+    return calib, gate
+
+
 def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool = True,
-                 console: Any = None, profile: Profile | None = None) -> Path:
-    """Write the engine directory for a prepared (validated, planned) build. Returns its path."""
+                 console: Any = None, profile: Profile | None = None, device: BuildDevice | None = None) -> Path:
+    """Write the engine directory for a prepared (validated, planned) build. Returns its path.
+
+    Host memory: a --quant none build streams the checkpoint shard by shard (no model loaded
+    unless the gate is asked for). A quantized build holds ONE model at a time: the target in the
+    engine dtype for the gate's "before" and calibration, then, after the export is written and
+    that model freed, the exported checkpoint (dequantized, same dtype) for the gate's "after".
+    """
     import yaml
 
-    from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
-    from dflash_trt.engine.dequant import load_quantized_target
+    from dflash_trt.engine import gate as gate_mod
+    from dflash_trt.engine.checkpoint_io import convert_checkpoint, copy_aux_files, load_checkpoint
+    from dflash_trt.engine.devices import device_map_for, input_device, resolve_device
     from dflash_trt.engine.llm_api import launch_scripts, llm_api_options, render_yaml
     from dflash_trt.engine.manifest import MANIFEST_NAME, DraftInfo, EngineManifest, Limits, Mapping, Quantization, TargetInfo
     from dflash_trt.engine.trtllm_versions import min_version, requirements
     from dflash_trt.engine.verify import hash_tree
     from dflash_trt.fsutil import atomic_directory, write_json_atomic, write_text_atomic
-    from dflash_trt.runtime.checkpoint import read_json
     from dflash_trt.runtime.draft_model import DFlashDraftModel
-    from dflash_trt.runtime.loading import load_target, load_tokenizer
+    from dflash_trt.runtime.loading import DTYPES, load_tokenizer
 
     spec, prof = p.spec, profile or Profile()
     assert p.target_dir is not None and p.draft_dir is not None
@@ -272,60 +340,87 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
 
     reserve_space(out, tree_bytes(p.target_dir) * {"fp8": 0.55, "nvfp4": 0.3}.get(spec.quant, 1.0)
                   + tree_bytes(p.draft_dir), "the engine")
-    say = (console.print if console is not None else (lambda *a, **k: None))
-    tcfg = read_json(p.target_dir / "config.json", what="target config")
-    dtype = _resolve_dtype(spec, tcfg.get("dtype") or tcfg.get("torch_dtype"))
+
+    def say(msg: str) -> None:  # plain text: paths and [low, high] intervals are not rich markup
+        if console is not None:
+            console.print(msg, markup=False, highlight=False)
+
+    dtype = DTYPES[p.dtype_name]
     quantized = spec.quant != "none"
+    gate_on = spec.gate.enabled if spec.gate.enabled is not None else quantized
+    device = device or resolve_device(spec.device)
+    acceptance: dict[str, Any] | None = None
+    quant_report: dict[str, Any] = {}
+
+    if quantized:  # before any model exists: see dflash_trt.engine.quantize on ModelOpt's first import
+        try:
+            from dflash_trt.engine.quantize import quantize_and_export
+        except ImportError as e:
+            raise DFlashError(f"--quant {spec.quant} needs nvidia-modelopt ({e}); pip install 'dflash-trt[quant]'")
 
     with sigterm_as_interrupt(), atomic_directory(out, overwrite=overwrite) as tmp:
-        with prof.phase("load"):
-            say(f"loading target {p.target_dir} ({str(dtype).removeprefix('torch.')}) and drafter {p.draft_dir}")
-            target = load_target(p.target_dir, dtype)
-            draft = DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype)
-            tokenizer = load_tokenizer(p.target_dir) if any((p.target_dir / f).is_file() for f in TOKENIZER_FILES) else None
-        acceptance: dict[str, Any] | None = None
-        if quantized:
-            prompts = load_calibration_prompts(spec.calibration.prompts, spec.calibration.num_samples)
-            ids = encode_prompts(tokenizer, prompts, p.arch.vocab_size, spec.calibration.max_length)
-            gate_ids = ids[: spec.gate.num_prompts]
-            if spec.gate.enabled:
+        target = draft = None
+        if quantized or gate_on:
+            with prof.phase("load"):
+                placement = device_map_for(p.target_dir, dtype, device)
+                home = input_device(placement)
+                say(f"loading target {p.target_dir} ({p.dtype_name}, {device.describe()}) and drafter {p.draft_dir}")
+                target = load_checkpoint(p.target_dir, dtype, device_map=placement)
+                draft = DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=str(home))
+                tokenizer = load_tokenizer(p.target_dir) if any((p.target_dir / f).is_file() for f in TOKENIZER_FILES) else None
+                calib_ids, gate_ids = _gate_and_calibration_ids(p, tokenizer, gate_on)
+            if gate_on:
                 with prof.phase("tau_before"):
-                    before = measure_tau(target, draft, gate_ids, spec.gate.max_new_tokens, "tau (unquantized)", progress,
-                                         p.max_draft_len)
+                    before = gate_mod.measure_tau(target, draft, gate_ids, spec.gate.max_new_tokens,
+                                                  "tau (unquantized)", progress, p.max_draft_len)
+                fit = gate_mod.check_fit(before, spec.gate.min_tau)
+                acceptance = {"before": before.summary(), "fit": fit}
+                lo, hi = before.interval()
+                say(f"unquantized tau {before.tau:.3f} [{lo:.3f}, {hi:.3f}] (95%, {before.n} prompts x "
+                    f"{spec.gate.max_new_tokens} tokens)")
+        if quantized:
+            assert p.recipe is not None
             with prof.phase("quantize_export"):
-                say(f"quantizing with ModelOpt: {spec.quant} weights, KV cache {spec.kv_cache_quant}, "
-                    f"{len(ids)} calibration prompts")
-                from dflash_trt.engine.quantize import quantize_and_export
-
-                quantize_and_export(target, spec.quant, spec.kv_cache_quant, ids, tmp / "target", dtype, progress)
-            del target
-            import gc
-
-            gc.collect()  # the calibrated model is large; free it before loading the exported one
-            if spec.gate.enabled:
+                say(f"quantizing with ModelOpt: {spec.quant} weights, recipe {p.recipe.describe()}, KV cache "
+                    f"{spec.kv_cache_quant}, {len(calib_ids)} calibration prompts")
+                quant_report = quantize_and_export(
+                    target, spec.quant, spec.kv_cache_quant, p.recipe, calib_ids, tmp / "target", dtype, progress,
+                    mxfp4_source=p.target_dir if p.source_format == "MXFP4" else None)
+                copy_aux_files(p.target_dir, tmp / "target")
+                cast = quant_report.get("mxfp4_cast")
+                if cast:
+                    say(f"MXFP4 -> NVFP4 expert cast: {cast['lossless_blocks']}/{cast['mxfp4_blocks']} blocks "
+                        "bit-exact")
+            target = None
+            _free()
+            if gate_on:
                 with prof.phase("tau_after"):
-                    qtarget = load_quantized_target(tmp / "target", dtype)
-                    after = measure_tau(qtarget, draft, gate_ids, spec.gate.max_new_tokens, f"tau ({spec.quant})", progress,
-                                        p.max_draft_len)
-                    del qtarget
-                acceptance = acceptance_gate(before, after, spec.quant, spec.gate.max_tau_drop,
-                                             spec.gate.accept_tau_drop)
-                say(f"acceptance gate: tau {before['tau']:.3f} (unquantized) -> {after['tau']:.3f} ({spec.quant}), "
-                    f"drop {acceptance['relative_drop']:+.1%} (allowed {spec.gate.max_tau_drop:.0%})")
+                    qtarget = load_checkpoint(tmp / "target", dtype, device_map=placement)
+                    after = gate_mod.measure_tau(qtarget, draft, gate_ids, spec.gate.max_new_tokens,
+                                                 f"tau ({spec.quant})", progress, p.max_draft_len)
+                    qtarget = None
+                    _free()
+                acceptance = {**gate_mod.decide(before, after, spec.quant, spec.gate.max_tau_drop,
+                                                spec.gate.accept_tau_drop, spec.gate.min_tau),
+                              "fit": acceptance["fit"] if acceptance else None}
+                say(gate_mod.describe(acceptance, spec.quant))
         else:
+            target = draft = None
+            _free()
             with prof.phase("export"):
-                target.save_pretrained(tmp / "target")
-                del target
+                stats = convert_checkpoint(p.target_dir, tmp / "target", dtype, progress)
+                say(f"target written shard by shard: {stats['cast']} tensors in {p.dtype_name}, {stats['kept']} kept "
+                    "byte for byte" + (" (MXFP4 experts as shipped)" if p.source_format == "MXFP4" else ""))
+        draft = None
         with prof.phase("write"):
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp / "target")
             (tmp / "draft").mkdir()
             for f in sorted(p.draft_dir.iterdir()):  # the drafter ships byte for byte (not requantized)
                 if f.is_file() and f.suffix in (".json", ".safetensors", ".md", ".txt"):
                     shutil.copy2(f, tmp / "draft" / f.name)
             opts = llm_api_options(spec, is_moe=p.arch.is_moe, max_draft_len=p.max_draft_len,
                                    max_num_tokens=p.max_num_tokens, mask_token_id=int(p.mask_token_id or 0),
-                                   target_layer_ids=p.target_layer_ids)
+                                   target_layer_ids=p.target_layer_ids, dtype=p.dtype_name,
+                                   expert_format=p.expert_format)
             min_trtllm = min_version(opts)  # the oldest release that has every key written
             header = (f"TensorRT-LLM LLM-API options (>= {min_trtllm}, one-model DFlash), generated by "
                       "dflash-trt build.\nRun from the engine directory: trtllm-serve ./target --config ./llm_api_options.yaml")
@@ -342,7 +437,11 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             gpu=spec.gpu,
             mapping=Mapping(tp=spec.tp, pp=spec.pp, ep=spec.ep, gpus_per_node=spec.gpus_per_node),
-            quantization=Quantization(weights=spec.quant, kv_cache=spec.kv_cache_quant),
+            quantization=Quantization(weights=spec.quant, kv_cache=spec.kv_cache_quant,
+                                      recipe=p.recipe.name if p.recipe else None,
+                                      keep_layers=list(p.recipe.keep_layers) if p.recipe else [],
+                                      source_format=p.source_format, expert_format=p.expert_format,
+                                      dtype=p.dtype_name, report=quant_report or None),
             limits=Limits(max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len,
                           max_draft_len=p.max_draft_len, max_num_tokens=p.max_num_tokens),
             target=TargetInfo(architecture=p.arch.architecture, num_layers=p.arch.num_layers,
@@ -354,11 +453,12 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
             versions=versions(quantized),
             # the resolved spec, re-runnable as is with `build --spec` (the Slurm build job does that)
             spec={**spec.model_dump(), "target": str(p.target_dir), "draft": str(p.draft_dir), "out": str(out),
-                  "dtype": str(dtype).removeprefix("torch.")},
+                  "dtype": p.dtype_name},
             files=files,
             plan=p.plan.to_dict(),
             acceptance=acceptance,
             timings_s={k: round(v, 3) for k, v in prof.phases.items()},
+            build_device=device.describe(),
         )
         write_json_atomic(tmp / MANIFEST_NAME, manifest.model_dump(mode="json"))
     return out
@@ -371,9 +471,15 @@ def render_profile(prof: Profile, console: Any) -> None:
     t.add_column("phase")
     t.add_column("seconds", justify="right")
     t.add_column("peak RSS so far (MiB)", justify="right")
+    t.add_column("RSS at end (MiB)", justify="right")
+    gpu = bool(prof.peak_gpu_mib)
+    if gpu:
+        t.add_column("peak GPU so far (MiB, largest GPU)", justify="right")
     for name, secs in prof.phases.items():
-        t.add_row(name, f"{secs:.2f}", f"{prof.peak_rss_mib.get(name, 0):.0f}")
-    t.add_row("total", f"{sum(prof.phases.values()):.2f}", f"{max(prof.peak_rss_mib.values(), default=0):.0f}")
+        row = [name, f"{secs:.2f}", f"{prof.peak_rss_mib.get(name, 0):.0f}", f"{prof.rss_mib.get(name, 0):.0f}"]
+        t.add_row(*row, *([f"{prof.peak_gpu_mib.get(name, 0):.0f}"] if gpu else []))
+    total = ["total", f"{sum(prof.phases.values()):.2f}", f"{max(prof.peak_rss_mib.values(), default=0):.0f}", ""]
+    t.add_row(*total, *([f"{max(prof.peak_gpu_mib.values()):.0f}"] if gpu else []))
     console.print(t)
 
 

@@ -34,15 +34,17 @@ def _text_of(row: Any, where: str) -> str:
     raise DFlashError(f"{where}: a row is neither a string nor an object with a 'prompt' or 'text' field")
 
 
-def load_calibration_prompts(source: str | list[str] | None, limit: int) -> list[str]:
-    """Up to `limit` prompt strings from `source` (None: the project's train prompts)."""
+def load_calibration_prompts(source: str | list[str] | None, limit: int, split: str = "train") -> list[str]:
+    """Up to `limit` prompt strings from `source` (None: the project's prompts of `split`:
+    train prompts calibrate, held-out "eval" prompts feed the acceptance gate, so the gate does
+    not measure tau on prompts the embedded drafter was trained on)."""
     if isinstance(source, list):
         prompts = [str(p) for p in source]
     elif source is None:
         try:
             from dflash_trt.prompts import interleave, load_prompts
 
-            prompts = [p.prompt for p in interleave(load_prompts(split="train"))]
+            prompts = [p.prompt for p in interleave(load_prompts(split=split))]
         except (ImportError, DFlashError, OSError):
             prompts = list(BUILTIN_PROMPTS)
     else:

@@ -14,12 +14,15 @@ Rules (TensorRT-LLM PyTorch backend):
   Dense targets need ep == 1.
 - world size = tp * pp MPI ranks must fit gpus_per_node * nodes.
 - quantization: NVFP4 needs FP4 tensor cores (Blackwell); FP8 weights / KV need FP8 (Hopper+).
+- dtype: GPU engines keep 16-bit unquantized tensors; float32 is the CPU recipe's only.
+- MoE backend: Hopper serves MXFP4 experts with TRITON, which shards experts by expert parallelism
+  only, so there moe_tp = tp / ep must be 1.
 """
 
 from __future__ import annotations
 
 from dflash_trt.engine.archs import ArchSpec
-from dflash_trt.engine.hardware import GPUS, QUANT_TO_FORMAT, WEIGHT_FORMATS, Gpu
+from dflash_trt.engine.hardware import EP_ONLY_MOE_BACKENDS, GPUS, QUANT_TO_FORMAT, WEIGHT_FORMATS, Gpu, moe_backend
 from dflash_trt.engine.spec import BuildSpec
 from dflash_trt.errors import DFlashError
 
@@ -108,3 +111,29 @@ def check_limits(spec: BuildSpec, block_size: int | None) -> tuple[int, int]:
             f"(max_draft_len + 1) = {spec.max_batch_size} * {draft_len + 1} = {need}; raise it to >= {need}"
         )
     return draft_len, num_tokens
+
+
+def check_dtype(spec: BuildSpec) -> None:
+    """A GPU engine in float32 would run in float32 on TensorRT-LLM: twice the memory and bandwidth."""
+    if spec.dtype == "float32" and not GPUS[spec.gpu].emulated:
+        raise DFlashError(f"--dtype float32 is for the CPU recipe (--gpu cpu); a {spec.gpu} engine keeps its "
+                          "unquantized tensors in 16 bits, use --dtype auto (the checkpoint's), bfloat16 or float16")
+
+
+def expert_format(arch: ArchSpec, quant: str, dtype_name: str) -> str:
+    """The format the engine's MoE expert weights are written in."""
+    if quant != "none":
+        return quant
+    return arch.native_expert_format or {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype_name,
+                                                                                                       "bf16")
+
+
+def check_moe_backend(arch: ArchSpec, spec: BuildSpec, experts: str) -> None:
+    if not arch.is_moe:
+        return
+    backend = moe_backend(spec.gpu, experts)
+    if backend in EP_ONLY_MOE_BACKENDS and spec.tp // spec.ep != 1:
+        raise DFlashError(
+            f"{experts.upper()} experts on {spec.gpu} run on TensorRT-LLM's {backend} MoE backend, which splits "
+            f"experts by expert parallelism only, but --tp {spec.tp} --ep {spec.ep} splits each expert "
+            f"{spec.tp // spec.ep} ways; use --ep {spec.tp}, or --quant fp8 (CUTLASS takes TP and EP)")

@@ -24,7 +24,18 @@ FLAG_TO_KEY = {
     "calib_prompts": "calibration.prompts", "calib_size": "calibration.num_samples",
     "calib_max_length": "calibration.max_length", "max_tau_drop": "gate.max_tau_drop",
     "accept_tau_drop": "gate.accept_tau_drop", "gate": "gate.enabled", "gate_prompts": "gate.num_prompts",
+    "recipe": "recipe", "keep_layers": "keep_layers", "device": "device", "min_tau": "gate.min_tau",
+    "gate_tokens": "gate.max_new_tokens",
 }
+
+
+def _layer_list(ctx: Any, param: Any, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of layer indices (e.g. 0,29)")
 
 
 def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -38,6 +49,10 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--pp", type=click.IntRange(min=1), help="Pipeline parallel size."),
         click.option("--ep", type=click.IntRange(min=1), help="MoE expert parallel size (divides --tp)."),
         click.option("--quant", type=click.Choice(["none", "fp8", "nvfp4"]), help="Target weight quantization."),
+        click.option("--recipe", type=click.Choice(["auto", "full", "mlp-only", "experts-only"]),
+                     help="Which layers --quant applies to (auto: mlp-only; on gpt-oss NVIDIA's nvfp4_mlp_only)."),
+        click.option("--keep-layers", callback=_layer_list, metavar="I,J",
+                     help="Decoder layers left in 16 bits (comma-separated; negative from the end)."),
         click.option("--kv-cache-quant", type=click.Choice(["none", "fp8"]), help="KV-cache quantization."),
         click.option("--gpu", type=click.Choice(["b300", "b200", "h200", "h100", "cpu"]),
                      help="GPU the engine is for (cpu: the reference runtime)."),
@@ -114,37 +129,44 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
 @click.option("--out", type=click.Path(file_okay=False), help="Engine directory to write (default engines/NAME).")
 @click.option("--name", help="Engine name recorded in the manifest.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
-              help="dtype of unquantized tensors (auto: the checkpoint's).")
+              help="dtype of unquantized tensors (auto: the checkpoint's 16-bit one; float32 only for --gpu cpu).")
 @click.option("--calib-prompts", type=click.Path(dir_okay=False), help="Calibration prompts (.jsonl/.json/.txt).")
 @click.option("--calib-size", type=click.IntRange(min=1), help="Number of calibration prompts (default 16).")
 @click.option("--calib-max-length", type=click.IntRange(min=8), help="Tokens per calibration prompt (default 256).")
 @click.option("--max-tau-drop", type=click.FloatRange(0, 1, max_open=True),
               help="Largest relative tau drop the acceptance gate allows (default 0.10).")
 @click.option("--accept-tau-drop", is_flag=True, default=None, help="Keep the engine even if tau drops more.")
-@click.option("--gate/--no-gate", default=None, help="Run the acceptance gate after quantizing (default on).")
-@click.option("--gate-prompts", type=click.IntRange(min=1), help="Prompts the acceptance gate decodes (default 4).")
-# PLACEHOLDER (issue 21 branch): accepted so the Slurm build job (`build --device auto`) runs; the
-# build still runs where it ran before. The issue-20 branch implements device placement.
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where the build runs (placeholder: not yet used).")
+@click.option("--gate/--no-gate", default=None,
+              help="Run the acceptance gate (default: on when quantizing; with --quant none it only checks that the "
+                   "drafter fits the target).")
+@click.option("--gate-prompts", type=click.IntRange(min=2),
+              help="Held-out prompts the acceptance gate decodes (default 24; the interval narrows as 1/sqrt(n)).")
+@click.option("--gate-tokens", type=click.IntRange(min=2), help="Tokens per gate prompt (default 96).")
+@click.option("--min-tau", type=click.FloatRange(min=1.0),
+              help="Refuse a pair whose unquantized tau is surely below this (default 1.2: a drafter that does not "
+                   "fit the target).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]),
+              help="Where calibration and the gate run: auto (every visible GPU, else the CPU), cpu, cuda.")
 @click.option("--dry-run", is_flag=True, help="Stop after validation and planning.")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory (atomically).")
 @click.option("--profile", is_flag=True, help="Print the time and peak RSS of each build phase.")
 @no_progress_option()
 @friendly_errors
 def build(spec_file: str | None, as_json: bool, dry_run: bool, force: bool, profile: bool, no_progress: bool,
-          device: str, **flags: Any) -> None:
+          **flags: Any) -> None:
     """Build an engine directory: validate, plan, quantize (ModelOpt), gate on tau, write atomically.
 
     With no --target/--draft the embedded default pair is used. Flags override --spec keys.
     """
     from dflash_trt.engine.builder import Profile, build_engine, default_name, prepare, print_spec, render_profile, show_plan
+    from dflash_trt.engine.devices import resolve_device
 
     spec = _resolve(spec_file, flags)
     console = _console()
     prof = Profile()
     with prof.phase("validate_plan"):
         p = prepare(spec, need_checkpoints=True)
+        device = resolve_device(spec.device)  # --device cuda without a GPU fails here, in a second
     print_spec(spec, console)
     show_plan(p, console)
     if not p.plan.fits:
@@ -157,7 +179,8 @@ def build(spec_file: str | None, as_json: bool, dry_run: bool, force: bool, prof
             click.echo(json.dumps({"dry_run": True, "plan": p.plan.to_dict()}))
         return
     out = Path(spec.out) if spec.out else Path("engines") / default_name(p)
-    build_engine(p, out, overwrite=force, progress=not no_progress, console=console, profile=prof)
+    console.print(f"build device: {device.describe()}")
+    build_engine(p, out, overwrite=force, progress=not no_progress, console=console, profile=prof, device=device)
     console.print(f"[green]engine written:[/green] {out}")
     if profile:
         render_profile(prof, console)

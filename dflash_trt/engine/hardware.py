@@ -68,6 +68,20 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "mxfp4": WeightFormat("mxfp4", 0.5 + 1 / 32, 0, None, None),
 }
 
+# MoE backend by (GPU family, expert weight format), where it differs from the family's default:
+# TensorRT-LLM's gpt-oss deployment guide serves the released MXFP4 experts with TRTLLM on
+# Blackwell and TRITON on Hopper (CUTLASS does not take MXFP4 weights there). Upstream's
+# TRITON backend shards experts by expert parallelism only (no moe_tp).
+MOE_BACKENDS: dict[tuple[str, str], str] = {("blackwell", "mxfp4"): "TRTLLM", ("hopper", "mxfp4"): "TRITON"}
+EP_ONLY_MOE_BACKENDS = frozenset({"TRITON"})
+
+
+def moe_backend(gpu: str, expert_format: str) -> str | None:
+    """moe_config.backend for experts in `expert_format` on `gpu` (None: the reference runtime)."""
+    g = GPUS[gpu]
+    return MOE_BACKENDS.get((g.family, expert_format), g.moe_backend)
+
+
 # --quant -> format of the quantized linear layers ("none" keeps the checkpoint's own format).
 QUANT_TO_FORMAT: dict[str, str] = {"none": "bf16", "fp8": "fp8", "nvfp4": "nvfp4"}
 KV_BYTES: dict[str, float] = {"none": 2.0, "fp8": 1.0}  # KV-cache element size (bf16 or FP8)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_trt.engine.hardware import GPUS
+from dflash_trt.engine.hardware import GPUS, moe_backend
 from dflash_trt.engine.trtllm_versions import requirements, strip_defaults
 from dflash_trt.errors import DFlashError
 
@@ -47,17 +47,23 @@ ENUMS: dict[tuple[str, str], frozenset[str]] = {
 
 
 def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_tokens: int, mask_token_id: int,
-                    target_layer_ids: list[int], draft_path: str = "./draft") -> dict[str, Any]:
+                    target_layer_ids: list[int], draft_path: str = "./draft", dtype: str | None = None,
+                    expert_format: str | None = None) -> dict[str, Any]:
     """The LLM-API kwargs (minus `model`, given on the command line) for this build.
 
-    Keys equal to upstream's default are left out (`strip_defaults`): each written key is one a
-    release may lack, and the manifest's minimum TensorRT-LLM version follows what is written.
+    `dtype`: the engine's unquantized dtype, written explicitly (TensorRT-LLM's "auto" would
+    follow config.json). `expert_format` (mxfp4 | nvfp4 | fp8 | bf16...): picks the MoE backend
+    as TensorRT-LLM's gpt-oss guide does (hardware.moe_backend). Keys equal to upstream's default
+    are left out (`strip_defaults`): each written key is one a release may lack, and the
+    manifest's minimum TensorRT-LLM version follows what is written.
     """
     gpu = GPUS[spec.gpu]
     opts: dict[str, Any] = {
         "tensor_parallel_size": spec.tp,
         "pipeline_parallel_size": spec.pp,
     }
+    if dtype is not None:
+        opts["dtype"] = dtype
     if is_moe:
         opts["moe_expert_parallel_size"] = spec.ep
     opts.update({
@@ -72,8 +78,9 @@ def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_toke
         # Decode-only CUDA graphs up to the batch size; padding rounds odd batches up to a graph.
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": spec.max_batch_size},
     })
-    if is_moe and gpu.moe_backend:
-        opts["moe_config"] = {"backend": gpu.moe_backend}
+    backend = moe_backend(spec.gpu, expert_format) if expert_format else gpu.moe_backend
+    if is_moe and backend:
+        opts["moe_config"] = {"backend": backend}
     opts.update({
         "enable_attention_dp": spec.enable_attention_dp,
         "stream_interval": spec.stream_interval,

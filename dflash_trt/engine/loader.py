@@ -16,7 +16,7 @@ def load_engine(engine_dir: str | Path, dtype: str | torch.dtype = "float32", de
     `verify` re-checks every file's sha256 against the manifest first (a second or so for the
     embedded pair), so a tampered or half-copied engine fails with the bad file named.
     """
-    from dflash_trt.engine.dequant import load_quantized_target
+    from dflash_trt.engine.checkpoint_io import load_checkpoint
     from dflash_trt.engine.manifest import load_manifest
     from dflash_trt.engine.verify import verify_engine
     from dflash_trt.runtime.checkpoint import read_json
@@ -29,7 +29,7 @@ def load_engine(engine_dir: str | Path, dtype: str | torch.dtype = "float32", de
     manifest = verify_engine(root) if verify else load_manifest(root)
     dt = parse_dtype(dtype)
     tdir, ddir = root / manifest.target.path, root / manifest.draft.path
-    target = load_quantized_target(tdir, dt, device)
+    target = load_checkpoint(tdir, dt, device)
     validate_pair(read_json(ddir / "config.json", what="drafter config"), target.config, where=str(ddir))
     draft = DFlashDraftModel.from_pretrained(ddir, dtype=dt, device=device)
     if pack:

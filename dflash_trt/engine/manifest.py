@@ -53,6 +53,13 @@ class Mapping(Strict):
 class Quantization(Strict):
     weights: Literal["none", "fp8", "nvfp4"] = "none"
     kv_cache: Literal["none", "fp8"] = "none"
+    # Added by the build area for issue 20 (absent in older manifests):
+    recipe: str | None = None  # full | mlp-only | experts-only (dflash_trt.engine.recipes)
+    keep_layers: list[int] = Field(default_factory=list)  # decoder layers left in 16 bits
+    source_format: str | None = None  # MXFP4 when the target shipped MXFP4 experts (gpt-oss)
+    expert_format: str | None = None  # MoE experts as written: mxfp4 | nvfp4 | fp8 | bf16 ...
+    dtype: str | None = None  # unquantized tensors (bfloat16 / float16; float32 only for gpu cpu)
+    report: dict[str, Any] | None = None  # quantized module count, MXFP4 -> NVFP4 cast block counts
 
 
 class Limits(Strict):
@@ -96,6 +103,7 @@ class EngineManifest(Strict):
     plan: dict[str, Any] | None = None  # memory plan per GPU (dflash_trt.engine.plan.MemoryPlan)
     acceptance: dict[str, Any] | None = None  # tau before/after quantization (acceptance gate)
     timings_s: dict[str, float] = Field(default_factory=dict)  # seconds per build phase
+    build_device: str | None = None  # where calibration and the gate ran (cpu, or the GPUs)
     # "key" / "key=value" of llm_api_options -> first TensorRT-LLM release with it (why the minimum is what it is)
     tensorrt_llm_requirements: dict[str, str] | None = None
 

@@ -11,6 +11,12 @@ Byte formulas (per rank; H = hidden, hd = head_dim, L_r = layers on the fullest 
 - unquantized (bf16, as upstream recipes keep them): embedding V*H (replicated, first stage),
   lm_head V*H/tp (vocab-parallel, last stage; shared with the embedding when tied and pp == 1),
   MoE router E*H + E (replicated), norms 2H per layer + H, biases and attention sinks.
+- which layers are quantized follows the build's recipe (dflash_trt.engine.recipes): `full`
+  quantizes attention too; `mlp-only` / `experts-only` keep attention in bf16; `keep_layers` keep
+  whole layers in bf16. Expert weights are in the format `build` writes: the checkpoint's own
+  (MXFP4 for gpt-oss as released) with --quant none, else the --quant format. gpt-oss's experts
+  are fused (gate_up_proj, down_proj per layer), so their FP32 per-tensor scales count twice per
+  layer, not per expert.
 - drafter: bf16, replicated on every rank (it is small; TensorRT-LLM runs it in the same executor).
 - KV bytes per token = 2 (K and V) * L_r * kv_heads_per_rank * hd * kv_bytes; sliding-window
   layers hold at most `sliding_window` tokens per sequence. The DFlash drafter also keeps its
@@ -29,8 +35,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dflash_trt.engine.archs import ArchSpec
-from dflash_trt.engine.checks import kv_heads_per_rank
+from dflash_trt.engine.checks import expert_format, kv_heads_per_rank
 from dflash_trt.engine.hardware import GB, GPUS, KV_BYTES, QUANT_TO_FORMAT, WEIGHT_FORMATS, WeightFormat
+from dflash_trt.engine.recipes import ResolvedRecipe
 from dflash_trt.engine.spec import BuildSpec
 
 BF16 = 2.0
@@ -92,6 +99,17 @@ class MemoryPlan:
     fits: bool
     draft_estimated: bool
     notes: list[str]
+    recipe: str = "none"
+    expert_format: str | None = None
+    expert_bytes: float = 0.0  # MoE expert weights per GPU (in target_quantized_bytes)
+    draft_kv_bytes_per_token: float = 0.0
+
+    @property
+    def drafter_line(self) -> str:
+        """How the drafter is counted, in one line (plan output and manifest)."""
+        return (f"drafter: replicated on every GPU (not sharded), {self.draft_bytes / GB:,.3f} GB of bf16 weights; its "
+                f"context K/V {self.draft_kv_bytes_per_token / 1024:,.1f} KiB/token in bf16 (the model dtype, not "
+                "--kv-cache-quant), counted in the KV budget")
 
     @property
     def target_bytes(self) -> float:
@@ -100,6 +118,7 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["target_bytes"] = self.target_bytes
+        d["drafter"] = self.drafter_line
         return d
 
 
@@ -112,23 +131,34 @@ def _linear(fmt: WeightFormat, params: float, tensors: int) -> float:
     return fmt.bytes_per_param * params + fmt.per_tensor_bytes * tensors
 
 
-def plan_memory(arch: ArchSpec, spec: BuildSpec, draft: DraftShape, max_draft_len: int, max_num_tokens: int) -> MemoryPlan:
+def _kept_on_fullest_stage(stages: list[list[int]], keep: tuple[int, ...]) -> int:
+    fullest = max(stages, key=len)
+    return sum(1 for i in fullest if i in set(keep))
+
+
+def plan_memory(arch: ArchSpec, spec: BuildSpec, draft: DraftShape, max_draft_len: int, max_num_tokens: int,
+                recipe: ResolvedRecipe | None = None) -> MemoryPlan:
     gpu = GPUS[spec.gpu]
     tp, pp, ep = spec.tp, spec.pp, spec.ep
     H, hd, V = arch.hidden_size, arch.head_dim, arch.vocab_size
     kvr = kv_heads_per_rank(arch.num_kv_heads, tp)
     q_width = arch.num_heads // tp * hd
+    bf16 = WEIGHT_FORMATS["bf16"]
     quant_fmt = WEIGHT_FORMATS[QUANT_TO_FORMAT[spec.quant]]
-    attn_fmt = quant_fmt
-    expert_fmt = quant_fmt if spec.quant != "none" else WEIGHT_FORMATS[arch.native_expert_format or "bf16"]
+    recipe_name = recipe.name if recipe is not None else "none"
+    attn_fmt = quant_fmt if recipe_name == "full" else bf16
+    experts = expert_format(arch, spec.quant, "bfloat16")
+    expert_fmt = WEIGHT_FORMATS[experts] if experts in WEIGHT_FORMATS else bf16
     notes: list[str] = []
 
     stages = _stage_layers(arch, pp)
     L_r = max(len(s) for s in stages)
+    kept = _kept_on_fullest_stage(stages, recipe.keep_layers if recipe is not None else ())
+    L_q = L_r - kept  # layers quantized as the recipe says; `kept` layers are all bf16
 
     # -- target weights on the fullest stage ---------------------------------------------------
     attn_params = 2 * H * q_width + 2 * H * kvr * hd  # q, o, k, v
-    quantized = L_r * _linear(attn_fmt, attn_params, 4)
+    quantized = L_q * _linear(attn_fmt, attn_params, 4) + kept * _linear(bf16, attn_params, 4)
     unq = L_r * (2 * H) * BF16  # input/post-attention norms
     if arch.attention_bias:
         unq += L_r * (q_width + 2 * kvr * hd + H) * BF16
@@ -138,13 +168,27 @@ def plan_memory(arch: ArchSpec, spec: BuildSpec, draft: DraftShape, max_draft_le
         moe_tp = tp // ep
         E, Ie = arch.num_experts, arch.expert_intermediate_size
         expert_params = E * 3 * H * Ie / tp
-        quantized += L_r * _linear(expert_fmt, expert_params, E // ep * 3)
+        # gpt-oss fuses its experts: one gate_up_proj and one down_proj tensor per layer
+        expert_tensors = 2 if arch.model_type == "gpt_oss" else E // ep * 3
+        expert_bytes = L_q * _linear(expert_fmt, expert_params, expert_tensors)
+        expert_bytes += kept * _linear(bf16, expert_params, expert_tensors)  # exported dequantized
+        quantized += expert_bytes
         unq += L_r * (E * H + E) * BF16  # router weight + bias, replicated
         if arch.model_type == "gpt_oss":  # expert biases: gate_up (2*I_e, split moe_tp) and down (H)
             unq += L_r * (E // ep) * (2 * Ie / moe_tp + H) * BF16
         widest = arch.experts_per_token * 2 * Ie // moe_tp
+        if arch.native_expert_format and experts != arch.native_expert_format:
+            shipped = WEIGHT_FORMATS[arch.native_expert_format]
+            ratio = expert_fmt.bytes_per_param / shipped.bytes_per_param
+            if ratio >= 1.5:  # fp8 (1.9x) or 16-bit experts; NVFP4 is within 6% of MXFP4
+                notes.append(f"{experts.upper()} experts take {ratio:.1f}x the bytes of the shipped "
+                             f"{arch.native_expert_format.upper()} ones ({expert_bytes / GB:,.2f} GB vs "
+                             f"{L_r * _linear(shipped, expert_params, expert_tensors) / GB:,.2f} GB per GPU); "
+                             "--quant none keeps them as shipped, --quant nvfp4 casts them losslessly")
     else:
-        quantized += L_r * _linear(quant_fmt, 3 * H * arch.intermediate_size / tp, 3)
+        expert_bytes = 0.0
+        mlp_params = 3 * H * arch.intermediate_size / tp
+        quantized += L_q * _linear(quant_fmt, mlp_params, 3) + kept * _linear(bf16, mlp_params, 3)
         widest = 2 * arch.intermediate_size // tp
     embed = V * H * BF16
     lm_head = 0.0 if (arch.tie_word_embeddings and pp == 1) else math.ceil(V / tp) * H * BF16
@@ -180,7 +224,8 @@ def plan_memory(arch: ArchSpec, spec: BuildSpec, draft: DraftShape, max_draft_le
         return MemoryPlan(spec.gpu, tp, pp, ep, spec.quant, spec.kv_cache_quant, L_r, kvr, quantized, unq,
                           draft_bytes, kv_per_token, kv_per_seq, reserve, None, None, None, None,
                           "n/a: reference runtime on the host (dequantized weights, no HBM budget)", True,
-                          draft.estimated, notes)
+                          draft.estimated, notes, recipe_name, experts if arch.is_moe else None, expert_bytes,
+                          draft_kv_tok)
     free = gpu.hbm_bytes - weights - reserve
     budget = max(0.0, free) * spec.free_gpu_memory_fraction
     seqs = int(budget // kv_per_seq) if kv_per_seq else 0
@@ -199,7 +244,7 @@ def plan_memory(arch: ArchSpec, spec: BuildSpec, draft: DraftShape, max_draft_le
         notes.append(f"{arch.num_kv_heads} KV heads replicated over {tp} TP ranks (1 per rank)")
     return MemoryPlan(spec.gpu, tp, pp, ep, spec.quant, spec.kv_cache_quant, L_r, kvr, quantized, unq, draft_bytes,
                       kv_per_token, kv_per_seq, reserve, gpu.hbm_bytes, budget, toks, seqs, verdict, fits,
-                      draft.estimated, notes)
+                      draft.estimated, notes, recipe_name, experts if arch.is_moe else None, expert_bytes, draft_kv_tok)
 
 
 def render_plan(plan: MemoryPlan, arch: ArchSpec, console: Any = None) -> None:
@@ -217,8 +262,10 @@ def render_plan(plan: MemoryPlan, arch: ArchSpec, console: Any = None) -> None:
     def gb(x: float | None) -> str:
         return "-" if x is None else f"{x / GB:,.2f} GB"
 
-    t.add_row("target weights (quantized layers)", gb(plan.target_quantized_bytes),
-              f"{plan.layers_per_rank} layers/rank, {plan.quant}, scales included")
+    t.add_row("target weights (linear layers)", gb(plan.target_quantized_bytes),
+              f"{plan.layers_per_rank} layers/rank, {plan.quant} recipe {plan.recipe}, scales included")
+    if plan.expert_format:
+        t.add_row(f"  of which MoE experts ({plan.expert_format})", gb(plan.expert_bytes), "as build writes them")
     t.add_row("target weights (bf16: embed, lm_head, router, norms)", gb(plan.target_unquantized_bytes), "kept unquantized")
     t.add_row("drafter (bf16, replicated)", gb(plan.draft_bytes), "estimated" if plan.draft_estimated else "from its config")
     t.add_row("activation + workspace reserve", gb(plan.reserve_bytes), "runtime + activations + FP32 logits")
@@ -230,5 +277,6 @@ def render_plan(plan: MemoryPlan, arch: ArchSpec, console: Any = None) -> None:
     t.add_row("KV tokens that fit", "-" if plan.kv_tokens_fit is None else f"{plan.kv_tokens_fit:,}", "")
     t.add_row("verdict", "OK" if plan.fits else "NO", plan.verdict)
     console.print(t)
+    console.print(f"  {plan.drafter_line}")
     for n in plan.notes:
         console.print(f"  note: {n}")

@@ -2,9 +2,20 @@
 
 `mtq.quantize(model, cfg, forward_loop)` inserts fake-quant modules and calibrates their amax on
 the calibration prompts; `export_hf_checkpoint` then writes real low-precision weights plus
-`hf_quant_config.json` -- the format TensorRT-LLM (>= 1.x) and vLLM load directly. ModelOpt's
-default configs already keep lm_head, embeddings and MoE routers unquantized, as upstream
-recipes do. FP8 KV-cache quantization adds ModelOpt's `*[kv]_bmm_quantizer` entries.
+`hf_quant_config.json` -- the format TensorRT-LLM (>= 1.x) and vLLM load directly. Which layers
+are quantized is the recipe's (dflash_trt.engine.recipes); lm_head, embeddings and MoE routers
+always stay in 16 bits, as upstream recipes keep them. FP8 KV-cache quantization adds ModelOpt's
+`*[kv]_bmm_quantizer` entries. An MXFP4 source (gpt-oss) quantized to NVFP4 gets ModelOpt's
+lossless cast of its experts (dflash_trt.engine.mxfp4_cast) between calibration and export.
+
+The model may sit on the CPU or be spread over GPUs (a device map): calibration feeds token ids
+to the embedding's device and accelerate's hooks carry activations through. The export writes
+shards of at most EXPORT_SHARD_SIZE, so host memory holds one shard beside the model.
+
+ModelOpt is imported with this module, which the builder imports BEFORE it loads a model: the
+first import of ModelOpt keeps the frames on the stack at that moment alive (its plugin loader
+holds a failed optional import's traceback), and a model referenced from one of them -- such as
+this function's `model` argument, had it imported ModelOpt itself -- is never freed.
 
 On a CPU: FP8 calibration works end to end; NVFP4 calibration and export work, but a forward of
 the fake-quantized NVFP4 model asserts "amax must be a CUDA tensor" -- nothing here runs one (the
@@ -14,55 +25,89 @@ acceptance gate runs the EXPORTED weights through dflash_trt.engine.dequant inst
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import modelopt.torch.quantization as mtq
+from modelopt.torch.export import export_hf_checkpoint
+
+from dflash_trt.engine.recipes import ResolvedRecipe, modelopt_config
 from dflash_trt.errors import DFlashError
 
-# --quant -> the ModelOpt config constant (modelopt 0.47: quant_cfg is a list of rule dicts).
-MODELOPT_CONFIGS = {"fp8": "FP8_DEFAULT_CFG", "nvfp4": "NVFP4_DEFAULT_CFG"}
-MODELOPT_KV_CONFIGS = {"fp8": "FP8_KV_CFG"}
+EXPORT_SHARD_SIZE = "2GB"
 
 
-def modelopt_config(quant: str, kv_cache_quant: str) -> dict[str, Any]:
-    try:
-        import modelopt.torch.quantization as mtq
-    except ImportError as e:
-        raise DFlashError(f"--quant {quant} needs nvidia-modelopt ({e}); pip install 'dflash-trt[quant]'")
-    cfg = copy.deepcopy(getattr(mtq, MODELOPT_CONFIGS[quant]))
-    if kv_cache_quant != "none":
-        kv = getattr(mtq, MODELOPT_KV_CONFIGS[kv_cache_quant])["quant_cfg"]
-        rules = cfg["quant_cfg"]
-        # 0.47 uses a list of {"quantizer_name": ..., ...} rules; older releases used a dict.
-        cfg["quant_cfg"] = list(rules) + list(kv) if isinstance(rules, list) else {**rules, **kv}
-    return cfg
+def quantize_and_export(model: Any, quant: str, kv_cache_quant: str, recipe: ResolvedRecipe,
+                        calib_ids: list[list[int]], export_dir: Path, dtype: Any = None, progress: bool = True,
+                        mxfp4_source: Path | None = None,
+                        before_export: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """Calibrate `model` in place on `calib_ids` and export it to `export_dir` (unified HF format).
 
-
-def quantize_and_export(model: Any, quant: str, kv_cache_quant: str, calib_ids: list[list[int]],
-                        export_dir: Path, dtype: Any = None, progress: bool = True) -> None:
-    """Calibrate `model` in place on `calib_ids` and export it to `export_dir` (unified HF format)."""
+    Returns a report: quantized module count, and for an MXFP4 source cast to NVFP4 the cast's
+    lossless-block count. `before_export(model)` sees the calibrated fake-quant model (weights AND
+    activations quantized as ModelOpt simulates them; FP8 runs on a CPU) before export packs it.
+    """
     import torch
     from tqdm import tqdm
 
-    import modelopt.torch.quantization as mtq
-    from modelopt.torch.export import export_hf_checkpoint
+    from dflash_trt.engine.mxfp4_cast import pin_expert_scales
 
     if not getattr(model.config, "architectures", None):
         # export_hf_checkpoint needs it to write a loadable config.json.
         model.config.architectures = [type(model).__name__]
-    cfg = modelopt_config(quant, kv_cache_quant)
-    device = next(model.parameters()).device
+    cast = mxfp4_source is not None and quant == "nvfp4"
+    cfg = modelopt_config(quant, kv_cache_quant, recipe, static_expert_weights=cast)
+    device = model.get_input_embeddings().weight.device
 
     def forward_loop(m: Any) -> None:
         with torch.no_grad():
             for ids in tqdm(calib_ids, desc=f"calibrate {quant}", unit="prompt", disable=not progress, file=sys.stderr):
                 m(torch.tensor([ids], device=device))
 
+    report: dict[str, Any] = {}
     # ModelOpt prints progress to stdout; keep stdout clean for --json consumers.
     with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mtq.quantize(model, cfg, forward_loop)
-        export_hf_checkpoint(model, dtype=dtype, export_dir=export_dir)
+        report["quantized_modules"] = _count_quantized(model)
+        if report["quantized_modules"] == 0:
+            raise DFlashError(f"recipe {recipe.name} quantized no layer of this target ({type(model).__name__}); "
+                              "use recipe full")
+        if cast:
+            report["mxfp4_cast"] = pin_expert_scales(model, mxfp4_source).to_dict()
+        if before_export is not None:
+            before_export(model)
+        with _transformers_quiet(progress):
+            export_hf_checkpoint(model, dtype=dtype, export_dir=export_dir, max_shard_size=EXPORT_SHARD_SIZE)
+    return report
+
+
+@contextlib.contextmanager
+def _transformers_quiet(progress: bool) -> Iterator[None]:
+    """transformers' save_pretrained logs deprecations and draws a shard bar: honour --no-progress."""
+    from transformers.utils import logging as hf_logging
+
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(old)
+        if not progress:
+            hf_logging.enable_progress_bar()
+
+
+def _count_quantized(model: Any) -> int:
+    """Modules with at least one enabled weight quantizer."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    owners = set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, TensorQuantizer) and mod.is_enabled and name.endswith("weight_quantizer"):
+            owners.add(name.rpartition(".")[0])
+    return len(owners)

@@ -67,11 +67,20 @@ def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> 
 
 def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 allow_pickle: bool = False):
-    """A HF causal LM from a local directory; never executes code from it."""
+    """A HF causal LM from a local directory; never executes code from it.
+
+    A quantized checkpoint (gpt-oss's MXFP4 experts, a ModelOpt FP8/NVFP4 export) is dequantized
+    in plain torch, one tensor at a time (dflash_trt.engine.checkpoint_io), so the source of an
+    engine and the engine itself load through the same exact dequantization.
+    """
     from transformers import AutoModelForCausalLM
 
     directory = Path(directory)
-    read_json(directory / "config.json", what="target config")
+    cfg = read_json(directory / "config.json", what="target config")
+    if cfg.get("quantization_config"):
+        from dflash_trt.engine.checkpoint_io import load_checkpoint
+
+        return load_checkpoint(directory, dtype, device)
     if not list(directory.glob("*.safetensors")):
         pickles = [p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES]
         if not pickles:

@@ -59,7 +59,10 @@ class TargetAdapter:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where the loop's tensors live: the embedding's device. A target spread over several
+        GPUs (an accelerate device map, as `build --device cuda` loads it) returns every output
+        here, so the loop and the drafter see one device."""
+        return self.model.get_input_embeddings().weight.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -68,11 +71,11 @@ class TargetAdapter:
     # -- pieces the drafter borrows -------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         # [B, S] -> [B, S, H]; raw embedding rows (no model-specific scaling)
-        return self.model.get_input_embeddings()(ids)
+        return self.model.get_input_embeddings()(ids)  # the embedding sits on self.device
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        # [B, S, H] -> [B, S, V]
-        return self.model.get_output_embeddings()(hidden)
+        # [B, S, H] -> [B, S, V]; on a device map the lm_head may sit on the last GPU
+        return self.model.get_output_embeddings()(hidden).to(self.device)
 
     # -- forward with hidden-state capture ------------------------------------------------------
     def new_cache(self) -> DynamicCache:
@@ -103,8 +106,9 @@ class TargetAdapter:
             )
         finally:
             captured, state.captured, state.layer_ids = state.captured, {}, ()
-        feats = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
-        return out.logits, feats
+        home = self.device  # layers of a device-mapped target sit on different GPUs
+        feats = torch.cat([captured[i].to(home) for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
+        return out.logits.to(home), feats
 
     @staticmethod
     def crop(cache: DynamicCache, length: int) -> None:

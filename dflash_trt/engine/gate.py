@@ -1,0 +1,179 @@
+"""The acceptance gate: tau before vs after quantization, decided on a 95% interval.
+
+Quantization keeps DFlash lossless (the target verifies) but can silently cost acceptance: the
+drafter was trained on the float target's hidden states and outputs. The gate decodes the same
+prompts greedily with the unquantized and with the exported (quantized) target and compares
+tau = committed tokens / steps (the bonus token included, dflash_trt.metrics' convention).
+
+Statistics. Greedy decoding is deterministic, so the uncertainty is over prompts: tau is a ratio
+estimator (sum of committed tokens over sum of steps), and prompts are the independent units.
+Its standard error comes from the linearization z_i = (c_i - tau * s_i) / mean(s) (the delta
+method for a ratio, clustered by prompt); the drop compares the two runs PROMPT BY PROMPT (paired:
+the same prompts before and after, so prompt-to-prompt variation largely cancels). Intervals use
+Student's t with n - 1 degrees of freedom.
+
+Decisions on the interval, never on a point estimate:
+- fit: the pair is refused when the unquantized tau's upper bound is below `min_tau` -- a
+  drafter whose tokens this target never accepts ("does not fit this target").
+- drop: the build passes when the upper bound of the relative drop is <= `max_tau_drop`; it
+  fails when the lower bound exceeds it, and when the interval straddles it ("inconclusive":
+  more prompts narrow it), unless the drop is accepted by flag.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_trt.errors import DFlashError
+
+CONFIDENCE = 0.95
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile: exact for df 1 and 2, else the Cornish-Fisher expansion around the
+    normal quantile (Abramowitz & Stegun 26.7.5; at p = 0.975 within 0.03 of the exact value for
+    df = 3 and within 0.001 from df = 7 on)."""
+    z = statistics.NormalDist().inv_cdf(p)
+    if df <= 0:
+        return math.inf
+    if df == 1:
+        return math.tan(math.pi * (p - 0.5))  # Cauchy: exact
+    if df == 2:
+        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))  # exact
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    return z + g1 / df + g2 / df**2 + g3 / df**3
+
+
+@dataclass
+class TauSample:
+    """Per-prompt greedy DFlash results: committed tokens (tau numerators) and steps."""
+
+    committed: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, committed: int, steps: int, drafted: int, accepted: int) -> None:
+        self.committed.append(committed)
+        self.steps.append(steps)
+        self.drafted += drafted
+        self.accepted += accepted
+
+    @property
+    def n(self) -> int:
+        return len(self.steps)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.committed) / sum(self.steps) if sum(self.steps) else 0.0
+
+    def _linearized(self) -> list[float]:
+        mean_s = sum(self.steps) / self.n
+        return [(c - self.tau * s) / mean_s for c, s in zip(self.committed, self.steps)]
+
+    def interval(self) -> tuple[float, float]:
+        """95% interval of tau (ratio estimator, prompts as clusters)."""
+        if self.n < 2:
+            return (self.tau, self.tau) if self.n else (0.0, 0.0)
+        half = t_quantile(0.5 + CONFIDENCE / 2, self.n - 1) * statistics.stdev(self._linearized()) / math.sqrt(self.n)
+        return self.tau - half, self.tau + half
+
+    def summary(self) -> dict[str, Any]:
+        lo, hi = self.interval()
+        return {"tau": self.tau, "tau_low": lo, "tau_high": hi, "prompts": self.n, "steps": sum(self.steps),
+                "tokens": sum(self.committed),
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0}
+
+
+def drop_interval(before: TauSample, after: TauSample) -> tuple[float, float, float]:
+    """(relative drop 1 - tau_after / tau_before, low, high) at 95%, paired by prompt."""
+    if before.n != after.n or before.n == 0:
+        raise ValueError("the gate compares the same prompts before and after")
+    rb, ra = before.tau, after.tau
+    q = ra / rb if rb else 0.0
+    if before.n < 2 or not rb or not ra:
+        return 1 - q, 1 - q, 1 - q
+    u, v = after._linearized(), before._linearized()
+    w = [q * (ui / ra - vi / rb) for ui, vi in zip(u, v)]  # influence of each prompt on tau_a / tau_b
+    half = t_quantile(0.5 + CONFIDENCE / 2, before.n - 1) * statistics.stdev(w) / math.sqrt(before.n)
+    return 1 - q, 1 - (q + half), 1 - (q - half)
+
+
+def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_tokens: int, desc: str,
+                progress: bool = True, max_draft_len: int | None = None) -> TauSample:
+    """Greedy DFlash on each prompt with the reference loop, K = max_draft_len drafts a step (the
+    engine's); one TauSample entry per prompt."""
+    from tqdm import tqdm
+
+    from dflash_trt.runtime.generate import dflash_generate
+    from dflash_trt.sampling_params import SamplingParams
+    from dflash_trt.speculation import SpeculationSettings
+
+    sample = TauSample()
+    params = SamplingParams(max_tokens=max_new_tokens)
+    speculation = SpeculationSettings.for_block(draft.block_size, max_draft_len)
+    for ids in tqdm(prompt_ids, desc=desc, unit="prompt", disable=not progress, file=sys.stderr):
+        s = dflash_generate(draft, target, ids, params, speculation).stats
+        sample.add(sum(s.acceptance_lengths), s.num_steps, s.total_draft_tokens, s.total_accepted_draft_tokens)
+    return sample
+
+
+def _fmt(s: TauSample) -> str:
+    lo, hi = s.interval()
+    return f"{s.tau:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def check_fit(before: TauSample, min_tau: float) -> dict[str, Any]:
+    """Refuse a drafter that does not fit the target (unquantized tau near 1)."""
+    lo, hi = before.interval()
+    record = {"min_tau": min_tau, "fits": hi >= min_tau, "confident": lo >= min_tau}
+    if hi < min_tau:
+        raise DFlashError(
+            f"this drafter does not fit this target: unquantized tau {_fmt(before)} (95% interval, "
+            f"{before.n} prompts, {sum(before.steps)} steps) is below {min_tau} -- almost none of its drafts are "
+            "accepted; use a drafter trained for this target (or pass --no-gate to build anyway)")
+    return record
+
+
+def decide(before: TauSample, after: TauSample, quant: str, max_drop: float, accept_drop: bool,
+           min_tau: float) -> dict[str, Any]:
+    """The gate's record (kept in the manifest); DFlashError when the drop is not shown to be
+    within `max_drop` at 95%, unless `accept_drop`."""
+    drop, lo, hi = drop_interval(before, after)
+    record = {"before": before.summary(), "after": after.summary(), "relative_drop": drop,
+              "relative_drop_low": lo, "relative_drop_high": hi, "confidence": CONFIDENCE,
+              "max_tau_drop": max_drop, "min_tau": min_tau, "accepted_by_flag": False,
+              "method": "paired by prompt, ratio estimator, delta method, Student t"}
+    if hi <= max_drop:
+        record["decision"] = "pass"
+        return record
+    verdict = "fail" if lo > max_drop else "inconclusive"
+    record["decision"] = verdict
+    if not accept_drop:
+        why = (f"tau fell from {_fmt(before)} to {_fmt(after)} after {quant} quantization: drop {drop:.1%} "
+               f"[{lo:.1%}, {hi:.1%}] (95%, {before.n} prompts)")
+        if verdict == "fail":
+            fix = ("choose a milder recipe (recipe mlp-only, keep_layers), --quant fp8, or pass --accept-tau-drop "
+                   "to keep the engine")
+            raise DFlashError(f"acceptance gate failed: {why} > {max_drop:.0%}; {fix}")
+        raise DFlashError(f"acceptance gate inconclusive: {why} reaches past {max_drop:.0%}; decode more prompts "
+                          "(--gate-prompts) to narrow the interval, or pass --accept-tau-drop to keep the engine")
+    record["accepted_by_flag"] = True
+    return record
+
+
+def describe(record: dict[str, Any], quant: str) -> str:
+    b, a = record["before"], record["after"]
+    return (f"acceptance gate ({b['prompts']} prompts, 95% intervals): tau {b['tau']:.3f} [{b['tau_low']:.3f}, "
+            f"{b['tau_high']:.3f}] unquantized -> {a['tau']:.3f} [{a['tau_low']:.3f}, {a['tau_high']:.3f}] {quant}; "
+            f"drop {record['relative_drop']:+.1%} [{record['relative_drop_low']:+.1%}, "
+            f"{record['relative_drop_high']:+.1%}] vs allowed {record['max_tau_drop']:.0%}: {record['decision']}"
+            + (" (kept by --accept-tau-drop)" if record["accepted_by_flag"] else ""))
+
+
