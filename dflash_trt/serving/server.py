@@ -35,12 +35,10 @@ from typing import Any
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving.core import InferenceCore
 from dflash_trt.serving.host import HostedModel
+from dflash_trt.serving.limits import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_TIMEOUT_S
 from dflash_trt.serving.metrics import ServerMetrics
 
 log = logging.getLogger("dflash_trt.serving")
-
-DEFAULT_MAX_STREAMS = 64
-DEFAULT_STREAM_IDLE_TIMEOUT_S = 600.0
 
 
 def _bind(host: str, port: int, flag: str) -> socket.socket:
