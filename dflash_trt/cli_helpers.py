@@ -52,3 +52,19 @@ def max_draft_len_option(help: str = MAX_DRAFT_LEN_HELP) -> Callable[[Callable[.
 def policy_option(default: str | None, help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return click.option("--policy", type=click.Choice(POLICIES), default=default, show_default=default is not None,
                         help=help)
+
+
+def _quiet_library_bars(ctx: click.Context, param: click.Parameter, no_progress: bool) -> bool:
+    """--no-progress also silences the bars transformers and huggingface_hub draw themselves
+    ("Loading weights", "Writing model shards"): our own tqdm/rich bars take `progress` directly."""
+    if no_progress:
+        import huggingface_hub.utils
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
+    return no_progress
+
+
+def no_progress_option(help: str = "No progress bars.") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option("--no-progress", is_flag=True, callback=_quiet_library_bars, help=help)

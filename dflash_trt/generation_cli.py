@@ -41,13 +41,16 @@ def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_
     """Generate text for PROMPT with DFlash and print it with acceptance statistics."""
     from dflash_trt.pairs import resolve_pair
     from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+    from dflash_trt.runtime.tokens import check_text
     from dflash_trt.sampling_params import SamplingParams
 
-    # the sampling parameters are checked before anything is loaded
+    # the prompt and the sampling parameters are checked before anything is loaded
+    check_text(prompt)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     pair = resolve_pair(target_dir, draft_dir, engine_dir=engine_dir, tiny=tiny, dtype=dtype, allow_pickle=allow_pickle,
                         max_draft_len=max_draft_len, policy=policy)
     ids = pair.codec.encode(prompt, raw=raw)
+    pair.codec.check_room(ids, max_new_tokens)  # an engine's max_seq_len bounds prompt + output
     params = params.with_stop_token_ids(pair.codec.stop_token_ids)
     if pair.speculation.policy == "adaptive":
         from dflash_trt.runtime.batched import batched_generate

@@ -72,4 +72,5 @@ def resolve_pair(target_dir: str | Path | None = None, draft_dir: str | Path | N
                 target_dir, draft_dir = default_pair_dirs()
             pair = load_pair(target_dir, draft_dir, dtype=dtype, device=device, allow_pickle=allow_pickle)
         speculation = SpeculationSettings.for_block(pair.draft.block_size, max_draft_len, policy)
-    return ResolvedPair(pair.target, pair.draft, pair.tokenizer, TextCodec.of_pair(pair), speculation, manifest)
+    limit = manifest.limits.max_seq_len if manifest is not None else None  # prompts are checked against it
+    return ResolvedPair(pair.target, pair.draft, pair.tokenizer, TextCodec.of_pair(pair, limit), speculation, manifest)

@@ -83,7 +83,7 @@ def _edit(path: Path, **changes):
         ({"target_layer_ids": [1, 9]}, "target_layer_ids=[1, 9] has [9] outside the target's layers 0..3"),
         ({"num_target_layers": 36}, "num_target_layers=36 but the target has 4 layers"),
         ({"mask_token_id": 128}, "mask_token_id=128 is outside the target vocabulary (0..127)"),
-        ({"block_size": 1}, "block_size=1; DFlash needs block_size >= 2"),
+        ({"block_size": 1}, "block_size=1 is out of range; accepted: 2..64"),
     ],
 )
 def test_pair_validation_errors_name_field_values_and_fix(pair, changes, expected):

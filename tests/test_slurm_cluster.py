@@ -226,7 +226,8 @@ def test_serve_job_fails_fast_when_the_server_dies(cluster, engine, tmp_path):
     (broken / "llm_api_options.yaml").write_text((engine / "llm_api_options.yaml").read_text())
     out = tmp_path / "jobs"
     port = _free_port_block(2)
-    submitted = cluster.run(DFLASH, "deploy", "slurm", str(broken), "--out", str(out), "--backend", "reference",
+    # --no-verify: the engine is broken on purpose (no weights); the job, not `deploy`, must notice
+    submitted = cluster.run(DFLASH, "deploy", "slurm", str(broken), "--out", str(out), "--no-verify", "--backend", "reference",
                             "--grpc-port", str(port), "--metrics-port", str(port + 1), "--ready-timeout", "300",
                             "--job-name", "broken", "--container-dflash-bin", DFLASH, "--submit").stdout
     job = submitted.split("submitted serve job ")[1].split()[0]

@@ -59,16 +59,14 @@ def bench(config_file: str | None, **flags) -> None:
     total_tokens_per_s and speedup, for every --concurrency level, next to the physical ceiling.
     With no model arguments it runs the embedded default pair in process.
     """
-    import json
-
     from rich.console import Console
 
     from dflash_trt.bench.config import resolve_config
+    from dflash_trt.config import config_line
 
     cfg = resolve_config(config_file, flags)
     console = Console(stderr=True)
-    console.print("[bench] config " + json.dumps(cfg.model_dump(), separators=(",", ":")), markup=False, highlight=False,
-                  soft_wrap=True)
+    console.print(config_line("bench", cfg), markup=False, highlight=False, soft_wrap=True)
     result, records = _run_with_progress(cfg, console)
 
     from dflash_trt.bench.report import markdown, print_table

@@ -74,6 +74,9 @@ def _own_server_name(ctx: click.Context, param: click.Parameter, value: str) -> 
                    "inherit an activated venv).")
 @click.option("--bench-args", default="", help="Extra arguments for `dflash-trt bench` in bench.sbatch.")
 @click.option("--submit", is_flag=True, help="Submit serve.sbatch with sbatch and print its job id.")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="Check ENGINE's files against its manifest first (`dflash-trt verify`); --no-verify writes "
+                   "the scripts from the manifest alone, e.g. where the engine's weights are not copied yet.")
 @friendly_errors
 def slurm(engine: str, out: str, backend: str, server: str, job_name: str | None, partition: str | None,
           account: str | None, time_limit: str | None, nodes: int | None, gpus_per_node: int | None,
@@ -81,8 +84,9 @@ def slurm(engine: str, out: str, backend: str, server: str, job_name: str | None
           exclusive: bool | None, build_gpus: int | None, build_out: str | None,
           container_mounts: str | None, container_dflash_bin: str,
           model_repository: str | None, grpc_port: int, http_port: int, metrics_port: int, port_stride: int,
-          mpi: str, ready_timeout: int, dflash_bin: str | None, bench_args: str, submit: bool) -> None:
+          mpi: str, ready_timeout: int, dflash_bin: str | None, bench_args: str, submit: bool, verify: bool) -> None:
     """Write sbatch scripts (serve, build, bench) for the engine directory ENGINE."""
+    from dflash_trt.config import load_config
     from dflash_trt.deploy.slurm import SlurmOptions, describe, sbatch, write_jobs
 
     kw = dict(out=Path(out), backend=backend, server=server, job_name=job_name, partition=partition,
@@ -95,12 +99,15 @@ def slurm(engine: str, out: str, backend: str, server: str, job_name: str | None
               ready_timeout=ready_timeout, bench_args=bench_args)
     if dflash_bin:
         kw["dflash_bin"] = str(Path(dflash_bin).resolve())
-    if no_container:
-        kw["container_image"] = None
-    elif container_image:
+    if container_image and not no_container:
         kw["container_image"] = container_image
-    opts = SlurmOptions(**kw)
+    opts = load_config(SlurmOptions, flags=kw, values={"container_image": None} if no_container else None,
+                       what="deploy slurm options")
     click.echo(f"[deploy slurm] resolved options:\n{describe(opts)}", err=True)
+    if verify:
+        from dflash_trt.engine.verify import verify_engine
+
+        verify_engine(engine)  # jobs for an altered engine would fail on the cluster, hours later
     paths = write_jobs(engine, opts)
     for job, path in paths.items():
         click.echo(f"{job}: {path}")

@@ -268,6 +268,10 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     assert p.target_dir is not None and p.draft_dir is not None
     if out.exists() and not overwrite:
         raise DFlashError(f"{out} already exists; pass --force to replace it, or choose another --out")
+    from dflash_trt.fsutil import reserve_space, tree_bytes  # refuse now, not when the disk fills
+
+    reserve_space(out, tree_bytes(p.target_dir) * {"fp8": 0.55, "nvfp4": 0.3}.get(spec.quant, 1.0)
+                  + tree_bytes(p.draft_dir), "the engine")
     say = (console.print if console is not None else (lambda *a, **k: None))
     tcfg = read_json(p.target_dir / "config.json", what="target config")
     dtype = _resolve_dtype(spec, tcfg.get("dtype") or tcfg.get("torch_dtype"))

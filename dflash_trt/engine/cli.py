@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option
+from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option, no_progress_option
 
 # Flag name -> dotted build-spec key. Flags left unset (None) do not override the YAML.
 FLAG_TO_KEY = {
@@ -130,7 +130,7 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
 @click.option("--dry-run", is_flag=True, help="Stop after validation and planning.")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory (atomically).")
 @click.option("--profile", is_flag=True, help="Print the time and peak RSS of each build phase.")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@no_progress_option()
 @friendly_errors
 def build(spec_file: str | None, as_json: bool, dry_run: bool, force: bool, profile: bool, no_progress: bool,
           device: str, **flags: Any) -> None:

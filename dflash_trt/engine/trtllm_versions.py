@@ -47,6 +47,11 @@ def _fields() -> dict[str, dict[str, Any]]:
     return table()["fields"]
 
 
+def upstream_default(dotted: str) -> Any:
+    """TensorRT-LLM's default for an LLM-API key ("max_seq_len", "kv_cache_config.dtype"), or None."""
+    return (_fields().get(dotted) or {}).get("default")
+
+
 def _walk(opts: dict[str, Any], prefix: str = ""):
     """(dotted key, value) for every key of the file; sections are walked, not reported as leaves."""
     for key, value in opts.items():

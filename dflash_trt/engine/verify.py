@@ -1,4 +1,5 @@
-"""`dflash-trt verify ENGINE`: the manifest's schema, every file's sha256, and the LLM-API YAML."""
+"""`dflash-trt verify ENGINE`: the manifest's schema, its paths inside ENGINE, every file's sha256, the
+LLM-API YAML, and the manifest's figures against the files that state them (engine/consistency.py)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,11 @@ def verify_engine(engine_dir: str | Path) -> EngineManifest:
 
     from dflash_trt.engine.llm_api import check_llm_api_options
 
+    from dflash_trt.engine.consistency import check_consistency, check_paths, inside
+
     root = Path(engine_dir)
     manifest = load_manifest(root)
+    check_paths(root, manifest)  # before anything is read: no path may leave the engine directory
     for rel, digest in sorted(manifest.files.items()):
         path = root / rel
         if not path.is_file():
@@ -44,6 +48,8 @@ def verify_engine(engine_dir: str | Path) -> EngineManifest:
         if actual != digest:
             raise DFlashError(f"{root}: {rel} is modified or corrupt (sha256 {actual[:12]}... != {digest[:12]}... "
                               "in the manifest); rebuild or re-copy the engine")
+    for rel in list_files(root):  # a link in the tree to a file elsewhere is refused, listed or not
+        inside(root, rel, "file")
     extra = [rel for rel in list_files(root) if rel not in manifest.files]
     if extra:
         raise DFlashError(f"{root}: {extra[0]} is not listed in {MANIFEST_NAME}; remove it or rebuild the engine")
@@ -58,4 +64,5 @@ def verify_engine(engine_dir: str | Path) -> EngineManifest:
     for sub in (manifest.target.path, manifest.draft.path):
         if not (root / sub / "config.json").is_file():
             raise DFlashError(f"{root}: {sub}/config.json missing; rebuild the engine")
+    check_consistency(root, manifest, opts)
     return manifest

@@ -31,6 +31,35 @@ def read_json(path: Path, what: str = "config") -> dict[str, Any]:
     return obj
 
 
+def refused_global(error: BaseException) -> str:
+    """The line of torch's (page-long) weights-only refusal that names what it refused."""
+    first = next((ln.strip() for ln in str(error).splitlines() if "GLOBAL" in ln or "Unsupported" in ln), "")
+    return first[:160] or type(error).__name__
+
+
+def pickle_refusal(path: Path, error: BaseException) -> DFlashError:
+    """The one line for a pickle that torch's weights-only unpickler refused (it wanted a global
+    outside the allow-list: a crafted file would run code there)."""
+    return DFlashError(f"{path}: refused to unpickle, it holds more than tensors ({refused_global(error)}), "
+                       "which can run code when loaded; convert the checkpoint to safetensors from a trusted copy")
+
+
+def load_pickle_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A pickle weight file's tensors, read with torch's weights-only unpickler (--allow-pickle)."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise pickle_refusal(path, e) from None
+    except (OSError, EOFError, RuntimeError, ValueError) as e:
+        raise DFlashError(f"{path}: unreadable pickle weight file ({' '.join(str(e).split())[:160]}); "
+                          "re-download or convert it to safetensors") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise DFlashError(f"{path}: not a state dict (name -> tensor); pass the drafter's weight file")
+    return state
+
+
 def load_state_dict(directory: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """All tensors of `directory`'s *.safetensors files (or pickles if explicitly allowed)."""
     from safetensors import SafetensorError
@@ -47,7 +76,7 @@ def load_state_dict(directory: Path, allow_pickle: bool = False) -> dict[str, to
         if pickles:
             state: dict[str, torch.Tensor] = {}
             for p in pickles:
-                state.update(torch.load(p, map_location="cpu", weights_only=True))
+                state.update(load_pickle_weights(p))
             return state
         raise DFlashError(f"{directory}: no *.safetensors weight file; pass a checkpoint directory with model.safetensors")
     state = {}

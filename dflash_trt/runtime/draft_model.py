@@ -57,6 +57,9 @@ class DFlashSettings:
 
     @staticmethod
     def from_config_dict(cfg: dict[str, Any], where: str = "config.json") -> "DFlashSettings":
+        from dflash_trt.runtime.drafter_config import check_drafter_config
+
+        check_drafter_config(cfg, where)  # types and ranges first: one line, never a traceback
         dcfg = cfg.get("dflash_config") or {}
         # block_size sits at top level in Qwen3/Llama drafters, inside dflash_config in newer ones.
         block_size = dcfg.get("block_size", cfg.get("block_size"))

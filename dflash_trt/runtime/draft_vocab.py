@@ -52,8 +52,11 @@ def draft_vocab_from_data(sequences: list[dict], vocab_size: int, size: int,
                           always: Iterable[int] = ()) -> tuple[torch.Tensor, float]:
     """Rank the responses' tokens -> (token ids int32 [N], share of response tokens they cover)."""
     counts = count_tokens(sequences, vocab_size)
-    ids = rank_vocab(counts, size, always)
     total = int(counts.sum())
+    if not total:  # an empty subset would make every draft wrong; `serve` refuses such a file
+        raise DFlashError(f"the data holds no response tokens ({len(sequences)} sequences); pass the answer file "
+                          "the drafter was trained on (train-draft's <out>.data/responses.pt)")
+    ids = rank_vocab(counts, size, always)
     return ids, (float(counts[ids.long()].sum()) / total if total else 0.0)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,10 @@ def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, devic
                 directory, dtype=dtype, trust_remote_code=False, use_safetensors=not allow_pickle or None,
                 local_files_only=True,
             )
+    except pickle.UnpicklingError as e:  # --allow-pickle: the weights-only unpickler refused the file
+        from dflash_trt.runtime.checkpoint import pickle_refusal
+
+        raise pickle_refusal(directory, e) from None
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise DFlashError(f"cannot load target from {directory}: {str(e).splitlines()[0]}")
     return model.to(device).eval()

@@ -13,8 +13,12 @@ same way wherever it runs (an in-process benchmark and a server answer the same 
   tokenizer's ``eos_token_id``, and a generation config's);
 - :meth:`TextCodec.decode`: ids -> text, special tokens skipped.
 
-Malformed messages or a prompt that encodes to nothing raise ``InvalidRequest`` (servers answer
-400). A pair without a tokenizer (the tiny random test pairs) folds UTF-8 bytes into the
+Every prompt is validated here, so `generate`, `serve` and `bench` refuse the same inputs the same
+way: malformed messages, an empty prompt, text that is not valid UTF-8 (a lone surrogate, as
+Python decodes a command-line argument of invalid bytes), a prompt that encodes to nothing, and,
+when the codec knows the engine's ``max_seq_len``, a prompt that leaves no room for one output
+token (:meth:`TextCodec.check_room` also counts the output budget). Each raises
+``InvalidRequest`` (servers answer 400; the CLI prints one line). A pair without a tokenizer (the tiny random test pairs) folds UTF-8 bytes into the
 vocabulary and decodes ids as numbers, so every path still runs end to end.
 
 Thread-safe: HF fast tokenizers are Rust objects that raise "Already borrowed" when two threads
@@ -48,6 +52,22 @@ def stop_token_ids_of(tokenizer: Any, model_config: Any) -> list[int]:
     return sorted(ids)
 
 
+def check_text(text: Any, what: str = "the prompt") -> str:
+    """`text` if it is a non-empty str that encodes as UTF-8; InvalidRequest otherwise."""
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{what} must be text, got {type(text).__name__}")
+    if not text:
+        raise InvalidRequest(f"{what} is empty; send non-empty text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        shown = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+        raise InvalidRequest(f"{what} is not valid UTF-8 ({shown} at character {e.start}); send UTF-8 text "
+                             "(check the terminal's or the file's encoding)") from None
+    return text
+
+
 def check_messages(messages: Any) -> list[dict[str, str]]:
     """`messages` as a list of {"role", "content"} string dicts; InvalidRequest otherwise."""
     hint = 'send a list like [{"role": "user", "content": "..."}]'
@@ -59,6 +79,7 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
             raise InvalidRequest(f"messages[{i}] needs string \"role\" and \"content\"; {hint}")
         if not m["role"]:
             raise InvalidRequest(f"messages[{i}] has an empty role; {hint}")
+        check_text(m["content"], f"messages[{i}].content") if m["content"] else None  # "" allowed in a turn
         out.append({"role": m["role"], "content": m["content"]})
     if not out:
         raise InvalidRequest(f"messages is empty; {hint}")
@@ -68,21 +89,38 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
 class TextCodec:
     """The tokenizer contract of one target (see the module docstring)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = (),
+                 max_seq_len: int | None = None) -> None:
         self.tokenizer = tokenizer  # a HF tokenizer, or None (bytes folded into the vocabulary)
         self.vocab_size = int(vocab_size)
         self.stop_token_ids: tuple[int, ...] = tuple(int(i) for i in stop_token_ids)
+        self.max_seq_len = max_seq_len  # the engine's prompt + output limit; None: unbounded here
         self._lock = threading.Lock()
 
     @classmethod
-    def for_model(cls, tokenizer: Any, model_config: Any) -> "TextCodec":
+    def for_model(cls, tokenizer: Any, model_config: Any, max_seq_len: int | None = None) -> "TextCodec":
         """The codec of a target: its vocabulary size and end-of-turn ids come from its config."""
-        return cls(tokenizer, int(model_config.vocab_size), stop_token_ids_of(tokenizer, model_config))
+        return cls(tokenizer, int(model_config.vocab_size), stop_token_ids_of(tokenizer, model_config), max_seq_len)
 
     @classmethod
-    def of_pair(cls, pair: Any) -> "TextCodec":
-        """The codec of a loaded pair (runtime.loading.LoadedPair, engine.loader.load_engine)."""
-        return cls.for_model(pair.tokenizer, pair.target.config)
+    def of_pair(cls, pair: Any, max_seq_len: int | None = None) -> "TextCodec":
+        """The codec of a loaded pair (runtime.loading.LoadedPair, engine.loader.load_engine);
+        `max_seq_len`: the engine's limit, when the pair came from one."""
+        return cls.for_model(pair.tokenizer, pair.target.config, max_seq_len)
+
+    def check_room(self, ids: Sequence[int], max_tokens: int | None = None) -> None:
+        """InvalidRequest unless `ids` plus `max_tokens` output tokens (None: at least one) fit the
+        engine's max_seq_len."""
+        if self.max_seq_len is None:
+            return
+        if max_tokens is None and len(ids) >= self.max_seq_len:
+            raise InvalidRequest(f"the prompt is {len(ids)} tokens, the engine's max_seq_len={self.max_seq_len} "
+                                 f"(prompt + output); shorten the prompt to under {self.max_seq_len} tokens")
+        if max_tokens is not None and len(ids) + max_tokens > self.max_seq_len:
+            raise InvalidRequest(
+                f"the prompt is {len(ids)} tokens and {max_tokens} more are asked for, over the engine's "
+                f"max_seq_len={self.max_seq_len}; shorten the prompt (at most {self.max_seq_len - max_tokens} "
+                "tokens) or ask for fewer tokens")
 
     @property
     def has_chat_template(self) -> bool:
@@ -91,8 +129,7 @@ class TextCodec:
     # -- text -> ids -----------------------------------------------------------------------------
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
         """Ids of one user turn: the chat template applied unless `raw` (or there is none)."""
-        if not isinstance(prompt, str):
-            raise InvalidRequest(f"the prompt must be text, got {type(prompt).__name__}")
+        check_text(prompt)
         if raw or not self.has_chat_template:
             return self._checked(self._plain(prompt), "the prompt")
         return self.encode_messages([{"role": "user", "content": prompt}])
@@ -115,10 +152,10 @@ class TextCodec:
         with self._lock:
             return [int(i) for i in self.tokenizer(text)["input_ids"]]
 
-    @staticmethod
-    def _checked(ids: list[int], what: str) -> list[int]:
+    def _checked(self, ids: list[int], what: str) -> list[int]:
         if not ids:
             raise InvalidRequest(f"{what} encoded to no tokens; send non-empty text")
+        self.check_room(ids)
         return ids
 
     # -- ids -> text -----------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
     if pair.tokenizer is None:
         raise DFlashError(_no_tokenizer(engine_dir, manifest))
     return PyTorchBackend(
-        engine_dir=engine_dir, target=TargetAdapter(pair.target), draft=pair.draft, codec=TextCodec.of_pair(pair),
+        engine_dir=engine_dir, target=TargetAdapter(pair.target), draft=pair.draft, codec=TextCodec.of_pair(pair, limit),
         speculation=speculation, max_seq_len=limit, default_max_tokens=default, max_queue=settings.max_queue,
         max_batch=manifest.limits.max_batch_size, cuda_graphs=settings.cuda_graphs,
     )
@@ -140,4 +140,5 @@ def _codec(engine_dir: Path, manifest: object):
     if tokenizer is None:
         raise DFlashError(_no_tokenizer(engine_dir, manifest))
     return TextCodec.for_model(tokenizer, AutoConfig.from_pretrained(tdir, trust_remote_code=False,
-                                                                     local_files_only=True))
+                                                                     local_files_only=True),
+                               manifest.limits.max_seq_len)  # type: ignore[attr-defined]

@@ -24,16 +24,9 @@ def backend_option(help: str):
 
 
 def _settings(**kw):
-    from dflash_trt.serving.repository import TritonRepoSettings
+    from dflash_trt.serving.repository import resolve_repo_settings
 
-    try:
-        return TritonRepoSettings(**{k: v for k, v in kw.items() if v is not None})
-    except Exception as e:  # pydantic ValidationError -> one line
-        errors = getattr(e, "errors", None)
-        if errors:
-            err = errors()[0]
-            raise DFlashError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
-        raise
+    return resolve_repo_settings(kw)
 
 
 def _repo_options(fn):
@@ -80,11 +73,14 @@ def triton(engine: str, out: str, model_name: str, backend: str, default_max_tok
     Serve it with `tritonserver --model-repository OUT` (TensorRT-LLM container) or `dflash-trt serve
     --model-repository OUT` anywhere else.
     """
+    from dflash_trt.engine.verify import verify_engine
     from dflash_trt.serving.repository import generate_repository
 
     settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
                          max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, dtype=dtype, device=device,
                          cuda_graphs=cuda_graphs, decoupled=decoupled, engine_path=engine_path)
+    if Path(engine).is_dir():  # (a missing one is named by generate_repository)
+        verify_engine(engine)  # an altered engine is refused here, not by the server at startup
     click.echo(f"[deploy triton] engine={Path(engine).resolve()} out={out} "
                + " ".join(f"{k}={v}" for k, v in settings.model_dump().items()), err=True)
     repo = generate_repository(engine, out, settings, overwrite=force)

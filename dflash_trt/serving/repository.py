@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import shutil
 import string
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,6 +58,13 @@ class TritonRepoSettings(BackendSettings):
             "dtype": self.dtype or ("bfloat16" if gpu else "float32"),
             "device": self.device or ("cuda" if gpu else "cpu"),
         })
+
+
+def resolve_repo_settings(flags: Mapping[str, Any]) -> TritonRepoSettings:
+    """The settings of `deploy triton` / `serve` flags (None = not given), by the one config loader."""
+    from dflash_trt.config import load_config
+
+    return load_config(TritonRepoSettings, flags=flags, what="repository settings")
 
 
 def _pbtxt_string(value: str) -> str:
