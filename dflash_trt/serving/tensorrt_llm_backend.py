@@ -82,10 +82,11 @@ def llm_kwargs(engine_dir: Path, manifest: Any, speculation: SpeculationSettings
     """The ``tensorrt_llm.LLM(**kwargs)`` of an engine: its llm_api_options.yaml with the target
     as ``model``, the drafter's path made absolute and ``max_draft_len`` = K. `root`: the engine
     directory as the server will see it (a container path), default `engine_dir` resolved."""
-    import yaml
+    from dflash_trt.config import read_config_file
 
     root = root or str(Path(engine_dir).resolve())
-    options = yaml.safe_load((Path(engine_dir) / manifest.llm_api_options).read_text()) or {}
+    options = read_config_file(Path(engine_dir) / manifest.llm_api_options, "the engine's LLM-API options",
+                               fix=f"rebuild the engine with `dflash-trt build` (or `dflash-trt verify {engine_dir}`)")
     spec = dict(options.pop("speculative_config", {}) or {})
     spec["max_draft_len"] = speculation.max_draft_len  # K: the manifest's, or lower (--max-draft-len)
     drafter = spec.get("speculative_model")
