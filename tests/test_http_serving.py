@@ -148,3 +148,53 @@ def test_decoupled_model_refuses_http_infer_as_triton_does(engine, tmp_path):
         assert "HTTP end point doesn't support models with decoupled transaction policy" in r.json()["error"]
     finally:
         srv.stop(grace=2.0)
+
+
+def test_idle_streams_past_the_limit_are_refused_and_health_still_answers(engine, tmp_path):
+    """70 idle gRPC streams against --max-streams 64: the 6 past it are refused with
+    RESOURCE_EXHAUSTED, an OpenAI request gets 429, and health and metadata answer within a second
+    while every slot is held; once the streams close, requests are served again."""
+    import queue
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    repo = generate_repository(engine, tmp_path / "repo", TritonRepoSettings(decoupled=True))
+    srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=None, http_port=0, max_streams=64).start()
+    url, base = f"127.0.0.1:{srv.grpc_port}", f"http://127.0.0.1:{srv.http_port}"
+    errors: queue.Queue = queue.Queue()
+    clients = []
+    try:
+        for _ in range(70):
+            c = grpcclient.InferenceServerClient(url)
+            c.start_stream(callback=lambda result, error: errors.put(error) if error is not None else None)
+            clients.append(c)
+        refused = []
+        deadline = time.time() + 30
+        while len(refused) < 6 and time.time() < deadline:
+            try:
+                refused.append(errors.get(timeout=1))
+            except queue.Empty:
+                pass
+        assert len(refused) == 6 and all("RESOURCE_EXHAUSTED" in str(e.status()) for e in refused)
+        with grpcclient.InferenceServerClient(url) as c:
+            t0 = time.perf_counter()
+            assert c.is_server_live() and c.is_model_ready("dflash") and c.get_model_metadata("dflash").name
+            assert time.perf_counter() - t0 < 1.0
+        r = httpx.post(f"{base}/v1/completions", json={"model": "dflash", "prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        for c in clients:
+            c.stop_stream(cancel_requests=True)
+            c.close()
+    try:
+        deadline = time.time() + 30
+        while True:  # the slots come back as the server sees the streams end
+            r = httpx.post(f"{base}/v1/completions", json={"model": "dflash", "prompt": "hi", "max_tokens": 4},
+                           timeout=30)
+            if r.status_code == 200 or time.time() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop(grace=2.0)
