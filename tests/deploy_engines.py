@@ -28,6 +28,11 @@ def manifest_engine(root: Path, tp: int, pp: int, gpus_per_node: int = 8, name: 
         files={},
     )
     (root / MANIFEST_NAME).write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
+    # the YAML a repository's model.yaml is made from (llm_kwargs); its keys are checked elsewhere
+    (root / manifest.llm_api_options).write_text(
+        f"tensor_parallel_size: {tp}\npipeline_parallel_size: {pp}\n"
+        "speculative_config: {decoding_type: DFlash, max_draft_len: 7, speculative_model: ./draft}\n",
+        encoding="utf-8")
     return root
 
 

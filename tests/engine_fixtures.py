@@ -118,8 +118,10 @@ def shared_tiny_engine(tmp_path_factory) -> Path:
     return _ENGINES["tiny"]
 
 
-def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> str:
-    """The text the reference runtime gives for `prompt`, computed without the serving code."""
+def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+                     raw: bool = False) -> str:
+    """The text the reference runtime gives for `prompt` (one user turn through the chat template;
+    `raw`: the bare text, as OpenAI's /v1/completions sends it), computed without the serving code."""
     from dflash_trt.engine.loader import load_engine
     from dflash_trt.runtime.generate import dflash_generate
     from dflash_trt.runtime.target import TargetAdapter
@@ -132,5 +134,5 @@ def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: fl
     codec = TextCodec.of_pair(pair)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                             stop_token_ids=codec.stop_token_ids)
-    result = dflash_generate(pair.draft, target, codec.encode(prompt), params)
+    result = dflash_generate(pair.draft, target, codec.encode(prompt, raw=raw), params)
     return codec.decode(result.output_ids)

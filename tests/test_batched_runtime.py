@@ -199,3 +199,24 @@ def test_caches_are_allocated_once():
         rt.add(SequenceRequest(p, SamplingParams(max_tokens=8)))
     rt.run()
     assert [t.data_ptr() for t in (*rt.cache.kv.keys, *rt.draft_cache.kv.keys, rt.features)] == ptrs
+
+
+def test_a_row_without_a_distribution_fails_alone_and_its_batch_goes_on():
+    """temperature=1e-300 passes SamplingParams' validation (finite, >= 0) yet logits / T overflow
+    to inf and the softmax gives NaN: torch.multinomial would fail the whole call. That row must
+    end alone with an error naming the value; greedy and sampled neighbours in the same steps
+    decode exactly as they would alone."""
+    target, draft = _pair("llama", seed=4)
+    alone = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]
+    seeded = dflash_generate(draft, target, PROMPTS[2], SamplingParams(max_tokens=BUDGETS[2], temperature=0.8,
+                                                                       seed=3)).output_ids
+    rt = BatchedRuntime(target, draft, max_batch=6, max_seq_len=64, policy=FixedPolicy(draft.block_size - 1))
+    params = [SamplingParams(max_tokens=m) for m in BUDGETS]
+    params[1] = SamplingParams(max_tokens=BUDGETS[1], temperature=1e-300)  # joins with the others: prefill
+    params[2] = SamplingParams(max_tokens=BUDGETS[2], temperature=0.8, seed=3)
+    handles = [rt.add(SequenceRequest(p, sp)) for p, sp in zip(PROMPTS, params)]
+    rt.run()
+    assert handles[1].error is not None and "temperature=1e-300" in handles[1].error
+    assert handles[2].result.output_ids == seeded
+    assert [handles[i].result.output_ids for i in (0, 3, 4, 5)] == [alone[i] for i in (0, 3, 4, 5)]
+    assert all(handles[i].error is None for i in (0, 2, 3, 4, 5))

@@ -200,6 +200,7 @@ def test_doctor_reads_llm_api_options_through_the_loader(tmp_path: Path):
     from tests.deploy_engines import manifest_engine
 
     engine = manifest_engine(tmp_path / "e", tp=1, pp=1)
+    (engine / "llm_api_options.yaml").unlink()
     res = CliRunner().invoke(main, ["doctor", str(engine)])
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert f"error: llm_api_options {engine / 'llm_api_options.yaml'} not found; rebuild the engine" in res.output

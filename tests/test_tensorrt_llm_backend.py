@@ -152,7 +152,7 @@ def test_streaming_sampling_params_and_statistics_are_mapped(standin, engine):
             9, 0.7, 0.9, 4, ["\n\n"], True)
         s = final.stats
         assert (s.total_draft_tokens, s.total_accepted_draft_tokens, s.acceptance_rate) == (12, 6, 0.5)
-        assert s.acceptance_length == pytest.approx(1 + 3 * 0.5)  # K drafts every step: steps = drafted / K
+        assert s.tau == pytest.approx(1 + 3 * 0.5)  # K drafts every step: steps = drafted / K
         assert s.num_output_tokens == len(PIECES) and s.num_prompt_tokens == len(req.prompt_token_ids)
         assert 0 <= s.ttft_s <= s.decode_s
         default = backend.submit(GenerateRequest("Hi"))

@@ -46,7 +46,7 @@ def test_serve_engine_client_and_sigterm_drains_in_flight(tmp_path_factory, tmp_
             assert proc.poll() is None, proc.communicate()[1][-2000:]
             assert time.time() < deadline, "server did not become ready"
             time.sleep(0.2)
-        address, metrics_port = ready.read_text().split()
+        address, metrics_port, _http_port = ready.read_text().split()
         assert int(metrics_port) > 0
 
         r = _run(["client", "Hello world", "--url", address, "--max-tokens", "16", "--json"])

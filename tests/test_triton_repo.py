@@ -52,12 +52,15 @@ def test_generated_config_parses_strictly_and_matches_model_py(engine, tmp_path)
     from tritonclient.grpc import model_config_pb2 as mc
 
     assert cfg.name == "dflash" and cfg.backend == "python" and cfg.max_batch_size == 0
-    assert cfg.model_transaction_policy.decoupled is True
+    # decoupled is NOT in config.pbtxt: model.yaml's triton_config sets it, as upstream's llmapi model
+    # (tests/upstream/tensorrtllm_backend_llmapi.json); the default repository is not decoupled
+    assert not cfg.model_transaction_policy.decoupled
     types = {i.name: mc.DataType.Name(i.data_type) for i in cfg.input}
-    assert types["text_input"] == "TYPE_STRING" and types["stream"] == "TYPE_BOOL"
-    assert types["max_tokens"] == "TYPE_INT32" and types["temperature"] == "TYPE_FP32"
+    assert types["text_input"] == "TYPE_STRING" and types["streaming"] == "TYPE_BOOL"
+    assert types["sampling_param_max_tokens"] == "TYPE_INT32" and types["sampling_param_temperature"] == "TYPE_FP32"
     optional = {i.name for i in cfg.input if i.optional}
-    assert "text_input" not in optional and {"max_tokens", "stop", "stream", "seed"} <= optional
+    assert "text_input" not in optional
+    assert {"sampling_param_max_tokens", "sampling_param_stop", "streaming", "sampling_param_seed"} <= optional
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert params["engine_dir"] == str(engine.resolve())
     assert int(params["max_seq_len"]) == manifest.limits.max_seq_len
@@ -71,7 +74,7 @@ def test_generated_config_parses_strictly_and_matches_model_py(engine, tmp_path)
     assert set(names["OUTPUTS"]) == {o.name for o in cfg.output}
     assert set(names["PARAMETERS"]) <= set(params)
     out_types = {o.name: mc.DataType.Name(o.data_type) for o in cfg.output}
-    assert out_types["text_output"] == "TYPE_STRING" and out_types["acceptance_length"] == "TYPE_FP32"
+    assert out_types["text_output"] == "TYPE_STRING" and out_types["tau"] == "TYPE_FP32"
     assert out_types["total_draft_tokens"] == out_types["total_accepted_draft_tokens"] == "TYPE_INT32"
     # model.py is the template, unchanged; the record names the engine and the settings
     assert (repo / "dflash" / "1" / "model.py").read_bytes() == (resource_dir("triton_repo") / "dflash" / "1" / "model.py").read_bytes()

@@ -28,7 +28,7 @@ except ImportError:  # tests/ is not a package
 
 from dflash_trt.engine.manifest import load_manifest
 from dflash_trt.serving.client import build_inputs, generate, read_result
-from dflash_trt.serving.repository import generate_repository
+from dflash_trt.serving.repository import TritonRepoSettings, generate_repository
 from dflash_trt.serving.server import TritonGrpcServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,9 +43,22 @@ def engine(tmp_path_factory) -> Path:
     return shared_tiny_engine(tmp_path_factory)
 
 
+DECOUPLED = TritonRepoSettings(decoupled=True)
+
+
 @pytest.fixture(scope="module")
 def server(engine, tmp_path_factory):
-    repo = generate_repository(engine, tmp_path_factory.mktemp("serve") / "repo")
+    """A DECOUPLED repository (`deploy triton --decoupled`): the only kind that streams."""
+    repo = generate_repository(engine, tmp_path_factory.mktemp("serve") / "repo", DECOUPLED)
+    srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=0).start()
+    yield srv
+    srv.stop(grace=2.0)
+
+
+@pytest.fixture(scope="module")
+def unary_server(engine, tmp_path_factory):
+    """The default repository: not decoupled, as upstream's model.yaml; answers unary ModelInfer."""
+    repo = generate_repository(engine, tmp_path_factory.mktemp("serve-unary") / "repo")
     srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=0).start()
     yield srv
     srv.stop(grace=2.0)
@@ -54,6 +67,17 @@ def server(engine, tmp_path_factory):
 @pytest.fixture
 def url(server) -> str:
     return f"127.0.0.1:{server.grpc_port}"
+
+
+@pytest.fixture
+def unary_url(unary_server) -> str:
+    return f"127.0.0.1:{unary_server.grpc_port}"
+
+
+def _final_text(events) -> str:
+    """The answer of a streamed request: each llmapi response holds the whole text so far."""
+    texts = [read_result(r)[0] for r, _ in events]
+    return max(texts, key=len)
 
 
 def _infer(url: str, **kw):
@@ -93,7 +117,9 @@ def _metrics(server) -> dict[str, float]:
 
 
 # -- protocol ----------------------------------------------------------------------------------
-def test_health_metadata_config_and_index(url, engine):
+def test_health_metadata_config_and_index(url, unary_url, engine):
+    with grpcclient.InferenceServerClient(unary_url) as c:
+        assert not c.get_model_config("dflash").config.model_transaction_policy.decoupled
     with grpcclient.InferenceServerClient(url) as c:
         assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("dflash")
         assert not c.is_model_ready("nope")
@@ -101,16 +127,17 @@ def test_health_metadata_config_and_index(url, engine):
         assert meta.name == "dflash-trt" and "statistics" in meta.extensions
         mm = c.get_model_metadata("dflash")
         assert {t.name: t.datatype for t in mm.inputs}["text_input"] == "BYTES"
-        assert {t.name for t in mm.outputs} >= {"text_output", "acceptance_length", "total_draft_tokens"}
+        assert {t.name for t in mm.outputs} >= {"text_output", "tau", "acceptance_rate", "total_draft_tokens",
+                                                     "total_accepted_draft_tokens"}
         cfg = c.get_model_config("dflash").config
         assert cfg.model_transaction_policy.decoupled and cfg.parameters["engine_dir"].string_value == str(engine.resolve())
         index = c.get_model_repository_index()
         assert [(m.name, m.state) for m in index.models] == [("dflash", "READY")]
 
 
-def test_unary_answer_equals_reference_with_consistent_stats(url, engine):
+def test_unary_answer_equals_reference_with_consistent_stats(unary_url, engine):
     t0 = time.perf_counter()
-    r = _infer(url, prompt=PROMPTS[1], max_tokens=MAX_TOKENS)
+    r = _infer(unary_url, prompt=PROMPTS[1], max_tokens=MAX_TOKENS)
     latency_ms = (time.perf_counter() - t0) * 1e3
     text, extra = read_result(r)
     assert 0 <= extra["queue_time_ms"] and 0 < extra["decode_time_ms"]
@@ -123,18 +150,20 @@ def test_unary_answer_equals_reference_with_consistent_stats(url, engine):
     # tau = tokens per verification step (bonus included); the first token comes from prefill
     steps = extra["num_output_tokens"] - 1 - extra["total_accepted_draft_tokens"]
     if steps > 0 and extra["finish_reason"] == "length":
-        assert extra["acceptance_length"] == pytest.approx(1 + extra["total_accepted_draft_tokens"] / steps, rel=1e-5)
+        assert extra["tau"] == pytest.approx(1 + extra["total_accepted_draft_tokens"] / steps, rel=1e-5)
 
 
-def test_streaming_is_incremental_and_equals_unary(url):
-    unary, _ = read_result(_infer(url, prompt=PROMPTS[2], max_tokens=MAX_TOKENS))
+def test_streaming_is_incremental_and_equals_unary(url, unary_url):
+    unary, _ = read_result(_infer(unary_url, prompt=PROMPTS[2], max_tokens=MAX_TOKENS))
     events = _stream(url, build_inputs(PROMPTS[2], max_tokens=MAX_TOKENS, stream=True))
     assert all(e is None for _, e in events)
-    texts = [read_result(r)[0] for r, _ in events]
-    assert len([t for t in texts if t]) > 1  # several pieces, not one blob
-    assert "".join(texts) == unary
+    texts = [t for t in (read_result(r)[0] for r, _ in events) if t]
+    assert len(set(texts)) > 1  # several pieces, not one blob
+    # llmapi: each response holds the whole text so far (upstream's CompletionOutput.text)
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == unary
     final = read_result(events[-1][0])[1]
-    assert "finish_reason" in final and "acceptance_length" in final
+    assert "finish_reason" in final and "tau" in final
     assert all("finish_reason" not in read_result(r)[1] for r, _ in events[:-1])
 
 
@@ -147,13 +176,14 @@ def test_client_helper_and_stop_strings(url, engine):
     assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
 
 
-def test_aio_client(url, engine):
+def test_aio_client(url, unary_url, engine):
     import tritonclient.grpc.aio as aioclient
 
     async def run():
-        async with aioclient.InferenceServerClient(url) as c:
+        async with aioclient.InferenceServerClient(unary_url) as c:
             assert await c.is_server_ready()
             r = await c.infer("dflash", build_inputs(PROMPTS[3], max_tokens=MAX_TOKENS), client_timeout=60)
+        async with aioclient.InferenceServerClient(url) as c:
 
             async def requests():
                 yield {"model_name": "dflash", "inputs": build_inputs(PROMPTS[4], max_tokens=MAX_TOKENS, stream=True),
@@ -165,14 +195,14 @@ def test_aio_client(url, engine):
                 parts.append(read_result(result)[0])
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     break
-            return read_result(r)[0], "".join(parts)
+            return read_result(r)[0], max(parts, key=len)  # each response: the whole text so far
 
     unary, streamed = asyncio.run(asyncio.wait_for(run(), 90))
     assert unary == reference_answer(engine, PROMPTS[3], MAX_TOKENS)
     assert streamed == reference_answer(engine, PROMPTS[4], MAX_TOKENS)
 
 
-def test_eight_concurrent_clients_get_their_own_answers(url, engine):
+def test_eight_concurrent_clients_get_their_own_answers(url, unary_url, engine):
     expected = {p: reference_answer(engine, p, MAX_TOKENS) for p in PROMPTS}
     assert len(set(expected.values())) >= 4, "prompts must give distinct answers for crosstalk to show"
 
@@ -180,7 +210,7 @@ def test_eight_concurrent_clients_get_their_own_answers(url, engine):
         p = PROMPTS[i]
         if i % 2:  # half stream, half unary: both paths share the runtime queue
             return p, generate(url, p, stream=True, max_tokens=MAX_TOKENS, timeout_s=90, request_id=str(i)).text
-        return p, read_result(_infer(url, prompt=p, max_tokens=MAX_TOKENS))[0]
+        return p, generate(url, p, stream=False, max_tokens=MAX_TOKENS, timeout_s=90, request_id=str(i)).text
 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(8), timeout=100))
@@ -209,28 +239,28 @@ def _bad_cases(engine):
     limit = load_manifest(engine).limits.max_seq_len
     ok = _text([b"hi"])
     return [
-        ("missing text_input", "dflash", [_raw_input("max_tokens", "INT32", np.array([4], dtype=np.int32))],
+        ("missing text_input", "dflash", [_raw_input("sampling_param_max_tokens", "INT32", np.array([4], dtype=np.int32))],
          "INVALID_ARGUMENT", "text_input"),
-        ("wrong datatype", "dflash", [ok, _raw_input("max_tokens", "FP32", np.array([4.0], dtype=np.float32))],
+        ("wrong datatype", "dflash", [ok, _raw_input("sampling_param_max_tokens", "FP32", np.array([4.0], dtype=np.float32))],
          "INVALID_ARGUMENT", "expects 'INT32'"),
-        ("wrong shape", "dflash", [_text([b"a", b"b"])], "INVALID_ARGUMENT", "Expected [1], got [2]"),
-        ("max_tokens 0", "dflash", [ok, _raw_input("max_tokens", "INT32", np.array([0], dtype=np.int32))],
+        ("two prompts", "dflash", [_text([b"a", b"b"])], "INVALID_ARGUMENT", "one prompt per request"),
+        ("max_tokens 0", "dflash", [ok, _raw_input("sampling_param_max_tokens", "INT32", np.array([0], dtype=np.int32))],
          "INVALID_ARGUMENT", "max_tokens=0"),
         ("max_tokens too big", "dflash",
-         [ok, _raw_input("max_tokens", "INT32", np.array([limit + 1], dtype=np.int32))],
+         [ok, _raw_input("sampling_param_max_tokens", "INT32", np.array([limit + 1], dtype=np.int32))],
          "INVALID_ARGUMENT", f"max_seq_len={limit}"),
         ("prompt too long", "dflash", [_text([("word " * limit).encode()])], "INVALID_ARGUMENT", "shorten the prompt"),
-        ("temperature NaN", "dflash", [ok, _raw_input("temperature", "FP32", np.array([np.nan], dtype=np.float32))],
+        ("temperature NaN", "dflash", [ok, _raw_input("sampling_param_temperature", "FP32", np.array([np.nan], dtype=np.float32))],
          "INVALID_ARGUMENT", "temperature=nan is not a finite number"),
-        ("top_p 0", "dflash", [ok, _raw_input("top_p", "FP32", np.array([0.0], dtype=np.float32))],
+        ("top_p 0", "dflash", [ok, _raw_input("sampling_param_top_p", "FP32", np.array([0.0], dtype=np.float32))],
          "INVALID_ARGUMENT", "top_p=0.0 must be in (0, 1]"),
         ("invalid utf-8", "dflash", [_text([b"caf\xff\xfe"])], "INVALID_ARGUMENT", "not valid UTF-8"),
         ("unknown model", "nope", [ok], "NOT_FOUND", "unknown model"),
     ]
 
 
-def test_bad_unary_requests_get_clear_errors_and_server_keeps_serving(url, engine):
-    with grpcclient.InferenceServerClient(url) as c:
+def test_bad_unary_requests_get_clear_errors_and_server_keeps_serving(unary_url, engine):
+    with grpcclient.InferenceServerClient(unary_url) as c:
         for what, model, inputs, status, fragment in _bad_cases(engine):
             with pytest.raises(InferenceServerException) as exc:
                 c.infer(model, inputs, client_timeout=30)
@@ -279,15 +309,23 @@ def test_cancelled_stream_frees_the_runtime(server, url, engine):
         assert time.time() < deadline, "the server never saw the cancellation"
         time.sleep(0.05)
     # the runtime is free again: a new request is answered, and the long one did not run to the end
-    r = read_result(_infer(url, prompt="hi", max_tokens=4))[1]
+    r = generate(url, "hi", max_tokens=4, timeout_s=30).stats
     assert r["num_output_tokens"] >= 1
     assert time.perf_counter() - t0 < 30
 
 
-def test_unary_call_with_stream_true_is_refused_not_hung(url):
-    with grpcclient.InferenceServerClient(url) as c, pytest.raises(InferenceServerException) as exc:
+def test_unary_call_with_stream_true_is_refused_not_hung(unary_url):
+    """Upstream's llmapi model.py: streaming on a model that is not decoupled is an error."""
+    with grpcclient.InferenceServerClient(unary_url) as c, pytest.raises(InferenceServerException) as exc:
         c.infer("dflash", build_inputs(PROMPTS[0], max_tokens=MAX_TOKENS, stream=True), client_timeout=60)
-    assert "streaming API" in exc.value.message()
+    assert "Streaming is only supported in decoupled mode." in exc.value.message()
+
+
+def test_unary_infer_on_a_decoupled_model_is_refused_as_triton_does(url):
+    """tritonserver's grpc frontend refuses ModelInfer for a decoupled model with this text."""
+    with grpcclient.InferenceServerClient(url) as c, pytest.raises(InferenceServerException) as exc:
+        c.infer("dflash", build_inputs(PROMPTS[0], max_tokens=MAX_TOKENS), client_timeout=60)
+    assert "ModelInfer RPC doesn't support models with decoupled transaction policy" in exc.value.message()
 
 
 # -- metrics and statistics ----------------------------------------------------------------------

@@ -12,6 +12,9 @@ One step over the n running rows (slots 0..n-1 of preallocated caches, see batch
     commit  posterior[0..a_i] per row, capped at the tokens its budget has left; stop tokens,
             callbacks per row; rows that finished free their slot (the last row moves into the hole)
 
+A row whose sampling parameters give no distribution (see sampling.sample_checked) fails alone:
+it ends with ``error`` set and nothing committed from that step, the other rows of the step go on.
+
 Rows differ in length, acceptance, budget and sampling parameters; every row drafts the full
 block and verifies the step's k, also at its budget's tail (only the commit is capped, as in the
 reference loop). Rollback is free: cache index == position, a 4D mask built from positions hides
@@ -50,7 +53,7 @@ from dflash_trt.runtime.draft_vocab import DraftVocabHead
 from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
 from dflash_trt.runtime.generate import GenerationResult, StepCallback, finish, truncate_at_stop
 from dflash_trt.runtime.policy import AdaptivePolicy, Decision, FixedPolicy, SpeculationPolicy, make_policy
-from dflash_trt.runtime.sampling import sample
+from dflash_trt.runtime.sampling import sample_checked
 from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.sampling_params import GREEDY, SamplingParams
 from dflash_trt.speculation import SpeculationSettings
@@ -99,6 +102,7 @@ class BatchedSequence:
     generator: torch.Generator | None = None
     stop: frozenset[int] = frozenset()
     budget: int = 0  # tokens it may generate (its params' max_tokens, resolved)
+    error: str | None = None  # why this sequence failed alone (its batch went on); set when it finished
     # with capture_layer_ids: the target's features [fed positions, n*H] (bfloat16), set at finish
     features: torch.Tensor | None = None
 
@@ -253,8 +257,8 @@ class BatchedRuntime:
         t_step = time.perf_counter()
         n_old = len(self.rows)
         new = self._admit()
-        first = self._prefill(new) if new else None  # [m] on device
-        decode = self._decode(n_old) if n_old else None  # (k, posterior [n, k+1], a [n])
+        first, first_bad = self._prefill(new) if new else (None, None)  # [m] on device
+        decode = self._decode(n_old) if n_old else None  # (k, posterior [n, k+1], a [n], bad [n] | None)
         # a step that captured a CUDA graph timed the capture too: no cost sample (here, calibrate())
         self.step_captured = self.graphs is not None and self.graphs.take_captured_flag()
         # The ONE device-to-host synchronisation of the step.
@@ -263,14 +267,25 @@ class BatchedRuntime:
             parts += [decode[1].flatten(), decode[2]]
         if first is not None:
             parts.append(first)
+        bads = [b for b in (decode[3] if decode is not None else None, first_bad) if b is not None]
+        parts += [b.long() for b in bads]  # sampled rows only: which of them had no distribution
         host = torch.cat(parts).tolist() if parts else []
+        bad_new = host[len(host) - len(new):] if first_bad is not None else [0] * len(new)
+        if first_bad is not None:
+            host = host[: len(host) - len(new)]
+        bad_old = host[len(host) - n_old:] if decode is not None and decode[3] is not None else [0] * n_old
+        if decode is not None and decode[3] is not None:
+            host = host[: len(host) - n_old]
         finished: list[BatchedSequence] = []
         now = time.perf_counter()
         if decode is not None:
-            k, post, _ = decode
+            k, post, _, _ = decode
             width = post.shape[1]
             flat, accepted = host[: n_old * width], host[n_old * width: n_old * width + n_old]
             for i, seq in enumerate(self.rows[:n_old]):
+                if bad_old[i]:
+                    self._fail(seq, finished)
+                    continue
                 a = int(accepted[i])
                 if k > 0:
                     self.policy.observe_acceptance(k, a)  # what verification saw, whatever is committed
@@ -288,7 +303,10 @@ class BatchedRuntime:
                 if self.last_decision is not None:
                     self.last_decision.measured_s = now - t_step
         if first is not None:
-            for seq, tok in zip(new, host[len(host) - len(new):]):
+            for seq, tok, bad in zip(new, host[len(host) - len(new):], bad_new):
+                if bad:
+                    self._fail(seq, finished)
+                    continue
                 seq.stats.ttft_s = now - seq.t0
                 seq.start = len(seq.request.prompt_ids)
                 if self._commit(seq, [int(tok)]):
@@ -333,29 +351,36 @@ class BatchedRuntime:
             self.features[r, write] = feats
         return logits
 
-    def _sample_rows(self, logits: torch.Tensor, seqs: Sequence[BatchedSequence]) -> torch.Tensor:
-        # logits [n, S, V] -> tokens [n, S]. Greedy rows: one argmax. Seeded rows: one by one, each
-        # with its own generator, consumed exactly as the reference loop does (S draws a step).
-        # Unseeded sampled rows: one draw per (temperature, top_p) group from the global
-        # generator; per-row calls cost ~10 kernel launches each, which at hundreds of sampled rows
-        # on a GPU took longer than the target's forward.
+    def _sample_rows(self, logits: torch.Tensor, seqs: Sequence[BatchedSequence]
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # logits [n, S, V] -> tokens [n, S], bad [n] (None when every row is greedy). Greedy rows:
+        # one argmax. Seeded rows: one by one, each with its own generator, consumed exactly as the
+        # reference loop does (S draws a step). Unseeded sampled rows: one draw per (temperature,
+        # top_p) group from the global generator; per-row calls cost ~10 kernel launches each,
+        # which at hundreds of sampled rows on a GPU took longer than the target's forward.
         tokens = logits.argmax(-1)
+        bad: torch.Tensor | None = None
         groups: dict[tuple[float, float], list[int]] = {}
         for i, seq in enumerate(seqs):
             r = seq.request.params
             if r.greedy:
                 continue
+            if bad is None:
+                bad = torch.zeros(len(seqs), dtype=torch.bool, device=logits.device)
             if seq.generator is None:
                 groups.setdefault((r.temperature, r.top_p), []).append(i)
                 continue
-            tokens[i] = sample(logits[i], r.temperature, r.top_p, seq.generator)
+            tokens[i], ok = sample_checked(logits[i], r.temperature, r.top_p, seq.generator)
+            bad[i] = ~ok.all()
         for (temperature, top_p), idx in groups.items():
             rows = torch.tensor(idx, device=logits.device)
-            tokens[rows] = sample(logits[rows], temperature, top_p)  # [m, S]
-        return tokens
+            tokens[rows], ok = sample_checked(logits[rows], temperature, top_p)  # [m, S]
+            bad[rows] = ~ok.all(dim=-1)
+        return tokens, bad
 
-    def _prefill(self, new: list[BatchedSequence]) -> torch.Tensor:
-        """Left-padded prompts of the newcomers (contiguous slots) in one pass -> first tokens [m]."""
+    def _prefill(self, new: list[BatchedSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left-padded prompts of the newcomers (contiguous slots) in one pass -> first tokens [m]
+        and which rows had no distribution to sample from ([m], None when all are greedy)."""
         dev, m = self.device, len(new)
         lens = [len(s.request.prompt_ids) for s in new]
         P = max(lens)
@@ -374,10 +399,12 @@ class BatchedRuntime:
         rows = slice(new[0].slot, new[-1].slot + 1)
         logits = self._forward(rows, ids, pos, write, additive_mask(visible, self.target.dtype),
                                logits_to_keep=1)  # [m, 1, V]
-        return self._sample_rows(logits, new)[:, -1]
+        tokens, bad = self._sample_rows(logits, new)
+        return tokens[:, -1], bad
 
-    def _decode(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Draft + verify for rows 0..n-1. Returns (k, posterior [n, k+1], accepted [n])."""
+    def _decode(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Draft + verify for rows 0..n-1. Returns (k, posterior [n, k+1], accepted [n], bad [n]:
+        rows whose sampling had no distribution, None when all are greedy)."""
         dev, seqs = self.device, self.rows[:n]
         K = self.max_draft_len
         if self.draft is None:
@@ -410,18 +437,19 @@ class BatchedRuntime:
         keys = torch.arange(W, device=dev)
         visible = keys[None, None, None, :] <= positions[:, None, :, None]  # causal, per-row offset
         mask = additive_mask(visible, self.target.dtype)  # [N, 1, k+1, W]
+        bad = None
         if greedy:
             post = self._verify_greedy(block, positions, write, mask)[:n]  # [n, k+1]
         else:
             logits = self._forward(slice(0, n), block, positions, write, mask)  # [n, k+1, V]
-            post = self._sample_rows(logits, seqs)
+            post, bad = self._sample_rows(logits, seqs)
         # post[j] = the target's token after block[j]
         if k > 0:
             matches = block[:n, 1:] == post[:, :-1]  # [n, k]
             accepted = matches.int().cumprod(dim=1).sum(dim=1)
         else:
             accepted = torch.zeros(n, dtype=torch.long, device=dev)
-        return k, post, accepted
+        return k, post, accepted, bad
 
     def _pass_rows(self, n: int) -> int:
         """Rows a pass runs with: n, or with static shapes the next power of two (<= max_batch)."""
@@ -488,6 +516,14 @@ class BatchedRuntime:
         for s in seqs:
             s.draft_len = s.start
         return drafts
+
+    def _fail(self, seq: BatchedSequence, finished: list[BatchedSequence]) -> None:
+        """`seq`'s sampling had no distribution this step: it ends alone, nothing committed."""
+        r = seq.request.params
+        seq.error = (f"sampling failed: temperature={r.temperature} top_p={r.top_p} gives no probability "
+                     f"distribution over the vocabulary (the tempered logits overflow); send a larger temperature "
+                     f"(or 0 for greedy decoding)")
+        finished.append(seq)
 
     def _commit(self, seq: BatchedSequence, new: list[int]) -> bool:
         """Append a step's tokens (already capped at its budget) to `seq`; True when it is finished."""

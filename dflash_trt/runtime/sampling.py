@@ -18,6 +18,24 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0)
     return probs
 
 
+def sample_checked(
+    logits: torch.Tensor,  # [..., V]
+    temperature: float,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [...], ok [...]
+    """`sample` for a batch whose rows may not all have a distribution: a valid SamplingParams can
+    still give none (a temperature so small that logits / temperature overflow to inf, then NaN
+    after the softmax), and torch.multinomial would then fail every row of the call. Rows without
+    one draw from a uniform stand-in and come back with ok False, on the device (no host sync), so
+    the caller fails those rows alone."""
+    probs = sampling_probs(logits, temperature, top_p)
+    ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)  # [...]
+    probs = torch.where(ok[..., None], probs, torch.ones_like(probs))
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1]), ok
+
+
 def sample(
     logits: torch.Tensor,  # [..., V]
     temperature: float = 0.0,

@@ -6,7 +6,8 @@ A scheduler written for :class:`~dflash_trt.runtime.batched.BatchedRuntime` (``a
 ``cancel``, ``has_work``, ``stats``) drives this unchanged: ``add`` queues, ``step`` runs the next
 queued request to its end through :func:`~dflash_trt.runtime.generate.dflash_generate` (its
 ``on_step`` callback streams and can stop it) and returns it as finished. The policy is fixed
-(K drafts every step), the reference loop's schedule.
+(K drafts every step), the reference loop's schedule. A request that raises while it runs ends
+alone with ``error`` set (the queued ones still run), as a failing row of the batched runtime.
 """
 
 from __future__ import annotations
@@ -64,8 +65,12 @@ class SerialRuntime:
             return []
         seq = self.waiting.popleft()
         seq.t0 = time.perf_counter()
-        seq.result = dflash_generate(self.draft, self.target, seq.request.prompt_ids, seq.request.params,
-                                     self.speculation, on_step=seq.request.on_step)
+        try:
+            seq.result = dflash_generate(self.draft, self.target, seq.request.prompt_ids, seq.request.params,
+                                         self.speculation, on_step=seq.request.on_step)
+        except Exception as e:  # noqa: BLE001 - this request fails, the queued ones still run
+            seq.error = f"{type(e).__name__}: {e}"
+            seq.result = GenerationResult(list(seq.request.prompt_ids), [], GenerationStats())
         seq.stats = seq.result.stats
         self.steps += 1
         return [seq]

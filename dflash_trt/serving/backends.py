@@ -11,6 +11,7 @@
 
 The choice and its reason are logged: silently serving with the slow path is a failure mode.
 K comes from the engine manifest (``limits.max_draft_len``), lowered by ``max_draft_len`` if set.
+A device that is not there (``cuda`` without a GPU) is one line naming the flag that changes it.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ class BackendSettings(BaseModel):
         return BACKEND_ALIASES.get(v, v) if isinstance(v, str) else v
 
 
-def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None) -> Backend:
-    """Load `engine_dir` with the backend `settings` name (see the module docstring)."""
+def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None,
+                 llm_kwargs: dict | None = None) -> Backend:
+    """Load `engine_dir` with the backend `settings` name (see the module docstring).
+    `llm_kwargs`: TensorRT-LLM's LLM() arguments when a repository's model.yaml gives them."""
     from dflash_trt.engine.manifest import load_manifest
     from dflash_trt.serving.tensorrt_llm_backend import tensorrt_llm_status
     from dflash_trt.speculation import SpeculationSettings
@@ -89,7 +92,8 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
         from dflash_trt.serving.tensorrt_llm_backend import TensorRTLLMBackend
 
         log.info("engine %s: TensorRT-LLM LLM API (%s)", engine_dir, why)
-        return TensorRTLLMBackend(engine_dir, manifest, speculation, _codec(engine_dir, manifest), default)
+        return TensorRTLLMBackend(engine_dir, manifest, speculation, _codec(engine_dir, manifest), default,
+                                  llm_kwargs)
     log.info("engine %s: dflash-trt pytorch backend (%s)", engine_dir,
              "requested" if settings.backend == "pytorch" else why)
 
@@ -98,6 +102,7 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
     from dflash_trt.runtime.tokens import TextCodec
     from dflash_trt.serving.pytorch_backend import PyTorchBackend
 
+    _check_device(settings.device)
     # the engine loader re-checks every file's sha256 and dequantizes FP8/NVFP4 targets
     pair = load_engine(engine_dir, dtype=settings.dtype, device=settings.device)
     if pair.tokenizer is None:
@@ -107,6 +112,15 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
         speculation=speculation, max_seq_len=limit, default_max_tokens=default, max_queue=settings.max_queue,
         max_batch=manifest.limits.max_batch_size, cuda_graphs=settings.cuda_graphs,
     )
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DFlashError(f"the pytorch backend was asked for device {device} but torch sees no CUDA device "
+                          f"(torch {torch.__version__}); run it on a GPU node or pass --device cpu (and --dtype "
+                          f"float32) to run the engine on the CPU")
 
 
 def _no_tokenizer(engine_dir: Path, manifest: object) -> str:

@@ -10,6 +10,7 @@ import click
 from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option, policy_option
 from dflash_trt.errors import DFlashError
 from dflash_trt.serving.backends import BACKEND_ALIASES, BACKENDS, normalize_backend
+from dflash_trt.serving.limits import DEFAULT_MAX_STREAMS
 
 _BACKEND_HELP = ("Runtime inside the model: auto = TensorRT-LLM when it is importable and has DFlash, else pytorch; "
                  "tensorrt_llm = require it; pytorch = dflash-trt's own runtime: the batched runtime with --policy "
@@ -46,6 +47,10 @@ def _repo_options(fn):
         click.option("--device", default="cpu", show_default=True, help="Device for the pytorch backend (cpu, cuda)."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,
                      help="pytorch backend on a GPU: replay the greedy draft and verify passes as CUDA graphs."),
+        click.option("--decoupled/--no-decoupled", default=False, show_default=True,
+                     help="Decoupled transaction policy (model.yaml triton_config, as tensorrtllm_backend's llmapi "
+                          "model): only a decoupled model streams; only a model that is not decoupled answers "
+                          "unary ModelInfer and HTTP infer."),
     ]):
         fn = opt(fn)
     return fn
@@ -61,9 +66,9 @@ def _repo_options(fn):
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @friendly_errors
 def triton(engine: str, out: str, model_name: str, backend: str, default_max_tokens: int | None, max_queue: int,
-           max_draft_len: int | None, policy: str, dtype: str, device: str, cuda_graphs: bool, engine_path: str | None,
-           force: bool) -> None:
-    """Write a Triton model repository (Python backend, decoupled streaming) for ENGINE.
+           max_draft_len: int | None, policy: str, dtype: str, device: str, cuda_graphs: bool, decoupled: bool,
+           engine_path: str | None, force: bool) -> None:
+    """Write a Triton model repository for ENGINE in tensorrtllm_backend's llmapi shape (Python backend).
 
     Serve it with `tritonserver --model-repository OUT` (TensorRT-LLM container) or `dflash-trt serve
     --model-repository OUT` anywhere else.
@@ -73,7 +78,7 @@ def triton(engine: str, out: str, model_name: str, backend: str, default_max_tok
 
     settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
                          max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, dtype=dtype, device=device,
-                         cuda_graphs=cuda_graphs, engine_path=engine_path)
+                         cuda_graphs=cuda_graphs, decoupled=decoupled, engine_path=engine_path)
     if Path(engine).is_dir():  # (a missing one is named by generate_repository)
         verify_engine(engine)  # an altered engine is refused here, not by the server at startup
     click.echo(f"[deploy triton] engine={Path(engine).resolve()} out={out} "
@@ -113,15 +118,22 @@ def _default_engine() -> Path:
 @click.option("--load-model", "load_models", multiple=True, help="Load only this model (repeatable).")
 @click.option("--exit-timeout-secs", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, time in-flight requests get to finish before they are cancelled.")
+@click.option("--http-port", type=click.IntRange(0, 65535), default=None,
+              help="Also serve HTTP here: KServe v2 REST, Triton's generate / generate_stream and the "
+                   "OpenAI-compatible /v1 API (tritonserver's default is 8000); 0 picks a free one. [default: off]")
+@click.option("--max-streams", type=click.IntRange(min=1), default=DEFAULT_MAX_STREAMS, show_default=True,
+              help="Concurrent streams/requests admitted; past it RESOURCE_EXHAUSTED (HTTP 429). Health and "
+                   "metadata are always answered.")
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
-              help="Write 'host:grpc_port metrics_port' here once serving (for launchers and scripts).")
+              help="Write 'host:grpc_port metrics_port http_port' here once serving (0: not served).")
 @_repo_options
 @friendly_errors
 def serve(source: str | None, model_repository: str | None, grpc_address: str, grpc_port: int, metrics_port: int,
-          allow_metrics: bool, load_models: tuple[str, ...], exit_timeout_secs: float, ready_file: str | None,
-          model_name: str, backend: str, default_max_tokens: int | None, max_queue: int, max_draft_len: int | None,
-          policy: str, dtype: str, device: str, cuda_graphs: bool) -> None:
-    """Serve a model repository (or an engine directory) over Triton's gRPC protocol, with metrics.
+          allow_metrics: bool, load_models: tuple[str, ...], exit_timeout_secs: float, http_port: int | None,
+          max_streams: int, ready_file: str | None, model_name: str, backend: str, default_max_tokens: int | None,
+          max_queue: int, max_draft_len: int | None, policy: str, dtype: str, device: str, cuda_graphs: bool,
+          decoupled: bool) -> None:
+    """Serve a model repository (or an engine directory) over Triton's gRPC protocol (and HTTP), with metrics.
 
     The repository's model.py runs through the Triton Python-backend interface, exactly as in
     tritonserver; the real tritonclient talks to it unchanged. The options --model-name, --backend,
@@ -148,17 +160,17 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
         else:
             settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
                                  max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, dtype=dtype,
-                                 device=device, cuda_graphs=cuda_graphs)
+                                 device=device, cuda_graphs=cuda_graphs, decoupled=decoupled)
             tmp = Path(tempfile.mkdtemp(prefix="dflash-trt-repo-"))
             model_repository = str(generate_repository(engine, tmp / "repo", settings))
     click.echo(json.dumps({"model_repository": model_repository, "grpc": f"{grpc_address}:{grpc_port}",
-                           "metrics_port": metrics_port if allow_metrics else None,
+                           "metrics_port": metrics_port if allow_metrics else None, "http_port": http_port,
                            "load_model": list(load_models) or "all", "exit_timeout_secs": exit_timeout_secs}),
                err=True)
     try:
         run_server(model_repository, grpc_port=grpc_port, metrics_port=metrics_port if allow_metrics else None,
                    host=grpc_address, models=list(load_models) or None, grace_s=exit_timeout_secs,
-                   ready_file=ready_file)
+                   ready_file=ready_file, http_port=http_port, max_streams=max_streams)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

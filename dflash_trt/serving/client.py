@@ -1,13 +1,22 @@
 """A `tritonclient.grpc` client for the generated DFlash model (works with tritonserver too).
 
-It always uses the streaming API (ModelStreamInfer): tritonserver only serves decoupled models
-that way. With stream=False the model answers with one response; with stream=True text arrives
-as the drafter's blocks are accepted. `enable_empty_final_response` makes the end explicit.
+It speaks the llmapi contract (config.pbtxt: text_input, streaming, sampling_param_*,
+return_finish_reason) and uses whichever call the repository allows, as Triton does:
+
+- a decoupled model: the streaming API (ModelStreamInfer; tritonserver refuses unary calls to
+  decoupled models); with stream=True text arrives as the drafter's blocks are accepted (each
+  response holds the whole text so far; `on_text` gets the new part), and
+  ``enable_empty_final_response`` makes the end explicit;
+- a model that is not decoupled: one unary ModelInfer; with stream=True the whole answer comes
+  at once (such a model cannot stream).
+
+`dflash-trt client http://host:port ...` goes through openai_client.py instead.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,8 +26,8 @@ import numpy as np
 
 from dflash_trt.errors import DFlashError
 
-STAT_OUTPUTS = ("acceptance_length", "acceptance_rate", "total_draft_tokens", "total_accepted_draft_tokens",
-                "num_output_tokens", "queue_time_ms", "decode_time_ms")
+STAT_OUTPUTS = ("tau", "acceptance_rate", "total_draft_tokens", "total_accepted_draft_tokens", "num_output_tokens",
+                "queue_time_ms", "decode_time_ms")
 
 
 @dataclass
@@ -29,12 +38,13 @@ class ClientResult:
     ttft_s: float = 0.0  # request sent -> first text received (client side)
     latency_s: float = 0.0  # request sent -> final response
     chunks: int = 0
+    streamed: bool = False  # text came in pieces (a decoupled model asked to stream)
 
 
 def build_inputs(prompt: str | bytes, max_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
                  stream: bool = False) -> list[Any]:
-    """InferInputs named and typed as in triton_repo/dflash/config.pbtxt.in."""
+    """InferInputs named and typed as in triton_repo/dflash/config.pbtxt.in (the llmapi contract)."""
     from tritonclient.grpc import InferInput
 
     def tensor(name: str, datatype: str, array: np.ndarray) -> Any:
@@ -44,17 +54,19 @@ def build_inputs(prompt: str | bytes, max_tokens: int | None = None, temperature
 
     text = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
     inputs = [tensor("text_input", "BYTES", np.array([text], dtype=np.object_)),
-              tensor("stream", "BOOL", np.array([stream], dtype=bool))]
+              tensor("streaming", "BOOL", np.array([stream], dtype=bool)),
+              tensor("return_finish_reason", "BOOL", np.array([True], dtype=bool))]
     if max_tokens is not None:
-        inputs.append(tensor("max_tokens", "INT32", np.array([max_tokens], dtype=np.int32)))
+        inputs.append(tensor("sampling_param_max_tokens", "INT32", np.array([max_tokens], dtype=np.int32)))
     if temperature is not None:
-        inputs.append(tensor("temperature", "FP32", np.array([temperature], dtype=np.float32)))
+        inputs.append(tensor("sampling_param_temperature", "FP32", np.array([temperature], dtype=np.float32)))
     if top_p is not None:
-        inputs.append(tensor("top_p", "FP32", np.array([top_p], dtype=np.float32)))
+        inputs.append(tensor("sampling_param_top_p", "FP32", np.array([top_p], dtype=np.float32)))
     if seed is not None:
-        inputs.append(tensor("seed", "UINT64", np.array([seed], dtype=np.uint64)))
+        inputs.append(tensor("sampling_param_seed", "UINT64", np.array([seed], dtype=np.uint64)))
     if stop:
-        inputs.append(tensor("stop", "BYTES", np.array([s.encode("utf-8") for s in stop], dtype=np.object_)))
+        inputs.append(tensor("sampling_param_stop", "BYTES", np.array([s.encode("utf-8") for s in stop],
+                                                                      dtype=np.object_)))
     return inputs
 
 
@@ -70,20 +82,70 @@ def read_result(result: Any) -> tuple[str, dict[str, Any]]:
     """(text_output, {finish_reason and statistics present in this response})."""
     text = _scalar(result, "text_output") or ""
     extra = {n: v for n in ("finish_reason", *STAT_OUTPUTS) if (v := _scalar(result, n)) is not None}
+    if "tau" in extra:  # transitional: dflash_trt.bench reads the output's former name
+        extra["acceptance_length"] = extra["tau"]
     return text, extra
+
+
+_DECOUPLED: dict[tuple[str, str], bool] = {}
+_DECOUPLED_LOCK = threading.Lock()
+
+
+def is_decoupled(client: Any, url: str, model: str) -> bool:
+    """Whether `model` at `url` is decoupled (its config, asked once per process)."""
+    key = (url, model)
+    with _DECOUPLED_LOCK:
+        if key in _DECOUPLED:
+            return _DECOUPLED[key]
+    decoupled = bool(client.get_model_config(model, client_timeout=30).config.model_transaction_policy.decoupled)
+    with _DECOUPLED_LOCK:
+        _DECOUPLED[key] = decoupled
+    return decoupled
 
 
 def generate(url: str, prompt: str | bytes, model: str = "dflash", stream: bool = False,
              on_text: Callable[[str], None] | None = None, timeout_s: float = 300.0, request_id: str = "",
              **sampling: Any) -> ClientResult:
-    """Send one request over a gRPC stream and wait (at most `timeout_s`) for its final response."""
+    """Send one request and wait (at most `timeout_s`) for its final response."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
     client = grpcclient.InferenceServerClient(url=url)
-    parts: list[str] = []
-    out = ClientResult("", "")
+    t0 = time.perf_counter()
+    try:
+        if is_decoupled(client, url, model):
+            out = _stream(client, url, model, prompt, stream, on_text, timeout_s, request_id, sampling)
+        else:
+            r = client.infer(model, build_inputs(prompt, stream=False, **sampling), request_id=request_id,
+                             client_timeout=timeout_s)
+            text, extra = read_result(r)
+            out = ClientResult(text, str(extra.pop("finish_reason", "")), extra, chunks=1 if text else 0)
+            out.ttft_s = time.perf_counter() - t0
+            if on_text is not None and text:
+                on_text(text)
+    except InferenceServerException as e:
+        raise DFlashError(_reason(url, model, e)) from None
+    finally:
+        client.close()
+    out.latency_s = time.perf_counter() - t0
+    return out
+
+
+def _reason(url: str, model: str, e: Any) -> str:
+    message = " ".join(str(e.message() if hasattr(e, "message") else e).split())
+    status = str(e.status()) if hasattr(e, "status") and e.status() else ""
+    if "UNAVAILABLE" in status and ("connect" in message.lower() or "failed" in message.lower()):
+        return f"cannot reach the server at {url}: {message}; is `dflash-trt serve` running there?"
+    return f"{url} model {model!r}: {message}"
+
+
+def _stream(client: Any, url: str, model: str, prompt: str | bytes, stream: bool,
+            on_text: Callable[[str], None] | None, timeout_s: float, request_id: str,
+            sampling: dict[str, Any]) -> ClientResult:
+    from tritonclient.utils import InferenceServerException
+
+    responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    out = ClientResult("", "", streamed=stream)
     t0 = time.perf_counter()
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -97,15 +159,15 @@ def generate(url: str, prompt: str | bytes, model: str = "dflash", stream: bool 
                 raise DFlashError(f"no final response from {url} within {timeout_s:.0f}s; raise --timeout or check "
                                   f"the server") from None
             if error is not None:
-                raise DFlashError(f"{url} model {model!r}: {error.message() if hasattr(error, 'message') else error}")
+                raise DFlashError(_reason(url, model, error))
             text, extra = read_result(result)
-            if text:
-                if not parts:
+            if len(text) > len(out.text):  # each response holds the whole text so far
+                if not out.chunks:
                     out.ttft_s = time.perf_counter() - t0
-                parts.append(text)
+                new, out.text = text[len(out.text):], text
                 out.chunks += 1
                 if on_text is not None:
-                    on_text(text)
+                    on_text(new)
             if "finish_reason" in extra:
                 out.finish_reason = str(extra.pop("finish_reason"))
             out.stats.update(extra)
@@ -114,19 +176,13 @@ def generate(url: str, prompt: str | bytes, model: str = "dflash", stream: bool 
     except InferenceServerException as e:
         # A stream that could not start reports the real cause (e.g. connection refused) through the
         # callback; the exception raised by async_stream_infer only says the stream is broken.
-        cause = e.message()
+        cause: Any = e
         try:
             _, error = responses.get(timeout=1.0)
-            cause = error.message() if error is not None else cause
+            cause = error if error is not None else e
         except queue.Empty:
             pass
-        raise DFlashError(f"cannot reach the server at {url}: {' '.join(str(cause).split())}; is `dflash-trt serve` "
-                          f"running there?") from None
+        raise DFlashError(_reason(url, model, cause)) from None
     finally:
-        try:
-            client.stop_stream(cancel_requests=True)
-        finally:
-            client.close()
-    out.text = "".join(parts)
-    out.latency_s = time.perf_counter() - t0
+        client.stop_stream(cancel_requests=True)
     return out

@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.emitted = ""
         self.stopped = False
+        self.stop_hit: str | None = None  # the stop string that ended the text
 
     def _decode(self) -> str:
         # Whole-sequence decode each step: O(n^2) chars over a request, negligible next to a
@@ -44,10 +45,11 @@ class IncrementalDetokenizer:
         text = self._decode()
         if self.stop:
             start = max(0, len(self.emitted) - max(map(len, self.stop)))
-            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
+                at, self.stop_hit = min(hits)
                 self.stopped = True
-                return self._delta(text, min(hits))
+                return self._delta(text, at)
         stable = text.rstrip("\ufffd")
         upto = len(stable)
         for s in self.stop:  # hold back a tail that could still become a stop string

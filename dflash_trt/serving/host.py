@@ -1,16 +1,26 @@
 """Host a Triton Python-backend model: load its model.py through `triton_python_backend_utils`
-(our pb_utils, installed in sys.modules) and do what Triton core does around it: check each
-request's inputs against config.pbtxt, hand the model `pb_utils.InferenceRequest`s, and turn the
-responses it sends back into `inference.ModelInferResponse` messages.
+(our pb_utils, installed in sys.modules) and do what Triton core does around it, whatever the
+transport (gRPC, KServe REST, the generate extension):
+
+- at load: parse config.pbtxt, let the model complete it (``auto_complete_config``: model.yaml's
+  ``triton_config`` sets ``decoupled`` and ``max_batch_size``, as in tensorrtllm_backend's llmapi
+  model), then ``initialize`` it;
+- per request: check the decoded input tensors against the config (names, datatypes, shapes,
+  required inputs; Triton's messages), hand the model a ``pb_utils.InferenceRequest`` whose
+  response sender reports each response as a :class:`Delivery` to the transport.
+
+Transports decode their wire format into :class:`WireTensor` s and encode the model's
+``pb_utils.InferenceResponse`` s themselves; request failures are :class:`InferError` (a gRPC
+status code and one line; :data:`HTTP_STATUS` maps the code for HTTP).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import struct
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,22 +43,90 @@ GRPC_CODES = {
     pb_utils.TritonError.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     pb_utils.TritonError.CANCELLED: grpc.StatusCode.CANCELLED,
 }
+# gRPC status -> HTTP status, as Triton's HTTP frontend maps its error codes (http_server.cc
+# HttpCodeFromError), plus 429 for the server's own stream limit
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.CANCELLED: 400,
+    grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.UNKNOWN: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 408,
+}
 FAILURE_REASONS = {grpc.StatusCode.INVALID_ARGUMENT: "REJECTED", grpc.StatusCode.CANCELLED: "CANCELED",
-                   grpc.StatusCode.UNAVAILABLE: "REJECTED"}
+                   grpc.StatusCode.UNAVAILABLE: "REJECTED", grpc.StatusCode.RESOURCE_EXHAUSTED: "REJECTED"}
+# Triton's refusals of a decoupled model on a unary endpoint (src/grpc/infer_handler.cc and
+# src/http_server.cc of triton-inference-server/server; recorded in tests/upstream/)
+DECOUPLED_GRPC_REFUSAL = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+DECOUPLED_HTTP_REFUSAL = "HTTP end point doesn't support models with decoupled transaction policy"
 
 
 class InferError(Exception):
     """A request-level failure: gRPC status + one-line message (Triton prefixes the request id)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
+        super().__init__(" ".join(str(message).split()))
         self.code = code
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS.get(self.code, 500)
 
 
 def wire_datatype(config_type: str) -> str:
     """config.pbtxt TYPE_* -> the KServe v2 datatype name on the wire (TYPE_STRING -> BYTES)."""
     name = config_type.removeprefix("TYPE_")
     return "BYTES" if name == "STRING" else name
+
+
+def model_config_type_name(value: int) -> str:
+    from tritonclient.grpc import model_config_pb2
+
+    return model_config_pb2.DataType.Name(value)
+
+
+def decode_bytes(buffer: bytes, name: str) -> np.ndarray:
+    """A BYTES tensor's serialized elements (each a 4-byte little-endian length, then the bytes)
+    as an object array; a malformed buffer is the client's error (INVALID_ARGUMENT), not ours."""
+    out, offset, n = [], 0, len(buffer)
+    while offset < n:
+        if offset + 4 > n:
+            raise InferError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"input '{name}': malformed BYTES data: {n - offset} trailing byte(s) where a 4-byte "
+                             f"length prefix was expected; send each element as a 4-byte little-endian length "
+                             f"followed by its bytes")
+        (size,) = struct.unpack_from("<I", buffer, offset)
+        offset += 4
+        if offset + size > n:
+            raise InferError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"input '{name}': malformed BYTES data: element {len(out)} declares {size} bytes but "
+                             f"{n - offset} remain; send each element as a 4-byte little-endian length followed "
+                             f"by its bytes")
+        out.append(bytes(buffer[offset:offset + size]))
+        offset += size
+    return np.array(out, dtype=np.object_)
+
+
+def encode_bytes(array: np.ndarray) -> bytes:
+    """The inverse of :func:`decode_bytes` (str elements are UTF-8 encoded)."""
+    parts = []
+    for item in np.asarray(array, dtype=np.object_).reshape(-1):
+        raw = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+        parts += [struct.pack("<I", len(raw)), raw]
+    return b"".join(parts)
+
+
+@dataclass
+class WireTensor:
+    """One input as a transport read it: name, KServe datatype, shape, and its values, or a
+    function that decodes them (called once name, datatype and shape passed the model's checks,
+    so a request with a wrong datatype gets that message, not a decoding error)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    array: np.ndarray | Callable[[], np.ndarray]
+
+    def values(self) -> np.ndarray:
+        return self.array() if callable(self.array) else self.array
 
 
 def _install_pb_utils() -> None:
@@ -72,12 +150,23 @@ class ModelStats:
     last_inference_ms: int = 0
 
 
+def _config_json(config: Any) -> dict[str, Any]:
+    """A ModelConfig as the Python backend hands it to the model (field names as in config.pbtxt)."""
+    from google.protobuf import json_format
+
+    out = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    for tensors in (out.get("input", []), out.get("output", [])):
+        for t in tensors:  # MessageToDict renders int64 as strings; Triton gives numbers
+            t["dims"] = [int(d) for d in t.get("dims", [])]
+    if "max_batch_size" in out:
+        out["max_batch_size"] = int(out["max_batch_size"])
+    return out
+
+
 class HostedModel:
     """One model of the repository, loaded and initialized."""
 
     def __init__(self, model_dir: Path, version: str = "1") -> None:
-        from google.protobuf import json_format
-
         from dflash_trt.serving.repository import read_model_config
 
         self.dir = model_dir
@@ -89,9 +178,6 @@ class HostedModel:
         if self.config.backend != "python":
             raise DFlashError(f"{model_dir}: backend {self.config.backend!r} is not supported here (python only)")
         self.version = version
-        self.decoupled = self.config.model_transaction_policy.decoupled
-        self.inputs = {i.name: i for i in self.config.input}
-        self.outputs = {o.name: o for o in self.config.output}
         self.stats = ModelStats()
         self._execute_lock = threading.Lock()  # Triton calls execute() of an instance one batch at a time
         model_py = model_dir / version / "model.py"
@@ -100,101 +186,114 @@ class HostedModel:
         _install_pb_utils()
         spec = importlib.util.spec_from_file_location(f"triton_model_{self.name}_{version}", model_py)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        config_json = json_format.MessageToDict(self.config, preserving_proto_field_name=True)
-        for tensors in (config_json.get("input", []), config_json.get("output", [])):
-            for t in tensors:  # MessageToDict renders int64 as strings; Triton gives numbers
-                t["dims"] = [int(d) for d in t.get("dims", [])]
+        try:
+            spec.loader.exec_module(module)
+            self._auto_complete(module.TritonPythonModel)
+        except pb_utils.TritonModelException as e:
+            raise DFlashError(f"model {self.name!r} failed to load: {e}")
+        self.decoupled = self.config.model_transaction_policy.decoupled
+        self.inputs = {i.name: i for i in self.config.input}
+        self.outputs = {o.name: o for o in self.config.output}
         self.instance = module.TritonPythonModel()
         args = {
-            "model_config": json.dumps(config_json), "model_instance_kind": "CPU",
+            "model_config": json.dumps(_config_json(self.config)), "model_instance_kind": "CPU",
             "model_instance_name": f"{self.name}_0", "model_instance_device_id": "0",
             "model_repository": str(model_dir), "model_version": version, "model_name": self.name,
         }
         try:
             self.instance.initialize(args)
-        except pb_utils.TritonModelException as e:
+        except (pb_utils.TritonModelException, DFlashError) as e:
             raise DFlashError(f"model {self.name!r} failed to load: {e}")
         except ImportError as e:  # a model.py copied by another dflash-trt version names modules this one lacks
             raise DFlashError(f"model {self.name!r} failed to load: {e}; the repository was written by another "
                               f"dflash-trt version, regenerate it with `dflash-trt deploy triton`")
 
-    # -- request decoding (Triton core's checks) --------------------------------------------------
-    def decode_inputs(self, request: Any) -> list[pb_utils.Tensor]:
-        from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
+    def _auto_complete(self, model_class: Any) -> None:
+        """Triton's Python backend lets the model complete its config before loading it (unless
+        --disable-auto-complete-config): what ``auto_complete_config`` sets is applied here too."""
+        hook = getattr(model_class, "auto_complete_config", None)
+        if hook is None:
+            return
+        completed = hook(pb_utils.ModelConfig(_config_json(self.config))).as_dict()
+        if "max_batch_size" in completed:
+            self.config.max_batch_size = int(completed["max_batch_size"])
+        policy = completed.get("model_transaction_policy")
+        if policy is not None:
+            self.config.model_transaction_policy.decoupled = bool(policy.get("decoupled", False))
 
-        tensors: list[pb_utils.Tensor] = []
-        raw = list(request.raw_input_contents)
-        if raw and len(raw) != len(request.inputs):
-            raise InferError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"{len(request.inputs)} inputs but {len(raw)} raw_input_contents for model '{self.name}'")
-        seen = set()
-        for idx, tin in enumerate(request.inputs):
-            cfg = self.inputs.get(tin.name)
+    # -- Triton core's checks of a request ------------------------------------------------------
+    def check_inputs(self, tensors: list[WireTensor]) -> list[pb_utils.Tensor]:
+        """The request's inputs as the model sees them; InferError with Triton's wording if the
+        config does not allow them."""
+        out, seen = [], set()
+        for t in tensors:
+            cfg = self.inputs.get(t.name)
             if cfg is None:
                 raise InferError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"unexpected inference input '{tin.name}' for model '{self.name}'; "
+                                 f"unexpected inference input '{t.name}' for model '{self.name}'; "
                                  f"it accepts {sorted(self.inputs)}")
-            seen.add(tin.name)
-            want = wire_datatype(model_config_type_name(cfg.data_type))
-            if tin.datatype != want:
+            if t.name in seen:
                 raise InferError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"inference input '{tin.name}' data-type is '{tin.datatype}', but model "
+                                 f"input '{t.name}' given more than once for model '{self.name}'")
+            seen.add(t.name)
+            want = self.input_datatype(t.name)
+            if t.datatype != want:
+                raise InferError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"inference input '{t.name}' data-type is '{t.datatype}', but model "
                                  f"'{self.name}' expects '{want}'")
-            shape = [int(s) for s in tin.shape]
             dims = [int(d) for d in cfg.dims]
-            if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape)):
+            shape = [int(s) for s in t.shape]
+            if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape)) or min(shape, default=0) < 0:
                 raise InferError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"unexpected shape for input '{tin.name}' for model '{self.name}'. "
+                                 f"unexpected shape for input '{t.name}' for model '{self.name}'. "
                                  f"Expected {dims}, got {shape}")
             n = int(np.prod(shape)) if shape else 1
-            if raw:
-                if want == "BYTES":
-                    array = deserialize_bytes_tensor(raw[idx])
-                    if array is None:
-                        array = np.empty(0, dtype=np.object_)
-                else:
-                    array = np.frombuffer(raw[idx], dtype=triton_to_np_dtype(want))
-            else:
-                array = _from_contents(tin.contents, want)
+            array = t.values()
             if array.size != n:
                 raise InferError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"input '{tin.name}' holds {array.size} elements but its shape {shape} needs {n}")
-            tensors.append(pb_utils.Tensor(tin.name, array.reshape(shape)))
+                                 f"input '{t.name}' holds {array.size} elements but its shape {shape} needs {n}")
+            out.append(pb_utils.Tensor(t.name, array.reshape(shape)))
         missing = [name for name, cfg in self.inputs.items() if not cfg.optional and name not in seen]
         if missing:
             raise InferError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"expected {len(self.inputs)} inputs but got {len(request.inputs)} inputs for model "
+                             f"expected {len(self.inputs)} inputs but got {len(tensors)} inputs for model "
                              f"'{self.name}'. Got input(s) {sorted(seen)}, but missing required input(s) {missing}. "
                              f"Please provide all required input(s).")
-        for out in request.outputs:
-            if out.name not in self.outputs:
+        return out
+
+    def check_outputs(self, names: list[str]) -> None:
+        for name in names:
+            if name not in self.outputs:
                 raise InferError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"unexpected inference output '{out.name}' for model '{self.name}'")
-        return tensors
+                                 f"unexpected inference output '{name}' for model '{self.name}'")
 
-    # -- response encoding --------------------------------------------------------------------------
-    def encode_response(self, response: pb_utils.InferenceResponse, request_id: str, requested: list[str]):
-        from tritonclient.grpc import service_pb2
-        from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+    def input_datatype(self, name: str) -> str:
+        return wire_datatype(model_config_type_name(self.inputs[name].data_type))
 
-        msg = service_pb2.ModelInferResponse(model_name=self.name, model_version=self.version, id=request_id)
-        values: dict[str, Any] = {}
-        for t in response.output_tensors():
-            if requested and t.name() not in requested:
-                continue
-            array = t.as_numpy()
-            cfg = self.outputs.get(t.name())
-            datatype = wire_datatype(model_config_type_name(cfg.data_type)) if cfg else np_to_triton_dtype(array.dtype)
-            out = msg.outputs.add(name=t.name(), datatype=datatype, shape=list(array.shape))
-            del out  # metadata only; the data goes in raw_output_contents, like tritonserver does
-            if datatype == "BYTES":
-                msg.raw_output_contents.append(serialize_byte_tensor(array).item())
-            else:
-                msg.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
-            if array.size == 1:
-                values[t.name()] = array.reshape(-1)[0]
-        return msg, values
+    def output_datatype(self, name: str, array: np.ndarray) -> str:
+        from tritonclient.utils import np_to_triton_dtype
+
+        cfg = self.outputs.get(name)
+        return wire_datatype(model_config_type_name(cfg.data_type)) if cfg else np_to_triton_dtype(array.dtype)
+
+    def metadata(self) -> dict[str, Any]:
+        """KServe v2 model metadata (the same fields over gRPC and HTTP)."""
+
+        def tensors(configs):
+            return [{"name": t.name, "datatype": wire_datatype(model_config_type_name(t.data_type)),
+                     "shape": [int(d) for d in t.dims]} for t in configs]
+
+        return {"name": self.name, "versions": [self.version], "platform": self.config.backend,
+                "inputs": tensors(self.config.input), "outputs": tensors(self.config.output)}
+
+    def config_json(self) -> dict[str, Any]:
+        return _config_json(self.config)
+
+    @property
+    def backend(self) -> Any:
+        """The serving Backend (serving/protocol.py) the model runs, when it exposes one (our
+        model.py does): the OpenAI endpoints submit to it, sharing the runtime and its batches."""
+        return getattr(self.instance, "backend", None)
 
     def execute(self, request: pb_utils.InferenceRequest) -> None:
         with self._execute_lock:
@@ -206,40 +305,30 @@ class HostedModel:
             finalize()
 
 
-def model_config_type_name(value: int) -> str:
-    from tritonclient.grpc import model_config_pb2
-
-    return model_config_pb2.DataType.Name(value)
-
-
-def _from_contents(contents: Any, datatype: str) -> np.ndarray:
-    from tritonclient.utils import triton_to_np_dtype
-
-    if datatype == "BYTES":
-        return np.array(list(contents.bytes_contents), dtype=np.object_)
-    field_of = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-                "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
-                "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
-                "FP64": "fp64_contents"}
-    if datatype not in field_of:
-        raise InferError(grpc.StatusCode.INVALID_ARGUMENT, f"datatype {datatype} needs raw_input_contents")
-    return np.array(list(getattr(contents, field_of[datatype])), dtype=triton_to_np_dtype(datatype))
+def scalar_outputs(response: pb_utils.InferenceResponse) -> dict[str, Any]:
+    """The single-element outputs of a response (the statistics the metrics count)."""
+    values = {}
+    for t in response.output_tensors():
+        array = t.as_numpy()
+        if array.size == 1 and array.dtype != np.object_:
+            values[t.name()] = array.reshape(-1)[0].item()
+    return values
 
 
 @dataclass
 class Delivery:
     """What the host hands the transport for each response the model sends."""
 
-    response: Any  # service_pb2.ModelInferResponse or None (empty final)
+    response: pb_utils.InferenceResponse | None  # None: an empty final (flags only)
     error: InferError | None
     final: bool
 
 
-def make_sender(model: HostedModel, request_id: str, requested: list[str], deliver: Callable[[Delivery], None],
+def make_sender(deliver: Callable[[Delivery], None],
                 on_final: Callable[[bool, grpc.StatusCode | None, dict[str, Any]], None],
                 on_first: Callable[[], None]) -> pb_utils.ResponseSender:
-    """A response sender that converts the model's responses and reports the request's outcome."""
-    state = {"first": True, "error": None, "values": {}}
+    """A response sender that routes the model's responses and reports the request's outcome."""
+    state: dict[str, Any] = {"first": True, "error": None, "values": {}}
 
     def send(response: pb_utils.InferenceResponse | None, flags: int) -> None:
         final = bool(flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -252,16 +341,11 @@ def make_sender(model: HostedModel, request_id: str, requested: list[str], deliv
             state["error"] = code
             deliver(Delivery(None, InferError(code, err.message()), final))
         elif response is not None:
-            msg, values = model.encode_response(response, request_id, requested)
-            state["values"].update(values)
-            deliver(Delivery(msg, None, final))
+            state["values"].update(scalar_outputs(response))
+            deliver(Delivery(response, None, final))
         elif final:
             deliver(Delivery(None, None, True))
         if final:
             on_final(state["error"] is None, state["error"], state["values"])
 
     return pb_utils.ResponseSender(send)
-
-
-def now_ns() -> int:
-    return time.time_ns()

@@ -5,7 +5,8 @@ same dashboards work against `tritonserver` and `dflash-trt serve`. Triton expos
 WITHOUT the `_total` suffix that prometheus-client's Counter adds, so those are Gauges that only
 ever go up (the exposition says gauge; the series names match Triton's exactly).
 DFlash-specific metrics are proper counters/histograms named in the project's vocabulary
-(dflash_trt.metrics): acceptance_length is tau, bonus token included.
+(dflash_trt.metrics): a request's tau (mean acceptance length, bonus token included) is observed
+in the `dflash_acceptance_length` histogram.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class ServerMetrics:
         if "total_draft_tokens" in outputs:
             self.draft_tokens.labels(*lv).inc(int(outputs["total_draft_tokens"]))
             self.accepted_tokens.labels(*lv).inc(int(outputs.get("total_accepted_draft_tokens", 0)))
-        if outputs.get("acceptance_length"):
-            self.tau.labels(*lv).observe(float(outputs["acceptance_length"]))
+        if outputs.get("tau"):
+            self.tau.labels(*lv).observe(float(outputs["tau"]))
 
     def serve(self, port: int, host: str = "127.0.0.1"):
         """Start the /metrics HTTP endpoint; returns (http_server, thread)."""

@@ -4,8 +4,12 @@
 importing the repository's model.py, so the file the tests exercise is the file a real Triton
 server runs. Names and signatures follow the Python backend's documented interface (Tensor,
 InferenceRequest, InferenceResponse, TritonError, TritonModelException, Logger, response senders,
-TRITONSERVER_RESPONSE_COMPLETE_FINAL, get_input_tensor_by_name, ...); only what model.py needs
-is implemented, and anything else raises AttributeError rather than pretending.
+ModelConfig for ``auto_complete_config``, TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+get_input_tensor_by_name, ...); only what model.py needs is implemented, and anything else raises
+AttributeError rather than pretending.
+
+As in Triton's Python backend (since 23.10), every request has a response sender, decoupled or
+not; a model that is not decoupled must send exactly one response, flagged final.
 """
 
 from __future__ import annotations
@@ -144,11 +148,28 @@ class InferenceRequest:
 
     def get_response_sender(self) -> ResponseSender:
         if self._sender is None:
-            raise TritonModelException("this request has no response sender (model is not decoupled)")
+            raise TritonModelException("this request has no response sender")
         return self._sender
 
     def is_cancelled(self) -> bool:
         return self._sender is not None and self._sender.is_cancelled()
+
+
+class ModelConfig:
+    """What ``TritonPythonModel.auto_complete_config`` receives: the model's config.pbtxt as a
+    dict, completed by the model before Triton loads it (the setters used by model.py)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self._config = config
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._config
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        self._config["max_batch_size"] = int(max_batch_size)
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
+        self._config["model_transaction_policy"] = {"decoupled": bool(transaction_policy_dict.get("decoupled", False))}
 
 
 class Logger:

@@ -14,21 +14,24 @@ implement :class:`Backend`; serving/backends.py picks and loads one.
 - ``submit`` validates synchronously: a bad request raises :class:`InvalidRequest`
   (INVALID_ARGUMENT / HTTP 400) and a full queue or a shutdown :class:`ServerBusy`
   (UNAVAILABLE / HTTP 503) before anything is queued.
-- :class:`Generation`: the request's :class:`Chunk` s in order. ``cancel()`` (or leaving the
+- :class:`Generation`: the request's :class:`Chunk` s in order, to iterate in a thread or with
+  ``async for`` on an event loop (the HTTP and gRPC frontends). ``cancel()`` (or leaving the
   iteration early, or a watcher such as a Triton response sender's ``is_cancelled``) stops it;
-  it then ends with finish_reason ``cancelled``.
+  it then ends with finish_reason ``cancelled``. A request that fails while running (alone: the
+  other requests of its batch go on) raises :class:`GenerationFailed` from the iteration.
 - :class:`ChunkStats`: the final chunk's per-request statistics, named as in dflash_trt.metrics
-  (``acceptance_length`` = tau, bonus token included).
+  (``tau``: mean tokens committed per verification step, bonus token included).
 
 Finish reasons: ``stop`` (a stop token or stop string), ``length`` (max_tokens), ``cancelled``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,14 +39,19 @@ from dflash_trt.errors import DFlashError, InvalidRequest
 from dflash_trt.runtime.tokens import ChatMessage, TextCodec, check_messages
 from dflash_trt.sampling_params import GREEDY, SamplingParams
 
-__all__ = ["Backend", "Chunk", "ChunkStats", "FINISH_REASONS", "GenerateRequest", "Generation", "InvalidRequest",
-           "ServerBusy", "finish_reason"]
+__all__ = ["Backend", "Chunk", "ChunkStats", "FINISH_REASONS", "GenerateRequest", "Generation", "GenerationFailed",
+           "InvalidRequest", "ServerBusy", "finish_reason"]
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 
 
 class ServerBusy(DFlashError):
     """The queue is full or the backend is shutting down (UNAVAILABLE / HTTP 503): retry later."""
+
+
+class GenerationFailed(DFlashError):
+    """One request failed while it ran (INTERNAL / HTTP 500); the requests decoded beside it are
+    unaffected."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +83,11 @@ class GenerateRequest:
 
 @dataclass
 class ChunkStats:
-    """Per-request speculative statistics, named as in dflash_trt.metrics (tau = acceptance_length)."""
+    """Per-request speculative statistics, named as in dflash_trt.metrics."""
 
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    acceptance_length: float = 0.0  # tau: mean tokens committed per step, bonus token included
+    tau: float = 0.0  # mean tokens committed per verification step, bonus token included
     acceptance_rate: float = 0.0
     total_draft_tokens: int = 0
     total_accepted_draft_tokens: int = 0
@@ -93,7 +101,7 @@ class ChunkStats:
         """From a runtime's GenerationStats (dflash_trt.metrics)."""
         return cls(
             num_prompt_tokens=stats.num_prompt_tokens, num_output_tokens=stats.num_output_tokens,
-            acceptance_length=stats.tau, acceptance_rate=stats.acceptance_rate,
+            tau=stats.tau, acceptance_rate=stats.acceptance_rate,
             total_draft_tokens=stats.total_draft_tokens, total_accepted_draft_tokens=stats.total_accepted_draft_tokens,
             ttft_s=stats.ttft_s, tpot_s=stats.tpot_s, queue_s=queue_s, decode_s=stats.total_time_s,
         )
@@ -105,6 +113,8 @@ class Chunk:
     finished: bool = False
     finish_reason: str = ""  # set on the final chunk: stop | length | cancelled
     stats: ChunkStats | None = None  # set on the final chunk
+    # final chunk, finish_reason "stop": the stop string or stop token id that ended it (None otherwise)
+    stop_reason: str | int | None = None
 
 
 def finish_reason(stop_string: bool, cancelled: bool, produced: bool, runtime_reason: str) -> str:
@@ -129,13 +139,17 @@ class Generation:
         self.submitted_at = time.perf_counter()
         self._chunks: queue.Queue[Any] = queue.Queue()
         self._watchers: list[Callable[[], bool]] = []
+        self._listener: Callable[[], None] | None = None  # wakes an async consumer
 
     # producer side (the backend)
     def put(self, item: Chunk | BaseException) -> None:
         self._chunks.put(item)
+        listener = self._listener
+        if listener is not None:
+            listener()
 
     def end(self) -> None:
-        self._chunks.put(self._END)
+        self.put(self._END)
 
     def finish_cancelled(self) -> None:
         """End a request that never ran (a client that left while queued, a shutdown)."""
@@ -167,6 +181,37 @@ class Generation:
                     raise item
                 yield item
         finally:  # the consumer stopped early (error, disconnect): stop generating for it
+            self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        """The chunks on an event loop: the producer (the backend's thread) wakes this consumer
+        through the loop, so no thread waits per request."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the loop closed (server stopped): nobody is waiting any more
+                pass
+
+        self._listener = wake
+        try:
+            while True:
+                try:
+                    item = self._chunks.get_nowait()
+                except queue.Empty:
+                    ready.clear()
+                    if self._chunks.empty():  # re-check: a put between get_nowait and clear() woke nobody
+                        await ready.wait()
+                    continue
+                if item is self._END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:  # the consumer stopped early (error, disconnect): stop generating for it
+            self._listener = None
             self.cancel()
 
     def text(self) -> tuple[str, Chunk]:

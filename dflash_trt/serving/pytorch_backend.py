@@ -15,6 +15,10 @@ ONE scheduler thread drives either runtime: it takes requests from a bounded que
 between steps, drops requests whose client left (or all of them at shutdown), runs a step, and
 streams every sequence's new text back through its :class:`Generation`. The serial runtime is a
 one-row use of the same scheduler (a step is a whole request).
+
+One failing request never fails the others: a row the runtime fails alone (sampling parameters
+that give no distribution, an exception inside the reference loop) and a row whose streaming
+fails here end with :class:`GenerationFailed` for that request only; the rest of its batch goes on.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dflash_trt.serving.protocol import (
     ChunkStats,
     GenerateRequest,
     Generation,
+    GenerationFailed,
     ServerBusy,
     finish_reason,
     resolve_budget,
@@ -54,8 +59,9 @@ class _Job:
 @dataclass
 class _Active:
     generation: Generation
-    seq: Any  # BatchedSequence
     detok: IncrementalDetokenizer
+    seq: Any = None  # BatchedSequence
+    error: str | None = None  # streaming this request failed (it alone stops)
 
 
 @dataclass
@@ -150,11 +156,12 @@ class PyTorchBackend:
                 continue
             try:
                 finished = rt.step()
-            except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving others
+            except Exception as e:  # noqa: BLE001 - a fault of the shared pass itself (not of one row's
+                # parameters, which fail alone above): fail what ran in it, keep serving what comes next
                 log.exception("generation step failed")
                 for a in active.values():
                     rt.cancel(a.seq)
-                    a.generation.put(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
+                    a.generation.put(GenerationFailed(f"generation failed: {type(e).__name__}: {e}"))
                     a.generation.end()
                 active.clear()
                 continue
@@ -168,35 +175,49 @@ class PyTorchBackend:
         if g.is_cancelled() or self._closing.is_set():
             g.finish_cancelled()
             return
-        detok = IncrementalDetokenizer(self.codec, job.params.stop)
+        a = _Active(g, IncrementalDetokenizer(self.codec, job.params.stop))
         try:
-            seq = self.runtime.add(SequenceRequest(job.prompt_ids, job.params, self._streamer(g, detok)))
+            a.seq = self.runtime.add(SequenceRequest(job.prompt_ids, job.params, self._streamer(a)))
         except InvalidRequest as e:
             g.put(e)
             g.end()
             return
-        active[id(seq)] = _Active(g, seq, detok)
+        active[id(a.seq)] = a
 
-    def _streamer(self, g: Generation, detok: IncrementalDetokenizer):
+    def _streamer(self, a: _Active):
         """The runtime's per-step callback: stream the new text; True stops generation after this
-        step (a stop string, a cancelled client, shutdown)."""
+        step (a stop string, a cancelled client, shutdown, a failure of this request's own)."""
 
         def on_step(new_ids: list[int]) -> bool:
-            delta = detok.add(new_ids)
+            try:
+                delta = a.detok.add(new_ids)
+            except Exception as e:  # noqa: BLE001 - this request stops alone, its batch goes on
+                a.error = f"detokenizing failed: {type(e).__name__}: {e}"
+                return True
             if delta:
-                g.put(Chunk(delta))
-            return detok.stopped or g.is_cancelled() or self._closing.is_set()
+                a.generation.put(Chunk(delta))
+            return a.detok.stopped or a.generation.is_cancelled() or self._closing.is_set()
 
         return on_step
 
     def _complete(self, a: _Active) -> None:
         g, seq = a.generation, a.seq
+        error = a.error or getattr(seq, "error", None)
+        if error is not None:
+            log.warning("request failed alone (the others of its batch go on): %s", error)
+            g.put(GenerationFailed(error))
+            g.end()
+            return
         result = seq.result
         tail = a.detok.flush()
         reason = finish_reason(stop_string=a.detok.stopped, cancelled=g.is_cancelled() or self._closing.is_set(),
                                produced=bool(result.output_ids), runtime_reason=result.stats.finish_reason)
+        stop_reason = None
+        if reason == "stop":  # the stop string, else the stop token that ended it
+            stop_reason = a.detok.stop_hit if a.detok.stopped else (result.output_ids[-1] if result.output_ids else None)
         queue_s = max(0.0, seq.t0 - g.submitted_at) if seq.t0 else time.perf_counter() - g.submitted_at
-        g.put(Chunk(tail, finished=True, finish_reason=reason, stats=ChunkStats.from_generation(result.stats, queue_s)))
+        g.put(Chunk(tail, finished=True, finish_reason=reason, stats=ChunkStats.from_generation(result.stats, queue_s),
+                    stop_reason=stop_reason))
         g.end()
 
     def runtime_stats(self) -> dict[str, Any]:

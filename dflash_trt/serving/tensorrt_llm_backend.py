@@ -1,5 +1,6 @@
 """The TensorRT-LLM backend: TensorRT-LLM's LLM API with one-model DFlash, configured by the
-engine's llm_api_options.yaml, behind the serving protocol. Runs on GPU nodes only: TensorRT-LLM
+engine's llm_api_options.yaml (or a Triton repository's model.yaml, which holds the same LLM()
+keyword arguments: :func:`llm_kwargs` writes both), behind the serving protocol. Runs on GPU nodes only: TensorRT-LLM
 cannot be installed on the development machines, so tests/test_tensorrt_llm_backend.py drives it
 with a stand-in ``tensorrt_llm`` module whose names are upstream's, recorded with their source
 files and commits in tests/upstream/tensorrt_llm_llmapi.json.
@@ -11,16 +12,17 @@ The mapping, upstream names on the left:
   so both backends see the same tokens;
 - ``tensorrt_llm.SamplingParams(max_tokens, temperature, top_p, seed, stop, stop_token_ids,
   return_perf_metrics=True)`` from our SamplingParams;
-- ``speculative_config``: ``DFlashDecodingConfig`` from the YAML, ``max_draft_len`` = our K
-  (``--max-draft-len`` may lower the engine's);
+- ``LLM(model=<engine>/target, speculative_config=DFlashDecodingConfig(...), **rest)``: the
+  kwargs of :func:`llm_kwargs`, ``max_draft_len`` = our K (``--max-draft-len`` may lower the
+  engine's), drafter path absolute;
 - each streamed ``RequestOutput.outputs[0].text_diff`` -> a Chunk; the last output's
   ``finish_reason`` ('stop' | 'length' | 'timeout' | 'cancelled'; a timeout is reported as
-  cancelled), ``len(token_ids)`` -> num_output_tokens, ``len(prompt_token_ids)`` ->
+  cancelled) and ``stop_reason``, ``len(token_ids)`` -> num_output_tokens, ``len(ids)`` ->
   num_prompt_tokens;
 - ``outputs[0].request_perf_metrics.speculative_decoding.{total_draft_tokens,
   total_accepted_draft_tokens, acceptance_rate}`` -> the same names in ChunkStats; tau
-  (acceptance_length) = 1 + K x acceptance_rate, because one-model DFlash drafts K tokens every
-  generation step (steps = drafted / K);
+  = 1 + K x acceptance_rate, because one-model DFlash drafts K tokens every generation step
+  (steps = drafted / K);
 - ``cancel()`` -> ``RequestOutput.abort()``.
 """
 
@@ -34,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.runtime.tokens import TextCodec
-from dflash_trt.serving.protocol import Chunk, ChunkStats, GenerateRequest, Generation, resolve_budget
+from dflash_trt.serving.protocol import (
+    Chunk,
+    ChunkStats,
+    GenerateRequest,
+    Generation,
+    GenerationFailed,
+    resolve_budget,
+)
 from dflash_trt.speculation import SpeculationSettings
 
 log = logging.getLogger("dflash_trt.serving")
@@ -65,7 +74,27 @@ def speculative_stats(output: Any, max_draft_len: int) -> dict[str, float]:
     drafted, accepted = int(spec.total_draft_tokens), int(spec.total_accepted_draft_tokens)
     rate = float(spec.acceptance_rate)
     return {"total_draft_tokens": drafted, "total_accepted_draft_tokens": accepted, "acceptance_rate": rate,
-            "acceptance_length": 1.0 + max_draft_len * rate if drafted else 1.0}
+            "tau": 1.0 + max_draft_len * rate if drafted else 1.0}
+
+
+def llm_kwargs(engine_dir: Path, manifest: Any, speculation: SpeculationSettings, root: str | None = None
+               ) -> dict[str, Any]:
+    """The ``tensorrt_llm.LLM(**kwargs)`` of an engine: its llm_api_options.yaml with the target
+    as ``model``, the drafter's path made absolute and ``max_draft_len`` = K. `root`: the engine
+    directory as the server will see it (a container path), default `engine_dir` resolved."""
+    from dflash_trt.config import read_config_file
+
+    root = root or str(Path(engine_dir).resolve())
+    options = read_config_file(Path(engine_dir) / manifest.llm_api_options, "the engine's LLM-API options",
+                               fix=f"rebuild the engine with `dflash-trt build` (or `dflash-trt verify {engine_dir}`)")
+    spec = dict(options.pop("speculative_config", {}) or {})
+    spec["max_draft_len"] = speculation.max_draft_len  # K: the manifest's, or lower (--max-draft-len)
+    drafter = spec.get("speculative_model")
+    if drafter and not Path(drafter).is_absolute():  # paths in the YAML are engine-relative
+        spec["speculative_model"] = str(Path(root) / drafter)
+    options.pop("model", None)
+    return {"model": str(Path(root) / manifest.target.path), "backend": "pytorch", **options,
+            "speculative_config": spec}
 
 
 class TensorRTLLMBackend:
@@ -74,8 +103,8 @@ class TensorRTLLMBackend:
     backend = "tensorrt_llm"
 
     def __init__(self, engine_dir: Path, manifest: Any, speculation: SpeculationSettings, codec: TextCodec,
-                 default_max_tokens: int) -> None:
-        import yaml
+                 default_max_tokens: int, kwargs: dict[str, Any] | None = None) -> None:
+        """`kwargs`: LLM() keyword arguments (a repository's model.yaml); default: the engine's."""
         from tensorrt_llm import LLM  # type: ignore[import-not-found]
         from tensorrt_llm.llmapi import DFlashDecodingConfig  # type: ignore[import-not-found]
 
@@ -84,16 +113,13 @@ class TensorRTLLMBackend:
         self.default_max_tokens = default_max_tokens
         self.speculation = speculation
         self.codec = codec
-        options = yaml.safe_load((engine_dir / manifest.llm_api_options).read_text()) or {}
+        options = dict(kwargs if kwargs is not None else llm_kwargs(engine_dir, manifest, speculation))
         spec = dict(options.pop("speculative_config", {}) or {})
         spec.pop("decoding_type", None)
-        spec["max_draft_len"] = speculation.max_draft_len  # K: the manifest's, or lower (--max-draft-len)
-        model_path = spec.get("speculative_model")
-        if model_path and not Path(model_path).is_absolute():  # paths in the YAML are engine-relative
-            spec["speculative_model"] = str(engine_dir / model_path)
-        options.pop("backend", None)
-        self._llm = LLM(model=str(engine_dir / manifest.target.path),
-                        speculative_config=DFlashDecodingConfig(**spec), **options)
+        spec["max_draft_len"] = speculation.max_draft_len
+        options.pop("backend", None)  # the LLM API's PyTorch backend is the only one with DFlash
+        model = options.pop("model")
+        self._llm = LLM(model=model, speculative_config=DFlashDecodingConfig(**spec), **options)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="trtllm-loop", daemon=True)
         self._thread.start()
@@ -134,12 +160,13 @@ class TensorRTLLMBackend:
                     g.put(Chunk(o.text_diff))
             stats = ChunkStats(num_prompt_tokens=len(ids), queue_s=0.0)
             cancelled = g.cancelled.is_set()
-            reason, tail = "cancelled", ""
+            reason, tail, stop_reason = "cancelled", "", None
             if out is not None:
                 o = out.outputs[0]
                 if not cancelled:
                     tail = o.text_diff
                     reason = FINISH_REASON_MAP.get(o.finish_reason or "length", "length")
+                    stop_reason = getattr(o, "stop_reason", None) if reason == "stop" else None
                 stats.num_output_tokens = len(o.token_ids)
                 for name, value in speculative_stats(o, self.speculation.max_draft_len).items():
                     setattr(stats, name, value)
@@ -148,9 +175,10 @@ class TensorRTLLMBackend:
             stats.ttft_s = (first or end) - t0
             n = stats.num_output_tokens
             stats.tpot_s = (end - (first or end)) / (n - 1) if n > 1 else 0.0
-            g.put(Chunk(tail, finished=True, finish_reason=reason, stats=stats))
+            g.put(Chunk(tail, finished=True, finish_reason=reason, stats=stats, stop_reason=stop_reason))
         except Exception as e:  # noqa: BLE001 - the request fails, the backend keeps serving
-            g.put(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
+            log.warning("request failed in TensorRT-LLM: %s: %s", type(e).__name__, e)
+            g.put(GenerationFailed(f"generation failed: {type(e).__name__}: {e}"))
         g.end()
 
     def shutdown(self, cancel_pending: bool = True) -> None:
