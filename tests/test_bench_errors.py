@@ -89,7 +89,7 @@ def test_config_file_unknown_key_and_flag_override(tmp_path):
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_new_tokens: 8\nmax_new_tokenz: 9\n")
-    _fails(["--config", str(bad)], "max-new-tokenz", "Extra inputs")
+    _fails(["--config", str(bad)], "unknown key 'max_new_tokenz' (did you mean 'max_new_tokens'?)", str(bad))
     good = tmp_path / "good.yaml"
     good.write_text("max-new-tokens: 8\nconcurrency: [4, 1]\n")
     cfg = resolve_config(str(good), {"max_new_tokens": 16, "concurrency": None})

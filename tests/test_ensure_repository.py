@@ -45,3 +45,14 @@ def test_a_config_triton_would_refuse_fails_before_the_server(tmp_path):
     empty.mkdir()
     res = run(str(engine), str(empty))
     assert res.exit_code != 0 and "has no model" in res.output
+
+
+def test_a_corrupt_repository_record_is_one_line(tmp_path):
+    engine = manifest_engine(tmp_path / "engine", 1, 1)
+    repo = tmp_path / "repo"
+    assert run(str(engine), str(repo)).exit_code == 0
+    (repo / "dflash_trt_repo.json").write_text('{"engine_dir": ')
+    res = run(str(engine), str(repo))
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert res.output.startswith(f"error: repository record {repo / 'dflash_trt_repo.json'} is not valid JSON")
+    assert f"regenerate it: dflash-trt deploy triton {engine.resolve()} --out {repo} --force" in res.output

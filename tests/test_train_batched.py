@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -15,8 +16,10 @@ from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.train.data import compute_features, save_data
 from dflash_trt.train.objective import block_inputs, dflash_loss, dflash_loss_batch
-from dflash_trt.train.sampled import _sample_hf, generate_sampled
-from dflash_trt.train.trainer import make_batch, online_features
+from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.train.answers import AnswerSettings, generate_answers
+from dflash_trt.train.dataset import make_batch
+from dflash_trt.train.step import online_features
 
 
 def _pair():
@@ -81,21 +84,25 @@ def _prompts(n: int) -> list[Prompt]:
     return [Prompt(f"code-train-{i:03d}", "code", "train", f"write function number {i}") for i in range(n)]
 
 
+def _sampled(target, n_prompts: int, seed: int, samples: int = 4, batch_size: int = 8, via: str = "auto",
+             max_new_tokens: int = 12, temperature: float = 1.0) -> list[dict]:
+    settings = AnswerSettings(samples=samples, temperature=temperature, max_new_tokens=max_new_tokens,
+                              batch_size=batch_size, seed=seed)
+    return generate_answers(target, None, _prompts(n_prompts), settings, via=via)
+
+
 def test_sampled_answers_are_k_per_prompt_reproducible_and_diverse():
     target, _ = _pair()
     eos = int(target.config.eos_token_id)
-    rows = generate_sampled(target, None, _prompts(3), samples=4, temperature=1.0, max_new_tokens=12,
-                            batch_prompts=2, seed=3)
-    again = generate_sampled(target, None, _prompts(3), samples=4, temperature=1.0, max_new_tokens=12,
-                             batch_prompts=2, seed=3)
-    assert [r["id"] for r in rows] == [f"code-train-{i:03d}#s{j}" for i in range(3) for j in range(4)]
-    assert [r["ids"] for r in rows] == [r["ids"] for r in again]  # the seed fixes the samples
-    other = generate_sampled(target, None, _prompts(3), samples=4, temperature=1.0, max_new_tokens=12,
-                             batch_prompts=2, seed=4)
+    rows = _sampled(target, 3, seed=3)
+    assert [r["ids"] for r in _sampled(target, 3, seed=3)] == [r["ids"] for r in rows]  # the seed fixes the samples
+    assert sorted(r["id"] for r in rows) == [f"code-train-{i:03d}#s{j}" for i in range(3) for j in range(4)]
+    other = _sampled(target, 3, seed=4)
     assert [r["ids"] for r in other] != [r["ids"] for r in rows]  # and another seed draws others
-    prompt0 = rows[0]["ids"][: rows[0]["prompt_len"]]
-    assert all(r["ids"][: r["prompt_len"]] == prompt0 for r in rows[:4])  # the prompt, unpadded
-    assert len({tuple(r["ids"]) for r in rows[:4]}) > 1  # different answers to one prompt
+    first = [r for r in rows if r["id"].startswith("code-train-000#")]
+    prompt0 = first[0]["ids"][: first[0]["prompt_len"]]
+    assert all(r["ids"][: r["prompt_len"]] == prompt0 for r in first)  # the prompt, unpadded
+    assert len({tuple(r["ids"]) for r in first}) > 1  # different answers to one prompt
     for r in rows:
         resp = r["ids"][r["prompt_len"]:]
         assert 1 <= len(resp) <= 12 and (eos not in resp or resp.index(eos) == len(resp) - 1)
@@ -104,12 +111,20 @@ def test_sampled_answers_are_k_per_prompt_reproducible_and_diverse():
 def test_hf_fallback_samples_the_same_row_format():
     """Targets the batched runtime does not run (sliding windows, sinks) sample through HF generate."""
     target, _ = _pair()
-    eos = int(target.config.eos_token_id)
-    jobs = [(p, j, [5, 6, 7 + i]) for i, p in enumerate(_prompts(2)) for j in range(3)]
-    rows = _sample_hf(target, jobs, 3, 1.0, 10, 2, 0, eos, None, None)
+    rows = _sampled(target, 2, seed=0, samples=3, batch_size=6, via="hf", max_new_tokens=10)
     assert [r["id"] for r in rows] == [f"code-train-{i:03d}#s{j}" for i in range(2) for j in range(3)]
-    assert all(r["ids"][:3] == [5, 6, 7 + i // 3] and r["prompt_len"] == 3 for i, r in enumerate(rows))
-    assert all(1 <= len(r["ids"]) - 3 <= 10 for r in rows)
+    codec = TextCodec(None, int(target.config.vocab_size))
+    for i, r in enumerate(rows):
+        prompt = codec.encode(_prompts(2)[i // 3].prompt)
+        assert r["ids"][: len(prompt)] == prompt and r["prompt_len"] == len(prompt)
+        assert 1 <= len(r["ids"]) - len(prompt) <= 10
+
+
+def test_greedy_answers_cannot_be_sampled_twice():
+    from dflash_trt.errors import DFlashError
+
+    with pytest.raises(DFlashError, match="--temperature > 0"):
+        AnswerSettings(samples=2)
 
 
 def test_train_draft_online_batched_with_sampled_extra_data(tiny_pair_dirs, tmp_path):
@@ -117,8 +132,7 @@ def test_train_draft_online_batched_with_sampled_extra_data(tiny_pair_dirs, tmp_
     target_dir, _ = tiny_pair_dirs
     from dflash_trt.runtime.loading import load_target
 
-    extra = generate_sampled(load_target(target_dir), None, _prompts(4), samples=2, temperature=0.8,
-                             max_new_tokens=24, batch_prompts=4, seed=1)
+    extra = _sampled(load_target(target_dir), 4, seed=1, samples=2, batch_size=8, max_new_tokens=24, temperature=0.8)
     usable = sum(len(r["ids"]) - r["prompt_len"] >= 2 for r in extra)
     save_data(tmp_path / "sampled.pt", extra, {"capture_layer_ids": None, "sampled": True})
     out = tmp_path / "drafter"

@@ -110,16 +110,14 @@ def bench(ctx: click.Context, config_file: str | None, no_progress: bool, **flag
     """
     if ctx.invoked_subcommand is not None:
         return
-    import json
-
     from rich.console import Console
 
     from dflash_trt.bench.config import resolve_config
+    from dflash_trt.config import config_line
 
     cfg = resolve_config(config_file, flags)
     console = Console(stderr=True)
-    console.print("[bench] config " + json.dumps(cfg.model_dump(), separators=(",", ":")), markup=False, highlight=False,
-                  soft_wrap=True)
+    console.print(config_line("bench", cfg), markup=False, highlight=False, soft_wrap=True)
     result, records = _run_with_progress(cfg, console, no_progress)
     result["command"] = "dflash-trt bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
 

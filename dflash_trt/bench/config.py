@@ -8,12 +8,9 @@ DFlash runtime decoding plainly), and the defaults that follow from them.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from dflash_trt.errors import DFlashError
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 RUNTIMES = ("reference", "batched")
 POLICY_HINT = "use adaptive, fixed (K drafts every step) or fixed:k (k drafts every step, 0 <= k <= K)"
@@ -160,32 +157,8 @@ class BenchConfig(BaseModel):
         return self.url is None
 
 
-def _one_line(e: ValidationError, where: str) -> DFlashError:
-    err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
-    name = f"--{loc.replace('_', '-')}" if loc else where
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    return DFlashError(f"{where}: {name}: {msg}" if loc else f"{where}: {msg}")
-
-
 def resolve_config(config_file: str | None, flags: dict[str, Any]) -> BenchConfig:
     """File values, then every flag the user actually gave (None = not given) on top."""
-    data: dict[str, Any] = {}
-    if config_file:
-        import yaml
+    from dflash_trt.config import load_config
 
-        path = Path(config_file)
-        if not path.is_file():
-            raise DFlashError(f"bench config {path} not found; pass a YAML file of bench options (see --help)")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as e:
-            raise DFlashError(f"bench config {path} is not valid YAML ({' '.join(str(e).split())})") from None
-        if not isinstance(data, dict):
-            raise DFlashError(f"bench config {path} must be a mapping of option: value")
-        data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    data.update({k: v for k, v in flags.items() if v is not None})
-    try:
-        return BenchConfig(**data)
-    except ValidationError as e:
-        raise _one_line(e, str(config_file) if config_file else "bench") from None
+    return load_config(BenchConfig, config_file, flags, what="bench config")

@@ -83,6 +83,7 @@ def slurm(engine: str, out: str, backend: str, server: str, job_name: str | None
           model_repository: str | None, grpc_port: int, http_port: int, metrics_port: int, port_stride: int,
           mpi: str, ready_timeout: int, dflash_bin: str | None, bench_args: str, submit: bool) -> None:
     """Write sbatch scripts (serve, build, bench) for the engine directory ENGINE."""
+    from dflash_trt.config import load_config
     from dflash_trt.deploy.slurm import SlurmOptions, describe, sbatch, write_jobs
 
     kw = dict(out=Path(out), backend=backend, server=server, job_name=job_name, partition=partition,
@@ -95,11 +96,10 @@ def slurm(engine: str, out: str, backend: str, server: str, job_name: str | None
               ready_timeout=ready_timeout, bench_args=bench_args)
     if dflash_bin:
         kw["dflash_bin"] = str(Path(dflash_bin).resolve())
-    if no_container:
-        kw["container_image"] = None
-    elif container_image:
+    if container_image and not no_container:
         kw["container_image"] = container_image
-    opts = SlurmOptions(**kw)
+    opts = load_config(SlurmOptions, flags=kw, values={"container_image": None} if no_container else None,
+                       what="deploy slurm options")
     click.echo(f"[deploy slurm] resolved options:\n{describe(opts)}", err=True)
     paths = write_jobs(engine, opts)
     for job, path in paths.items():

@@ -28,8 +28,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_trt.errors import DFlashError
-
 Backend = Literal["auto", "trtllm", "reference"]
 PROBE_TIMEOUT_S = 300  # importing tensorrt_llm loads CUDA libraries and can take a minute
 FP4_MIN_CC = (10, 0)  # Blackwell: native NVFP4 tensor cores (sm_100, sm_103, sm_120)
@@ -293,18 +291,12 @@ def engine_findings(env: Environment, manifest: Any, opts: dict[str, Any], backe
 
 
 def load_engine(engine_dir: str | Path) -> tuple[Any, dict[str, Any]]:
-    import yaml
-
+    """(the manifest, its llm_api_options mapping); DFlashError naming the file and the rebuild."""
+    from dflash_trt.config import read_config_file
     from dflash_trt.engine.manifest import load_manifest
 
     manifest = load_manifest(engine_dir)
-    path = Path(engine_dir) / manifest.llm_api_options
-    if not path.is_file():
-        raise DFlashError(f"{path} is missing; rebuild the engine")
-    try:
-        opts = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise DFlashError(f"{path}: invalid YAML ({' '.join(str(e).split())}); rebuild the engine")
+    opts = read_config_file(Path(engine_dir) / manifest.llm_api_options, "llm_api_options", fix="rebuild the engine")
     return manifest, opts
 
 

@@ -7,7 +7,6 @@ wrong model or failing minutes later inside tritonserver.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +21,7 @@ def ensure_repository(engine_dir: str | Path, repo: str | Path, backend: RepoBac
     Returns "written" or "checked"; DFlashError (one line, with the fix) when the repository is
     unusable for this engine.
     """
+    from dflash_trt.config import read_config_file
     from dflash_trt.engine.manifest import load_manifest
     from dflash_trt.serving.repository import REPO_RECORD, TritonRepoSettings, generate_repository, read_model_config
 
@@ -38,7 +38,7 @@ def ensure_repository(engine_dir: str | Path, repo: str | Path, backend: RepoBac
         read_model_config(model)  # strict parse: a config Triton would refuse fails here
     record_path = repo / REPO_RECORD
     if record_path.is_file():
-        record = json.loads(record_path.read_text(encoding="utf-8"))
+        record = read_config_file(record_path, "repository record", fix=regenerate)
         served = (record.get("settings") or {}).get("engine_path") or record.get("engine_dir")
         if served and Path(served).resolve() != engine_dir:
             raise DFlashError(f"model repository {repo} serves engine {served}, not {engine_dir}; {regenerate}")

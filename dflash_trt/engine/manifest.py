@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_trt.errors import DFlashError
 
@@ -102,22 +102,15 @@ class EngineManifest(Strict):
 
 def load_manifest(engine_dir: str | Path) -> EngineManifest:
     """Read and validate `engine_dir/dflash_trt.json` (DFlashError with a fix on any problem)."""
-    import json
+    from dflash_trt.config import load_config
 
     engine_dir = Path(engine_dir)
     path = engine_dir / MANIFEST_NAME
     if not path.is_file():
         hint = " (an interrupted build leaves no manifest; rebuild)" if engine_dir.is_dir() else ""
         raise DFlashError(f"{engine_dir} is not a dflash-trt engine directory: {MANIFEST_NAME} missing{hint}; run `dflash-trt build`")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        manifest = EngineManifest.model_validate(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DFlashError(f"{path} is not valid JSON ({e}); rebuild the engine")
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        raise DFlashError(f"{path}: field {loc}: {err['msg']}; rebuild the engine with this dflash-trt version")
+    manifest = load_config(EngineManifest, path, what="engine manifest",
+                           fix="rebuild the engine with this dflash-trt version")
     if manifest.format_version != FORMAT_VERSION:
         raise DFlashError(f"{path}: format_version {manifest.format_version} is not {FORMAT_VERSION}; rebuild the engine")
     return manifest

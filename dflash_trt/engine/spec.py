@@ -1,7 +1,8 @@
 """The build spec: a typed, strict recipe (YAML under build/) that CLI flags override.
 
 Resolution order: built-in defaults < the YAML file (`--spec`) < flags given on the command line.
-Unknown or misplaced keys are errors (pydantic extra="forbid"), reported as one line.
+Unknown or misplaced keys are errors (pydantic extra="forbid"), reported as one line by the
+one config loader (dflash_trt/config.py).
 """
 
 from __future__ import annotations
@@ -9,10 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_trt.engine.hardware import GpuName, KvQuantName, QuantName
-from dflash_trt.errors import DFlashError
 
 
 class _Strict(BaseModel):
@@ -69,56 +69,8 @@ class BuildSpec(_Strict):
     gate: GateSpec = Field(default_factory=GateSpec)
 
 
-def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    for k in keys[:-1]:
-        d = d.setdefault(k, {})
-        if not isinstance(d, dict):
-            raise DFlashError(f"build spec: {k} must be a mapping to hold {dotted}")
-    d[keys[-1]] = value
-
-
-def load_spec_file(path: str | Path) -> dict[str, Any]:
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise DFlashError(f"build spec {p} not found; pass a YAML file (examples under build/)")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise DFlashError(f"build spec {p} is not valid YAML ({' '.join(str(e).split())}); fix the file")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise DFlashError(f"build spec {p} must be a YAML mapping of keys, got {type(data).__name__}")
-    return data
-
-
 def resolve_spec(spec_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> BuildSpec:
     """Defaults < YAML < overrides (dotted keys like "gate.max_tau_drop"; None = not given)."""
-    data = load_spec_file(spec_file) if spec_file else {}
-    where = f"build spec {spec_file}" if spec_file else "build options"
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            _set_path(data, key, value)
-    try:
-        return BuildSpec.model_validate(data)
-    except ValidationError as e:
-        raise DFlashError(_one_line(e, where))
+    from dflash_trt.config import load_config
 
-
-def _one_line(e: ValidationError, where: str) -> str:
-    err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
-    if err["type"] == "extra_forbidden":
-        model: type[BaseModel] = BuildSpec
-        for part in err["loc"][:-1]:
-            ann = model.model_fields.get(str(part))
-            if ann is None or not isinstance(ann.annotation, type) or not issubclass(ann.annotation, BaseModel):
-                break
-            model = ann.annotation
-        valid = ", ".join(model.model_fields)
-        return f"{where}: unknown key {loc!r}; valid keys here: {valid}"
-    value = err.get("input")
-    return f"{where}: {loc}={value!r}: {err['msg']}; fix the value"
+    return load_config(BuildSpec, spec_file, overrides, what="build spec")

@@ -14,6 +14,8 @@ import json
 import random
 from pathlib import Path
 
+import click
+
 HERE = Path(__file__).resolve().parent
 
 # ---------------------------------------------------------------------------------------------
@@ -604,7 +606,10 @@ def build(seed: int = 0) -> dict[str, list[dict]]:
     return out
 
 
+@click.command()
 def main() -> None:
+    """Rewrite code.jsonl, math.jsonl and chat.jsonl beside this module from the lists in it
+    (python -m dflash_trt.prompts.build)."""
     from dflash_trt.fsutil import write_text_atomic
 
     for cat, rows in build().items():
@@ -613,4 +618,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="python -m dflash_trt.prompts.build")

@@ -29,7 +29,7 @@ class TargetAdapter:
             model = model.model
         self.model = model.eval()
         self.config = model.config
-        self._decoder_layers = _find_decoder_layers(model)
+        self._decoder_layers = find_decoder_layers(model)
         # Hooks are registered once per model and shared by every adapter over it; adapters are
         # created per request, and re-registering would pile up hooks on the layers.
         state = model.__dict__.get("_dflash_capture")
@@ -127,7 +127,8 @@ class _CaptureState:
         return record
 
 
-def _find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of an HF causal LM (Llama-style `model.layers`, GPT-style `transformer.h`)."""
     base = getattr(model, "model", None) or getattr(model, "transformer", None) or model
     for name in ("layers", "h", "blocks"):
         layers = getattr(base, name, None)

@@ -23,16 +23,9 @@ def backend_option(help: str):
 
 
 def _settings(**kw):
-    from dflash_trt.serving.repository import TritonRepoSettings
+    from dflash_trt.serving.repository import resolve_repo_settings
 
-    try:
-        return TritonRepoSettings(**{k: v for k, v in kw.items() if v is not None})
-    except Exception as e:  # pydantic ValidationError -> one line
-        errors = getattr(e, "errors", None)
-        if errors:
-            err = errors()[0]
-            raise DFlashError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
-        raise
+    return resolve_repo_settings(kw)
 
 
 def _repo_options(fn):

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import shutil
 import string
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 
@@ -33,6 +35,13 @@ class TritonRepoSettings(BackendSettings):
 
     model_name: str = Field("dflash", pattern=r"^[A-Za-z0-9_.-]+$")
     engine_path: str | None = None  # the engine directory as the server sees it (containers)
+
+
+def resolve_repo_settings(flags: Mapping[str, Any]) -> TritonRepoSettings:
+    """The settings of `deploy triton` / `serve` flags (None = not given), by the one config loader."""
+    from dflash_trt.config import load_config
+
+    return load_config(TritonRepoSettings, flags=flags, what="repository settings")
 
 
 def _pbtxt_string(value: str) -> str:

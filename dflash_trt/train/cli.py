@@ -1,8 +1,10 @@
-"""Commands of the training area: `setup-default`, `train-draft`, `draft-vocab`."""
+"""Commands of the training area: `setup-default`, `train-draft`, `train-data`, `draft-vocab`."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -61,60 +63,91 @@ def setup_default(rebuild: bool) -> None:
 @click.option("--features", type=click.Choice(["cached", "online"]),
               help="Target features computed once before training (cached) or in every step (online) [cached on cpu, else online].")
 @click.option("--extra-data", multiple=True, type=click.Path(dir_okay=False, exists=True),
-              help="More sequences to train on (responses.pt from `python -m dflash_trt.train.sampled`); repeatable.")
+              help="More sequences to train on (an answer file from `dflash-trt train-data`); repeatable.")
 @click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype on disk [bfloat16].")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
 @friendly_errors
-def train_draft(target: str | None, out: str, config_file: str | None, **flags) -> None:
+def train_draft(target: str | None, out: str, config_file: str | None, no_progress: bool, **flags) -> None:
     """Train a DFlash drafter for TARGET on its own greedy answers to the project's train prompts."""
-    from dflash_trt.train.trainer import TrainConfig, train_draft as run
+    from dflash_trt.config import config_line
+    from dflash_trt.train.trainer import train_draft as run
 
     cfg = _resolve_config(target, out, config_file, flags)
-    click.echo("resolved config: " + cfg.model_dump_json(), err=True)
-    manifest = run(cfg)
+    click.echo(config_line("train-draft", cfg), err=True)
+    manifest = run(cfg, progress=not no_progress)
     click.echo(f"drafter: {cfg.out}  steps={manifest['steps']}  final_loss={manifest['final_loss']}  "
                f"params={manifest['num_parameters']}  time={manifest['total_time_s']}s")
-    del TrainConfig
 
 
-def _resolve_config(target: str | None, out: str, config_file: str | None, flags: dict):
-    from pydantic import ValidationError
+def _resolve_config(target: str | None, out: str, config_file: str | None, flags: dict[str, Any]):
+    """TrainConfig from --config, then the flags; no target anywhere: the embedded one."""
+    from dflash_trt.config import load_config
+    from dflash_trt.train.config import TrainConfig
 
-    from dflash_trt.errors import DFlashError
-    from dflash_trt.train.trainer import TrainConfig
-
-    base: dict = {}
-    if config_file:
-        import yaml
-
-        try:
-            base = yaml.safe_load(Path(config_file).read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as e:
-            raise DFlashError(f"{config_file}: not valid YAML/JSON ({str(e).splitlines()[0]})")
-        if not isinstance(base, dict):
-            raise DFlashError(f"{config_file}: must hold a mapping of TrainConfig fields")
-    ids = flags.pop("target_layer_ids", None)
-    if ids:
-        try:
-            flags["target_layer_ids"] = [int(x) for x in ids.split(",")]
-        except ValueError:
-            raise DFlashError(f"--target-layer-ids {ids!r}: give comma-separated integers, e.g. 1,14,27")
-    if not flags.get("extra_data"):
-        flags.pop("extra_data", None)  # an empty tuple from click: keep the file's list, if any
-    else:
-        flags["extra_data"] = list(flags["extra_data"])
-    base.update({k: v for k, v in flags.items() if v is not None})
-    if target is None and "target" not in base:
+    flags = {**flags, "target": target, "out": out, "extra_data": list(flags["extra_data"]) or None,
+             "target_layer_ids": _int_list("--target-layer-ids", flags["target_layer_ids"])}
+    cfg = load_config(TrainConfig, config_file, flags, what="train-draft config")
+    if cfg.target is None:
         from dflash_trt.embedded import ensure_default_target
 
-        target = str(ensure_default_target())
-    if target is not None:
-        base["target"] = target
-    base["out"] = out
+        cfg = cfg.model_copy(update={"target": str(ensure_default_target())})
+    return cfg
+
+
+def _int_list(flag: str, text: str | None) -> list[int] | None:
+    if text is None:
+        return None
     try:
-        return TrainConfig(**base)
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise DFlashError(f"train-draft config: {'.'.join(map(str, err['loc']))}: {err['msg']}")
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DFlashError(f"{flag} {text!r}: give comma-separated integers, e.g. 1,14,27") from None
+
+
+@click.command("train-data")
+@click.argument("target", type=click.Path(file_okay=False))
+@click.argument("out_file", type=click.Path(dir_okay=False))
+@click.option("--samples", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Answers per prompt (more than 1 needs --temperature > 0).")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0: greedy answers (train-draft's data); > 0: sampled ones.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Answer length cap.")
+@click.option("--batch-prompts", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Prompts decoded together; rows = this x --samples.")
+@click.option("--capture-layers", help="Also store the target's features at these comma-separated layers.")
+@click.option("--max-prompts", type=click.IntRange(min=1), help="Answer only the first N train prompts (all by default).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Prompt order and the samples' draws.")
+@click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True),
+              help="Start no new answer after this many seconds.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+              show_default=True, help="Target weights dtype.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: torch's choice).")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@friendly_errors
+def train_data(target: str, out_file: str, samples: int, temperature: float, max_new_tokens: int,
+               batch_prompts: int, capture_layers: str | None, max_prompts: int | None, seed: int,
+               time_limit_s: float | None, dtype: str, device: str, threads: int | None, no_progress: bool) -> None:
+    """Write the target's answers to the project's train prompts into OUT_FILE (resumable).
+
+    Greedy by default (the data `train-draft` makes itself); with --samples N --temperature T,
+    N sampled answers per prompt for `train-draft --extra-data` (`python -m dflash_trt.train.sampled`
+    is this command with --samples 8 --temperature 0.7 --device cuda as defaults).
+    """
+    from dflash_trt.train.answers import AnswerSettings
+    from dflash_trt.train.data import extend_answer_file
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    layers = _int_list("--capture-layers", capture_layers)
+    settings = AnswerSettings(max_new_tokens=max_new_tokens, batch_size=batch_prompts * samples, samples=samples,
+                              temperature=temperature, seed=seed, capture_layer_ids=tuple(layers) if layers else None,
+                              time_limit_s=time_limit_s, progress=not no_progress)
+    t0 = time.time()
+    kept, added = extend_answer_file(target, out_file, settings, max_prompts, dtype=dtype, device=device)
+    click.echo(f"wrote {kept + added} sequences to {out_file} ({added} new) in {time.time() - t0:.0f} s")
 
 
 @click.command("draft-vocab")
@@ -147,4 +180,4 @@ def draft_vocab(draft_dir: str, data_file: str, size: int) -> None:
     click.echo(f"{path}: {ids.numel()} token ids covering {coverage:.2%} of {len(seqs)} answers' tokens")
 
 
-COMMANDS = [setup_default, train_draft, draft_vocab]
+COMMANDS = [setup_default, train_draft, train_data, draft_vocab]
