@@ -221,6 +221,18 @@ def test_tau_only_decodes_dflash_alone(tiny_pair_dirs, tmp_path):
     assert result["rows"][0]["per_position_acceptance"] is not None
 
 
+def test_every_user_has_a_request_unless_num_requests_says(tiny_pair_dirs, tmp_path):
+    """2 prompts at C=3: 3 requests cycling over them (3 users busy, not 2); --num-requests is taken as given."""
+    tdir, ddir = tiny_pair_dirs
+    base = ["--target", str(tdir), "--draft", str(ddir), "--num-prompts", "2", "--max-new-tokens", "6", "--tau-only",
+            "--runtime", "batched", "--no-calibrate", "--no-plots", "--concurrency", "1,3"]
+    result, _ = _bench(tmp_path / "default", *base)
+    assert {r["concurrency"]: r["num_requests"] for r in result["rows"]} == {1: 2, 3: 3}
+    assert [r["prompt_id"] for r in result["requests"] if r["concurrency"] == 3].count(result["prompts"][0]["id"]) == 2
+    result, _ = _bench(tmp_path / "given", *base, "--num-requests", "2")
+    assert {r["concurrency"]: r["num_requests"] for r in result["rows"]} == {1: 2, 3: 2}
+
+
 def _rec(lengths: list[int], drafted: int, t_submit: float, t_first: float, t_end: float, n: int) -> RequestRecord:
     accepted = sum(lengths) - len(lengths)
     return RequestRecord(

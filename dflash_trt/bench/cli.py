@@ -66,7 +66,7 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help='JSONL file: one {"prompt": ...} or {"messages": [...]} per line (instead of --category).')
 @click.option("--split", type=click.Choice(["eval", "train"]), help="Split of the project sets [default: eval].")
 @click.option("--num-prompts", type=int, help="Only the first N prompts (round-robin over categories).")
-@click.option("--num-requests", type=int, help="Requests per run, cycling over the prompts [default: one per prompt].")
+@click.option("--num-requests", type=int, help="Requests per run, cycling over the prompts [default: one per prompt, at least C at level C].")
 @click.option("--per-category", is_flag=True, default=None, help="Also summarise each prompt category apart.")
 @click.option("--max-new-tokens", type=int, help="Tokens to generate per request [default: 128].")
 @click.option("--temperature", type=float, help="Sampling temperature; 0 = greedy [default: 0].")

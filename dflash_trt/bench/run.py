@@ -30,9 +30,10 @@ def load_bench_prompts(cfg: BenchConfig) -> list[BenchPrompt]:
     return prompts[: cfg.num_prompts] if cfg.num_prompts else prompts
 
 
-def bench_requests(cfg: BenchConfig, prompts: list[BenchPrompt]) -> list[BenchRequest]:
-    """One request per prompt, or --num-requests cycling over them; request i uses seed + i."""
-    n = cfg.num_requests or len(prompts)
+def bench_requests(cfg: BenchConfig, prompts: list[BenchPrompt], concurrency: int) -> list[BenchRequest]:
+    """--num-requests cycling over the prompts, by default one per prompt and at least one per user
+    (C users and fewer prompts would leave users idle and measure a lower level); request i uses seed + i."""
+    n = cfg.num_requests or max(len(prompts), concurrency)
     return [BenchRequest(prompts[i % len(prompts)], cfg.max_new_tokens, cfg.temperature, cfg.seed + i) for i in range(n)]
 
 
@@ -214,7 +215,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
         require_peer()  # before anything slow: one line and `make peer` if it is absent
     load_start = load_average()
     prompts = load_bench_prompts(cfg)
-    requests = bench_requests(cfg, prompts)
+    requests = {c: bench_requests(cfg, prompts, c) for c in cfg.concurrency}
     inputs = sizes = None
     if cfg.in_process:
         sides, source, sizes, inputs = _in_process_sides(cfg, prompts, say)
@@ -226,18 +227,18 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
             side.warmup()
         runs = [(side, mode) for side in sides for mode in side.modes]
         if progress:
-            progress("total", len(requests) * len(runs) * len(cfg.concurrency) * cfg.repeats)
+            progress("total", sum(map(len, requests.values())) * len(runs) * cfg.repeats)
         ran_reference_plain = any(s.name == "reference" and "plain" in s.modes for s in sides)
         oracle = None
         if cfg.check and cfg.temperature == 0 and inputs is not None and not ran_reference_plain and not cfg.tau_only:
-            oracle = _oracle(inputs, requests, say)
+            oracle = _oracle(inputs, requests[max(cfg.concurrency)], say)
         results: dict[tuple[str, str, int], RunResult] = {}
         on_done = (lambda r: progress("done", r)) if progress else (lambda r: None)
         for c in cfg.concurrency:
             for _ in range(cfg.repeats):
                 for side, mode in runs:
                     load = load_average()
-                    res = side.run(mode, requests, c, on_done)
+                    res = side.run(mode, requests[c], c, on_done)
                     res.info["loadavg"] = load
                     say(f"{side.name} {mode} C={c}: {_throughput(res):.1f} tok/s total (load {load[0] if load else '?'})")
                     best = results.get((side.name, mode, c))
