@@ -21,6 +21,23 @@ def _save(fig: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _finish(fig: Any, ax: Any, out_dir: Path, name: str, written: dict[str, str], title: str, xlabel: str,
+            ylabel: str, *, legend: bool = True, grid: bool = False) -> None:
+    """Label, save atomically, close, and record plot `name` in `written`."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if grid:
+        ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=7)
+    _save(fig, out_dir / PLOTS[name])
+    plt.close(fig)
+    written[name] = PLOTS[name]
+
+
 def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
     out: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
@@ -49,14 +66,8 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
         for r in rs:
             ax.annotate(f"C={r['concurrency']}", (r["total_tokens_per_s"], r["tokens_per_s"]["mean"]),
                         textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("total_tokens_per_s (all users)")
-    ax.set_ylabel("tokens_per_s per user (mean)")
-    ax.set_title("Throughput vs per-user speed across concurrency")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    _save(fig, out_dir / PLOTS["throughput"])
-    plt.close(fig)
-    written["throughput"] = PLOTS["throughput"]
+    _finish(fig, ax, out_dir, "throughput", written, "Throughput vs per-user speed across concurrency",
+            "total_tokens_per_s (all users)", "tokens_per_s per user (mean)", grid=True)
 
     # 2. Total tokens/s by concurrency, one line per side and mode: the side-by-side figure.
     fig, ax = plt.subplots(figsize=(7, 4.6))
@@ -65,14 +76,8 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
                 color=SIDE_COLORS.get(side, "tab:gray"), label=f"{labels[side]}, {mode}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({r["concurrency"] for r in rows}), [str(c) for c in sorted({r["concurrency"] for r in rows})])
-    ax.set_xlabel("concurrency C (users)")
-    ax.set_ylabel("total_tokens_per_s")
-    ax.set_title("Output tokens/s of all users")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    _save(fig, out_dir / PLOTS["tokens_per_s_by_concurrency"])
-    plt.close(fig)
-    written["tokens_per_s_by_concurrency"] = PLOTS["tokens_per_s_by_concurrency"]
+    _finish(fig, ax, out_dir, "tokens_per_s_by_concurrency", written, "Output tokens/s of all users",
+            "concurrency C (users)", "total_tokens_per_s", grid=True)
 
     # 3. tau per step at the lowest level, per side (at temperature 0 the other levels repeat the steps).
     level = min((r["concurrency"] for r in rows), default=1)
@@ -86,17 +91,12 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
             values = [a for r in dflash if r.side == side for a in r.acceptance_lengths]
             ax.hist(values, bins=range(1, top + 2), align="left", histtype="step", linewidth=1.5,
                     color=SIDE_COLORS.get(side, "tab:gray"), label=labels.get(side, side))
-        ax.set_xlabel("acceptance_length per step (tokens committed, bonus included)")
+        xlabel = "acceptance_length per step (tokens committed, bonus included)"
     else:
         ax.hist([r.tau for r in dflash] or [0.0], bins=20, color="tab:blue")
-        ax.set_xlabel("tau per request")
-    ax.set_ylabel("steps")
-    ax.set_title(f"DFlash acceptance length at C={level}")
-    if per_step:
-        ax.legend(fontsize=7)
-    _save(fig, out_dir / PLOTS["tau_histogram"])
-    plt.close(fig)
-    written["tau_histogram"] = PLOTS["tau_histogram"]
+        xlabel = "tau per request"
+    _finish(fig, ax, out_dir, "tau_histogram", written, f"DFlash acceptance length at C={level}", xlabel, "steps",
+            legend=bool(per_step))
 
     # 4. Per-position acceptance: how deep into the block the drafter stays right, per side.
     ppa = [(r["side"], r["per_position_acceptance"]) for r in rows
@@ -107,12 +107,7 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
         for i, (side, values) in enumerate(ppa):
             ax.bar([j + 1 + (i - (len(ppa) - 1) / 2) * width for j in range(len(values))], values, width=width,
                    color=SIDE_COLORS.get(side, "tab:gray"), label=labels.get(side, side))
-        ax.set_xlabel("draft slot (1 = first token after the anchor)")
-        ax.set_ylabel("per_position_acceptance")
         ax.set_ylim(0, 1)
-        ax.set_title(f"Acceptance by draft position at C={level}")
-        ax.legend(fontsize=7)
-        _save(fig, out_dir / PLOTS["per_position_acceptance"])
-        plt.close(fig)
-        written["per_position_acceptance"] = PLOTS["per_position_acceptance"]
+        _finish(fig, ax, out_dir, "per_position_acceptance", written, f"Acceptance by draft position at C={level}",
+                "draft slot (1 = first token after the anchor)", "per_position_acceptance")
     return written
