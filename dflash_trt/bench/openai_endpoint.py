@@ -170,6 +170,7 @@ class OpenAIEndpointSide:
             if not names:
                 raise DFlashError(f"the server at {self._url(mode)} lists no model; check its log")
             self._models[mode] = self.model or names[0]
+        self.model = self._models["dflash"]  # what the report names: the model the DFlash server serves
 
     def warmup(self) -> None:
         for mode in self.modes:
