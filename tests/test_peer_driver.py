@@ -157,5 +157,5 @@ def test_bench_peer_without_peer_is_one_error_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "bench", "--peer", "vllm", "--no-progress"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    lines = [ln for ln in p.stderr.strip().splitlines() if not ln.startswith("[bench] config")]
+    lines = [ln for ln in p.stderr.strip().splitlines() if not ln.startswith("[bench] resolved config")]
     assert len(lines) == 1 and lines[0].startswith("error: the vLLM peer is not set up") and "make peer" in lines[0]
