@@ -29,6 +29,7 @@ $(PY):
 peer:
 	bash scripts/setup_peer.sh
 
-# The opt-in peer test: vLLM and our reference loop give identical ids and acceptance (3 held-out prompts).
+# The opt-in peer tests: vLLM and our reference loop give identical ids and acceptance (3 held-out prompts);
+# `bench --peer vllm` and `bench --url http://` against `vllm serve` (tests/test_bench_peer.py).
 test-peer: setup peer
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra -m peer tests/test_peer_vllm.py
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra -m peer tests/test_peer_vllm.py tests/test_bench_peer.py

@@ -40,8 +40,9 @@ class ResolvedPair:
 def resolve_pair(target_dir: str | Path | None = None, draft_dir: str | Path | None = None, *,
                  engine_dir: str | Path | None = None, tiny: bool = False, dtype: str = "float32",
                  device: str = "cpu", allow_pickle: bool = False, max_draft_len: int | None = None,
-                 policy: str | None = None) -> ResolvedPair:
-    """Load the pair to run (see the module docstring); DFlashError on conflicting sources."""
+                 policy: str | None = None, pack: bool = True) -> ResolvedPair:
+    """Load the pair to run (see the module docstring); DFlashError on conflicting sources. `pack`:
+    oneDNN-packed linear layers for float32 on CPU (runtime/cpu_packing.py; benchmarks turn it off)."""
     from dflash_trt.runtime.loading import LoadedPair, load_pair
 
     manifest = None
@@ -53,7 +54,7 @@ def resolve_pair(target_dir: str | Path | None = None, draft_dir: str | Path | N
 
         manifest = load_manifest(engine_dir)
         speculation = SpeculationSettings.from_manifest(manifest, max_draft_len, policy)  # refuse before loading
-        pair = load_engine(engine_dir, dtype=dtype, device=device)
+        pair = load_engine(engine_dir, dtype=dtype, device=device, pack=pack)
     else:
         if tiny:
             if target_dir or draft_dir:
@@ -70,7 +71,7 @@ def resolve_pair(target_dir: str | Path | None = None, draft_dir: str | Path | N
                 from dflash_trt.embedded import default_pair_dirs
 
                 target_dir, draft_dir = default_pair_dirs()
-            pair = load_pair(target_dir, draft_dir, dtype=dtype, device=device, allow_pickle=allow_pickle)
+            pair = load_pair(target_dir, draft_dir, dtype=dtype, device=device, allow_pickle=allow_pickle, pack=pack)
         speculation = SpeculationSettings.for_block(pair.draft.block_size, max_draft_len, policy)
     limit = manifest.limits.max_seq_len if manifest is not None else None  # prompts are checked against it
     return ResolvedPair(pair.target, pair.draft, pair.tokenizer, TextCodec.of_pair(pair, limit), speculation, manifest)

@@ -1,6 +1,8 @@
 """`dflash-trt bench --url` against the project's own Triton gRPC server (real tritonclient over
 loopback): the same prompts give the same tau, token counts and acceptance as the in-process run,
-since tau does not depend on the transport. The server hosts the tiny engine on ephemeral ports."""
+since tau does not depend on the transport, and each request's latency splits into the server's
+queue, its decoding and the rest (server overhead). The server hosts the tiny engine on ephemeral
+ports."""
 
 from __future__ import annotations
 
@@ -50,9 +52,12 @@ def _bench(tmp_path, name, *args) -> dict:
 def test_endpoint_tau_equals_in_process(engine, url, tmp_path):
     remote = _bench(tmp_path, "remote", "--url", url, "--concurrency", "1,2")
     local = _bench(tmp_path, "local", "--engine", str(engine))
-    assert remote["source"]["kind"] == "endpoint" and remote["source"]["modes"] == ["dflash"]
+    assert remote["source"]["kind"] == "endpoint" and remote["source"]["protocol"] == "triton_grpc"
+    assert remote["source"]["sides"] == [{"name": "endpoint", "label": "endpoint (Triton gRPC)", "parallel": True,
+                                          "modes": ["dflash"]}]
     # the endpoint has no plain-decoding baseline without --plain-url: no made-up speedup
-    assert all(row["plain"] is None and row["speedup"] is None for row in remote["sweep"])
+    assert {row["mode"] for row in remote["rows"]} == {"dflash"}
+    assert all(row["speedup"] is None and row["dflash_over_plain"] is None for row in remote["rows"])
     here = {r["prompt_id"]: r for r in local["requests"] if r["mode"] == "dflash"}
     for r in remote["requests"]:
         mine = here[r["prompt_id"]]
@@ -61,15 +66,19 @@ def test_endpoint_tau_equals_in_process(engine, url, tmp_path):
         for key in ("num_output_tokens", "num_steps", "total_draft_tokens", "total_accepted_draft_tokens"):
             assert r[key] == mine[key], key
         assert r["per_position_acceptance"] if "per_position_acceptance" in r else r["position_drafted"] is None
-    for row in remote["sweep"]:
-        assert row["dflash"]["tau"] == pytest.approx(local["sweep"][0]["dflash"]["tau"], rel=1e-6)
-        assert row["dflash"]["num_steps"] == local["sweep"][0]["dflash"]["num_steps"]
-        assert row["dflash"]["per_position_acceptance"] is None  # an endpoint reports totals only
+    mine = next(r for r in local["rows"] if r["mode"] == "dflash")
+    for row in remote["rows"]:
+        assert row["tau"] == pytest.approx(mine["tau"], rel=1e-6)
+        assert row["num_steps"] == mine["num_steps"]
+        assert row["per_position_acceptance"] is None  # an endpoint reports totals only
+        # latency = the server's queue + its decoding + the rest (gRPC, the Python-backend shim)
+        assert row["server_decode_s"]["mean"] > 0 and row["server_overhead_s"]["mean"] > -1e-3
     # client-side timestamps keep the same relations as in process
     for r in remote["requests"]:
         assert r["tpot_s"] == pytest.approx((r["t_end"] - r["t_first"]) / (r["num_output_tokens"] - 1))
         assert r["t_submit"] <= r["t_first"] <= r["t_end"]
-    assert remote["ceiling"]["tau_bound_speedup"] == remote["sweep"][0]["dflash"]["tau"]
+        assert 0 < r["server_decode_s"] <= r["latency_s"] - r["queue_s"] + 1e-3
+    assert remote["ceiling"]["tau_bound_speedup"] == remote["rows"][0]["tau"]
     assert remote["ceiling"]["measured_speedup"] is None
 
 

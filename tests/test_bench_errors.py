@@ -1,4 +1,5 @@
-"""Bad input to `dflash-trt bench` is one actionable line and a non-zero exit, before any model loads."""
+"""Bad input to `dflash-trt bench` (and `bench report`) is one actionable line and a non-zero exit,
+before any model loads."""
 
 from __future__ import annotations
 
@@ -66,6 +67,17 @@ def test_unreachable_url():
     (["--concurrency", "a,b"], "comma-separated"),
     (["--gpu", "tpu9"], "unknown gpu"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--policy", "fixed:x"], "adaptive, fixed"),
+    (["--policy", "greedy"], "adaptive, fixed"),
+    (["--runtime", "reference,fast"], "'fast' is not a runtime"),
+    (["--runtime", "reference", "--policy", "adaptive"], "add --runtime batched"),
+    (["--runtime", "reference,batched", "--policy", "fixed:0"], "needs --runtime batched"),
+    (["--policy", "fixed:3", "--max-draft-len", "4"], "disagree"),
+    (["--url", "127.0.0.1:1", "--peer", "vllm"], "in process only"),
+    (["--peer", "vllm", "--temperature", "0.7"], "greedy"),
+    (["--peer", "vllm", "--tau-only"], "drop --peer"),
+    (["--metrics-url", "http://127.0.0.1:1/metrics"], "OpenAI endpoint"),
+    (["--url", "http://127.0.0.1:1", "--plain-url", "127.0.0.1:2"], "must speak what --url speaks"),
 ])
 def test_conflicting_or_invalid_options(args, needle):
     res = CliRunner().invoke(main, ["bench", *args])
@@ -91,3 +103,30 @@ def test_jsonl_prompt_forms(tmp_path):
     a, b = from_jsonl(f)
     assert a == BenchPrompt("x", "code", (("user", "a"),)) and a.single_user_text == "a"
     assert b.id == "p-2" and b.single_user_text is None and b.messages[1] == ("user", "u")
+
+
+def test_absent_peer_is_one_line_before_loading_the_pair(tmp_path, monkeypatch):
+    monkeypatch.setenv("PEER_VENV", str(tmp_path / "nowhere"))
+    _fails(["--peer", "vllm", "--target", str(tmp_path / "no-target"), "--draft", str(tmp_path / "no-draft")],
+           "the vLLM peer is not set up", "make peer")
+
+
+def test_unreachable_openai_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _fails(["--url", f"http://127.0.0.1:{port}", "--num-prompts", "1"], f"http://127.0.0.1:{port}", "fix --url")
+
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "not found"),
+    ("{not json", "is not JSON"),
+    ('{"schema_version": 1, "sweep": []}', "schema 1"),
+])
+def test_report_of_a_bad_file(tmp_path, content, needle):
+    f = tmp_path / "bench.json"
+    if content is not None:
+        f.write_text(content)
+    res = CliRunner().invoke(main, ["bench", "report", str(f)])
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert res.exit_code != 0 and len(lines) == 1 and needle in lines[0] and "Traceback" not in res.output, res.output

@@ -1,5 +1,7 @@
-"""`dflash-trt bench` in process on a tiny pair: bench.json schema, the relations between its
-figures, the plots, and the summary arithmetic on hand-built records."""
+"""`dflash-trt bench` in process on a tiny pair: both runtimes as sides, bench.json schema, the relations
+between its figures (per request, per row, the limits decomposition), the closed loop, the identity
+check, the report regenerated from bench.json, the plots, and the summary arithmetic on hand-built
+records."""
 
 from __future__ import annotations
 
@@ -15,46 +17,55 @@ from dflash_trt.bench.runners import RequestRecord
 from dflash_trt.bench.summary import summarize_records
 from dflash_trt.cli import main
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 NUM_PROMPTS, LEVELS = 3, (1, 2)
+
+
+def _bench(tmp: Path, *args: str) -> tuple[dict, str]:
+    res = CliRunner().invoke(main, ["bench", *args, "--out", str(tmp), "--threads", "1", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    return json.loads((tmp / "bench.json").read_text()), res.output
 
 
 @pytest.fixture(scope="module")
 def run(tiny_pair_dirs, tmp_path_factory) -> tuple[dict, Path, str]:
     tdir, ddir = tiny_pair_dirs
     out = tmp_path_factory.mktemp("bench")
-    res = CliRunner().invoke(main, [
-        "bench", "--target", str(tdir), "--draft", str(ddir), "--num-prompts", str(NUM_PROMPTS),
-        "--max-new-tokens", "12", "--concurrency", ",".join(map(str, LEVELS)), "--out", str(out), "--threads", "1",
-    ])
-    assert res.exit_code == 0, res.output
-    return json.loads((out / "bench.json").read_text()), out, res.output
+    result, output = _bench(out, "--target", str(tdir), "--draft", str(ddir), "--num-prompts", str(NUM_PROMPTS),
+                            "--max-new-tokens", "12", "--concurrency", ",".join(map(str, LEVELS)),
+                            "--runtime", "reference,batched", "--per-category")
+    return result, out, output
 
 
-def test_schema_sources_and_environment(run):
+def _rows(result: dict, side: str | None = None, mode: str | None = None) -> list[dict]:
+    return [r for r in result["rows"] if (side is None or r["side"] == side) and (mode is None or r["mode"] == mode)]
+
+
+def test_schema_sides_and_environment(run):
     result, out, output = run
-    assert result["schema_version"] == 1
+    assert result["schema_version"] == 2
     assert result["config"]["concurrency"] == list(LEVELS) and result["config"]["num_prompts"] == NUM_PROMPTS
-    assert result["source"]["kind"] == "in_process" and result["source"]["modes"] == ["dflash", "plain"]
-    assert result["source"]["parallel"] is False  # the reference loop is serial, and says so
+    assert result["source"]["kind"] == "in_process" and result["source"]["runtimes"] == ["reference", "batched"]
+    sides = {s["name"]: s for s in result["source"]["sides"]}
+    assert sides["reference"]["parallel"] is False and sides["batched"]["parallel"] is True  # each says what it is
+    assert result["source"]["batched_policy"] == "adaptive"  # what `serve` runs, by default
     env = result["environment"]
     assert {"torch", "transformers", "dflash_trt", "python"} <= set(env["versions"]) and env["cpu_count"] >= 1
-    # round-robin over the three project categories, eval split
-    assert [p["category"] for p in result["prompts"]] == ["code", "math", "chat"]
-    assert [row["concurrency"] for row in result["sweep"]] == list(LEVELS)
-    assert len(result["requests"]) == NUM_PROMPTS * 2 * len(LEVELS)
-    for row in result["sweep"]:
-        for mode in ("dflash", "plain"):
-            s = row[mode]
-            assert s["num_requests"] == NUM_PROMPTS
-            for dist in ("ttft_s", "tpot_s", "tokens_per_s"):
-                assert set(s[dist]) == {"mean", "p50", "p90", "p99"}
-                assert 0 < s[dist]["p50"] <= s[dist]["p90"] <= s[dist]["p99"]
-    # the terminal table uses the metrics vocabulary
-    for name in ("tau", "acceptance_rate", "tpot_s", "total_tokens_per_s", "speedup"):
+    assert len(env["loadavg_start"]) == 3 and len(env["loadavg_end"]) == 3  # how shared the machine was
+    assert [p["category"] for p in result["prompts"]] == ["code", "math", "chat"]  # round-robin, eval split
+    # one row per level x side x mode, in table order
+    assert [(r["concurrency"], r["side"], r["mode"]) for r in result["rows"]] == [
+        (c, s, m) for c in LEVELS for s in ("reference", "batched") for m in ("dflash", "plain")]
+    assert len(result["requests"]) == NUM_PROMPTS * 4 * len(LEVELS)
+    for r in result["rows"]:
+        assert r["num_requests"] == NUM_PROMPTS and r["errors"] == 0
+        for dist in ("ttft_s", "tpot_s", "tokens_per_s"):
+            assert set(r[dist]) == {"mean", "p50", "p90", "p99"}
+            assert 0 < r[dist]["p50"] <= r[dist]["p90"] <= r[dist]["p99"]
+    for name in ("tau", "per-position acceptance", "TTFT", "TPOT", "tok/s total", "DFlash/plain", "identical"):
         assert name in output
-    assert (out / "table.md").read_text().startswith("| C | mode | tau |")
+    assert "vs vLLM" not in output  # no peer ran: no peer column
 
 
 def test_relations_between_fields(run):
@@ -70,80 +81,156 @@ def test_relations_between_fields(run):
         assert sum(r["acceptance_lengths"]) == r["num_steps"] + r["total_accepted_draft_tokens"]
         if r["mode"] == "plain":
             assert r["tau"] == 1 and r["total_draft_tokens"] == 0
-    for row in result["sweep"]:
-        rs = [r for r in reqs if r["concurrency"] == row["concurrency"]]
-        for mode in ("dflash", "plain"):
-            s, mine = row[mode], [r for r in rs if r["mode"] == mode]
-            steps = sum(r["num_steps"] for r in mine)
-            accepted = sum(r["total_accepted_draft_tokens"] for r in mine)
-            assert s["num_steps"] == steps and s["total_accepted_draft_tokens"] == accepted
-            assert s["tau"] == pytest.approx(1 + accepted / steps)  # pooled over steps, bonus included
-            drafted = sum(r["total_draft_tokens"] for r in mine)
-            assert s["acceptance_rate"] == pytest.approx(accepted / drafted if drafted else 0.0)
-            assert s["tpot_s"]["mean"] == pytest.approx(sum(r["tpot_s"] for r in mine) / len(mine))
-            wall = max(r["t_end"] for r in mine) - min(r["t_submit"] for r in mine)
-            assert s["total_tokens_per_s"] == pytest.approx(sum(r["num_output_tokens"] for r in mine) / wall)
-        assert row["speedup"] == pytest.approx(row["plain"]["tpot_s"]["mean"] / row["dflash"]["tpot_s"]["mean"])
-        ppa = row["dflash"]["per_position_acceptance"]
-        assert len(ppa) == 7 and all(0 <= x <= 1 for x in ppa)  # block 8 -> 7 draft slots
+    for row in result["rows"]:
+        mine = [r for r in reqs if (r["side"], r["mode"], r["concurrency"]) == (row["side"], row["mode"], row["concurrency"])]
+        steps = sum(r["num_steps"] for r in mine)
+        accepted = sum(r["total_accepted_draft_tokens"] for r in mine)
+        drafted = sum(r["total_draft_tokens"] for r in mine)
+        assert row["num_steps"] == steps and row["total_accepted_draft_tokens"] == accepted
+        assert row["tau"] == pytest.approx(1 + accepted / steps)  # pooled over steps, bonus included
+        assert row["acceptance_rate"] == pytest.approx(accepted / drafted if drafted else 0.0)
+        assert row["tpot_s"]["mean"] == pytest.approx(sum(r["tpot_s"] for r in mine) / len(mine))
+        wall = max(r["t_end"] for r in mine) - min(r["t_submit"] for r in mine)
+        assert row["total_tokens_per_s"] == pytest.approx(sum(r["num_output_tokens"] for r in mine) / wall)
+        if row["mode"] == "dflash":
+            plain = next(p for p in _rows(result, row["side"], "plain") if p["concurrency"] == row["concurrency"])
+            assert row["dflash_over_plain"] == pytest.approx(row["total_tokens_per_s"] / plain["total_tokens_per_s"])
+            assert row["speedup"] == pytest.approx(plain["tpot_s"]["mean"] / row["tpot_s"]["mean"])
+            fastest = max(p["total_tokens_per_s"] for p in _rows(result, mode="plain")
+                          if p["concurrency"] == row["concurrency"])
+            assert row["vs_fastest_plain"] == pytest.approx(row["total_tokens_per_s"] / fastest)
+    ref = _rows(result, "reference", "dflash")[0]
+    assert len(ref["per_position_acceptance"]) == 7  # block 8, K = 7: the reference loop drafts all of them
     c = result["ceiling"]
-    assert c["tau_bound_speedup"] == result["sweep"][0]["dflash"]["tau"]
-    assert c["measured_speedup"] == pytest.approx(result["sweep"][0]["speedup"])
-    assert c["measured_speedup"] == pytest.approx(c["tau_bound_speedup"] / c["step_cost_ratio"])
+    assert c["tau_bound_speedup"] == ref["tau"]
+    assert c["measured_speedup"] == pytest.approx(ref["speedup"])
     assert c["gpu"] == "cpu" and c["bandwidth_bound_tokens_per_s"] is None  # no HBM figure for a CPU
-    assert c["achieved_gb_s"] == pytest.approx(c["bytes_per_step_loaded"] / c["plain_step_s"] / 1e9)
 
 
-def test_greedy_dflash_reproduces_plain_decoding(run):
+def test_every_output_is_the_reference_greedy_decoding(run):
     result, _, _ = run
-    ident = result["identical_to_plain"]
-    assert ident == {"checked": NUM_PROMPTS * len(LEVELS), "identical": NUM_PROMPTS * len(LEVELS)}
+    assert result["identical_all"] is True
+    for row in result["rows"]:
+        assert row["identical"] == {"checked": NUM_PROMPTS, "identical": NUM_PROMPTS,
+                                    "against": "reference loop, plain greedy"}
+    by_prompt: dict[str, list] = {}
+    for r in result["requests"]:
+        by_prompt.setdefault(r["prompt_id"], []).append(r["output_ids"])
+    assert all(all(ids == v[0] for ids in v) for v in by_prompt.values())  # and so equal to each other
 
 
-def test_serial_runtime_queues_concurrent_requests(run):
-    """C=2 over the serial reference loop: some request waited for the other (queue_s > 0)."""
+def test_reference_loop_queues_and_batched_runtime_keeps_c_in_flight(run):
     result, _, _ = run
-    c2 = [r for r in result["requests"] if r["concurrency"] == 2]
-    assert max(r["queue_s"] for r in c2) > 0
+    reqs = result["requests"]
+    ref2 = [r for r in reqs if r["side"] == "reference" and r["concurrency"] == 2]
+    assert max(r["queue_s"] for r in ref2) > 0  # a request waited for the other
     for mode in ("dflash", "plain"):  # one decoding thread, first come first served
-        rs = sorted((r for r in c2 if r["mode"] == mode), key=lambda r: r["t_submit"])
+        rs = sorted((r for r in ref2 if r["mode"] == mode), key=lambda r: r["t_submit"])
         starts = [r["t_submit"] + r["queue_s"] for r in rs]
         assert starts == sorted(starts)
-    c1 = [r for r in result["requests"] if r["concurrency"] == 1]
-    assert all(r["queue_s"] < 0.05 for r in c1)  # alone, a request never waits for another
+    assert all(r["queue_s"] < 0.05 for r in reqs if r["concurrency"] == 1 and r["side"] == "reference")
+    for mode in ("dflash", "plain"):  # closed loop of 2 users: 2 in flight, the third sent when one ended
+        rs = sorted((r for r in reqs if r["side"] == "batched" and r["concurrency"] == 2 and r["mode"] == mode),
+                    key=lambda r: r["t_submit"])
+        assert rs[0]["t_submit"] == pytest.approx(rs[1]["t_submit"], abs=0.05)
+        assert rs[2]["t_submit"] >= min(rs[0]["t_end"], rs[1]["t_end"]) - 1e-3
+        assert rs[2]["t_submit"] <= min(rs[0]["t_end"], rs[1]["t_end"]) + 0.05
 
 
-def test_max_draft_len_option(tiny_pair_dirs, tmp_path):
-    tdir, ddir = tiny_pair_dirs
-    base = ["bench", "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "1", "--max-new-tokens", "10"]
-    res = CliRunner().invoke(main, [*base, "--max-draft-len", "3", "--out", str(tmp_path), "--no-plots"])
+def test_limits_decompose_a_step_into_its_passes(run):
+    """cost = 1 + drafter + verify + other: a DFlash step in plain steps, from the per-pass timings."""
+    result, _, _ = run
+    entries = {(e["side"], e["concurrency"]): e for e in result["limits"]}
+    assert set(entries) == {(s, c) for s in ("reference", "batched") for c in LEVELS}
+    for e in entries.values():
+        assert e["cost"] == pytest.approx(1 + e["drafter"] + e["verify"] + e["other"], abs=1e-6)
+        assert e["predicted_dflash_over_plain"] == pytest.approx(e["tau"] / e["cost"])
+    ref = entries[("reference", 1)]
+    row = _rows(result, "reference", "dflash")[0]
+    assert sum(ref["k_steps"].values()) == row["num_steps"]  # every DFlash step of the row was timed
+    batched = entries[("batched", 1)]
+    assert batched["policy"]["candidates"][0] == {"k": 0, "cost_vs_plain": 1.0, "expected_tokens": 1.0,
+                                                 "expected_gain": 1.0}
+    assert [c["k"] for c in batched["policy"]["candidates"]] == [0, 1, 3, 7]
+
+
+def test_per_category_rows(run):
+    result, _, _ = run
+    for row in result["rows"]:
+        cats = row["per_category"]
+        assert set(cats) == {"code", "math", "chat"}
+        assert sum(s["num_requests"] for s in cats.values()) == row["num_requests"]
+        assert sum(s["num_steps"] for s in cats.values()) == row["num_steps"]
+
+
+def test_report_is_regenerated_from_bench_json(run, tmp_path):
+    """`bench report bench.json --markdown` writes what the run wrote into table.md, from the file alone."""
+    _, out, _ = run
+    res = CliRunner().invoke(main, ["bench", "report", str(out / "bench.json"), "--markdown"])
     assert res.exit_code == 0, res.output
-    result = json.loads((tmp_path / "bench.json").read_text())
-    assert result["source"]["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed"}
-    assert len(result["sweep"][0]["dflash"]["per_position_acceptance"]) == 3
-    assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3
-    res = CliRunner().invoke(main, [*base, "--max-draft-len", "8"])
-    assert res.exit_code != 0 and "max_draft_len=8 (--max-draft-len) must be between 1 and block_size-1=7" in res.output
-    # --policy adaptive: the batched runtime at one sequence chooses k <= K; output stays plain greedy
-    out = tmp_path / "adaptive"
-    res = CliRunner().invoke(main, [*base, "--max-draft-len", "3", "--policy", "adaptive", "--out", str(out),
-                                    "--no-plots"])
-    assert res.exit_code == 0, res.output
-    result = json.loads((out / "bench.json").read_text())
-    assert result["source"]["speculation"]["policy"] == "adaptive"
-    assert result["identical_to_plain"]["identical"] == result["identical_to_plain"]["checked"]
-    assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3
+    assert res.output == (out / "table.md").read_text()
+    assert "What limits DFlash" in res.output and "Per category" in res.output
+    target = tmp_path / "results.md"
+    assert CliRunner().invoke(main, ["bench", "report", str(out / "bench.json"), "--out", str(target)]).exit_code == 0
+    assert target.read_text() == res.output
+    terminal = CliRunner().invoke(main, ["bench", "report", str(out / "bench.json")])
+    assert terminal.exit_code == 0 and "ours, batched runtime" in terminal.output
 
 
 def test_plots_are_valid_pngs(run):
     result, out, _ = run
-    assert set(result["plots"]) == {"throughput", "tau_histogram", "per_position_acceptance"}
+    assert set(result["plots"]) == {"throughput", "tokens_per_s_by_concurrency", "tau_histogram",
+                                    "per_position_acceptance"}
     for name in result["plots"].values():
-        path = out / name
-        assert path.stat().st_size > 0
-        with Image.open(path) as im:
+        with Image.open(out / name) as im:
             im.verify()
             assert im.format == "PNG" and im.size[0] > 100 and im.size[1] > 100
+
+
+def test_policies_and_max_draft_len(tiny_pair_dirs, tmp_path):
+    tdir, ddir = tiny_pair_dirs
+    base = ["--target", str(tdir), "--draft", str(ddir), "--num-prompts", "2", "--max-new-tokens", "10", "--no-plots"]
+    result, _ = _bench(tmp_path / "k3", *base, "--max-draft-len", "3")
+    assert result["source"]["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed"}
+    assert result["source"]["runtimes"] == ["reference"]
+    assert len(_rows(result, "reference", "dflash")[0]["per_position_acceptance"]) == 3
+    assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3
+    # fixed:2 on the batched runtime: exactly 2 drafts every step (1 at the budget's tail)
+    result, _ = _bench(tmp_path / "f2", *base, "--runtime", "batched", "--policy", "fixed:2")
+    assert result["source"]["batched_policy"] == "fixed:2" and result["source"]["speculation"]["max_draft_len"] == 2
+    steps = list(_rows(result, "batched", "dflash")[0]["info"]["step_timing"])
+    assert steps == ["2"] and result["identical_all"] is True
+    # fixed:0: the DFlash runtime decoding plainly (its own overhead against the plain runtime)
+    result, _ = _bench(tmp_path / "f0", *base, "--policy", "fixed:0")
+    assert result["source"]["runtimes"] == ["batched"]
+    d = _rows(result, "batched", "dflash")[0]
+    assert d["total_draft_tokens"] == 0 and d["tau"] == 1.0 and list(d["info"]["step_timing"]) == ["0"]
+    assert result["identical_all"] is True  # against the reference greedy decoding computed first (--check)
+    # adaptive on the batched runtime alone: K caps every step's k
+    result, _ = _bench(tmp_path / "ad", *base, "--max-draft-len", "3", "--policy", "adaptive", "--no-calibrate")
+    assert result["source"]["speculation"]["policy"] == "adaptive" and result["identical_all"] is True
+    assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3
+
+
+def test_tau_only_decodes_dflash_alone(tiny_pair_dirs, tmp_path):
+    tdir, ddir = tiny_pair_dirs
+    result, output = _bench(tmp_path, "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "2",
+                            "--max-new-tokens", "8", "--tau-only", "--no-plots")
+    assert {r["mode"] for r in result["rows"]} == {"dflash"} and {r["mode"] for r in result["requests"]} == {"dflash"}
+    assert result["rows"][0]["dflash_over_plain"] is None and result["identical_all"] is None
+    assert result["rows"][0]["per_position_acceptance"] is not None
+
+
+def test_every_user_has_a_request_unless_num_requests_says(tiny_pair_dirs, tmp_path):
+    """2 prompts at C=3: 3 requests cycling over them (3 users busy, not 2); --num-requests is taken as given."""
+    tdir, ddir = tiny_pair_dirs
+    base = ["--target", str(tdir), "--draft", str(ddir), "--num-prompts", "2", "--max-new-tokens", "6", "--tau-only",
+            "--runtime", "batched", "--no-calibrate", "--no-plots", "--concurrency", "1,3"]
+    result, _ = _bench(tmp_path / "default", *base)
+    assert {r["concurrency"]: r["num_requests"] for r in result["rows"]} == {1: 2, 3: 3}
+    assert [r["prompt_id"] for r in result["requests"] if r["concurrency"] == 3].count(result["prompts"][0]["id"]) == 2
+    result, _ = _bench(tmp_path / "given", *base, "--num-requests", "2")
+    assert {r["concurrency"]: r["num_requests"] for r in result["rows"]} == {1: 2, 3: 2}
 
 
 def _rec(lengths: list[int], drafted: int, t_submit: float, t_first: float, t_end: float, n: int) -> RequestRecord:
@@ -151,7 +238,7 @@ def _rec(lengths: list[int], drafted: int, t_submit: float, t_first: float, t_en
     return RequestRecord(
         mode="dflash", concurrency=1, prompt_id="p", category="c", num_prompt_tokens=5, num_output_tokens=n,
         num_steps=len(lengths), total_draft_tokens=drafted, total_accepted_draft_tokens=accepted,
-        tau=sum(lengths) / len(lengths), acceptance_rate=accepted / drafted, t_submit=t_submit, t_first=t_first,
+        tau=sum(lengths) / len(lengths), acceptance_rate=accepted / drafted if drafted else 0.0, t_submit=t_submit, t_first=t_first,
         t_end=t_end, queue_s=0.0, finish_reason="length", acceptance_lengths=lengths,
         position_drafted=[len(lengths)] * 3, position_accepted=[sum(a > j + 1 for a in lengths) for j in range(3)],
     )
@@ -168,3 +255,20 @@ def test_summary_pools_steps_not_request_means():
     assert s["total_tokens_per_s"] == pytest.approx(8 / 1.0)
     assert s["tokens_per_s"]["p50"] == pytest.approx((4 / 0.5 + 4 / 1.0) / 2)
     assert not math.isnan(s["ttft_s"]["p99"])
+
+
+def test_summary_of_server_counters_and_failed_requests():
+    """A server's pooled counters give tau where its responses carry none; a failed request is counted apart."""
+    ok = _rec([1], drafted=0, t_submit=0.0, t_first=0.1, t_end=1.1, n=11)
+    ok.acceptance_lengths, ok.num_steps, ok.total_draft_tokens, ok.position_drafted = None, 0, 0, None
+    failed = RequestRecord(mode="dflash", concurrency=1, prompt_id="q", category="c", num_prompt_tokens=0,
+                           num_output_tokens=0, num_steps=0, total_draft_tokens=0, total_accepted_draft_tokens=0,
+                           tau=0.0, acceptance_rate=0.0, t_submit=0.0, t_first=5.0, t_end=5.0, queue_s=0.0,
+                           finish_reason="error", error="HTTP 503")
+    counters = {"num_drafts": 4, "total_draft_tokens": 60, "total_accepted_draft_tokens": 6,
+                "position_accepted": [3, 2, 1], "position_drafted": [4, 4, 4]}
+    s = summarize_records([ok, failed], counters)
+    assert s["num_requests"] == 1 and s["errors"] == 1 and s["wall_s"] == pytest.approx(1.1)
+    assert s["tau"] == pytest.approx(1 + 6 / 4) and s["acceptance_rate"] == pytest.approx(6 / 60)
+    assert s["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert s["acceptance_source"].startswith("server metrics")

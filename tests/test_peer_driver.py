@@ -1,6 +1,7 @@
 """The vLLM peer's driver without vLLM: what it says when the peer is absent, the environment it gives
 the peer's process, how vLLM's per-request record becomes our vocabulary, and the worker's import
 contract (it runs under the peer's interpreter, which has vllm and torch but not dflash_trt).
+The worker's closed loop over vLLM's engine runs for real in the opt-in tier (tests/test_bench_peer.py).
 
 The real peer runs in tests/test_peer_vllm.py (opt-in, `make test-peer`). The worker's input here
 is built by hand in the shape vLLM 0.32 gives it: ``RequestSpecDecodeMetrics.per_step_drafted`` /
@@ -98,7 +99,7 @@ def test_settings_reject_unknown_keys_and_default_to_a_full_block(tmp_path):
 
 def _worker_request(drafted: list[int], accepted: list[int], n_out: int) -> dict:
     return {"id": "p", "num_prompt_tokens": 7, "output_ids": list(range(100, 100 + n_out)), "finish_reason": "length",
-            "t_submit": 10.0, "ttft_s": 0.5, "decode_s": 2.0, "latency_s": 2.5, "queue_s": 0.01,
+            "t_submit": 10.0, "t_first": 10.5, "t_end": 12.5, "queue_s": 0.01,
             "spec_decode": {"num_spec_tokens": 4, "histogram": [], "num_draft_tokens": sum(drafted),
                             "per_step_drafted": drafted, "per_step_accepted": accepted}}
 
@@ -115,7 +116,7 @@ def test_vllm_steps_become_our_vocabulary():
     assert r.position_accepted == [2, 2, 1, 1]
     assert (r.t_submit, r.t_first, r.t_end) == (10.0, 10.5, 12.5)
     assert r.ttft_s == pytest.approx(0.5) and r.tpot_s == pytest.approx(2.0 / 9)
-    assert r.output_ids == req["output_ids"] and r.category == "math"
+    assert r.output_ids == req["output_ids"] and r.category == "math" and r.side == "vllm"
 
 
 def test_plain_requests_count_one_step_per_token_after_the_first():
@@ -150,10 +151,11 @@ def test_peer_side_files_import_only_vllm_torch_and_the_stdlib(name):
     assert roots - set(sys.stdlib_module_names) <= {"vllm", "torch"}, roots
 
 
-def test_compare_command_without_peer_is_one_error_line(tmp_path):
+def test_bench_peer_without_peer_is_one_error_line(tmp_path):
+    """`dflash-trt bench --peer vllm` (which replaced peer_compare) says `make peer` in one line, in a real process."""
     env = dict(os.environ, PEER_VENV=str(tmp_path / "nowhere"))
-    p = subprocess.run([sys.executable, "-m", "dflash_trt.bench.peer_compare", "--no-progress"], env=env,
+    p = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "bench", "--peer", "vllm", "--no-progress"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    lines = p.stderr.strip().splitlines()
+    lines = [ln for ln in p.stderr.strip().splitlines() if not ln.startswith("[bench] resolved config")]
     assert len(lines) == 1 and lines[0].startswith("error: the vLLM peer is not set up") and "make peer" in lines[0]

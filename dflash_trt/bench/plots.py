@@ -1,13 +1,15 @@
-"""PNG plots of a bench run (matplotlib, Agg backend: no display needed)."""
+"""PNG plots of a bench run (matplotlib, Agg backend: no display needed), one line per side and mode."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-PLOTS = {"throughput": "throughput.png", "tau_histogram": "tau_histogram.png",
-         "per_position_acceptance": "per_position_acceptance.png"}
-COLORS = {"dflash": "tab:blue", "plain": "tab:gray"}
+PLOTS = {"throughput": "throughput.png", "tokens_per_s_by_concurrency": "tokens_per_s_by_concurrency.png",
+         "tau_histogram": "tau_histogram.png", "per_position_acceptance": "per_position_acceptance.png"}
+SIDE_COLORS = {"reference": "tab:green", "batched": "tab:blue", "vllm": "tab:red", "vllm-eager": "tab:orange",
+               "endpoint": "tab:purple"}
+MODE_STYLE = {"dflash": "o-", "plain": "s--"}
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -19,68 +21,93 @@ def _save(fig: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _finish(fig: Any, ax: Any, out_dir: Path, name: str, written: dict[str, str], title: str, xlabel: str,
+            ylabel: str, *, legend: bool = True, grid: bool = False) -> None:
+    """Label, save atomically, close, and record plot `name` in `written`."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if grid:
+        ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=7)
+    _save(fig, out_dir / PLOTS[name])
+    plt.close(fig)
+    written[name] = PLOTS[name]
+
+
+def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    out: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault((r["side"], r["mode"]), []).append(r)
+    return out
+
+
 def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> dict[str, str]:
-    """throughput.png (per-user vs total tokens/s across the sweep), tau_histogram.png,
-    per_position_acceptance.png (in-process runs only). Returns {plot: file name}."""
+    """throughput.png (per-user vs total tokens/s across the sweep), tokens_per_s_by_concurrency.png,
+    tau_histogram.png, per_position_acceptance.png (where steps were seen). Returns {plot: file name}."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written: dict[str, str] = {}
-    sweep = result["sweep"]
+    rows = result["rows"]
+    labels = {r["side"]: r["label"] for r in rows}
+    series = _series(rows)
 
-    # 1. Throughput vs per-user speed: where the two curves part is where speculation stops paying.
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for mode in ("dflash", "plain"):
-        pts = [(row[mode]["total_tokens_per_s"], row[mode]["tokens_per_s"]["mean"], row["concurrency"])
-               for row in sweep if row.get(mode)]
-        if not pts:
-            continue
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLORS[mode], label=mode)
-        for x, y, c in pts:
-            ax.annotate(f"C={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("total_tokens_per_s (all users)")
-    ax.set_ylabel("tokens_per_s per user (mean)")
-    ax.set_title("Throughput vs per-user speed across concurrency")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    _save(fig, out_dir / PLOTS["throughput"])
-    plt.close(fig)
-    written["throughput"] = PLOTS["throughput"]
+    # 1. Throughput vs per-user speed: where the curves part is where speculation stops paying.
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for (side, mode), rs in series.items():
+        ax.plot([r["total_tokens_per_s"] for r in rs], [r["tokens_per_s"]["mean"] for r in rs], MODE_STYLE[mode],
+                color=SIDE_COLORS.get(side, "tab:gray"), label=f"{labels[side]}, {mode}")
+        for r in rs:
+            ax.annotate(f"C={r['concurrency']}", (r["total_tokens_per_s"], r["tokens_per_s"]["mean"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7)
+    _finish(fig, ax, out_dir, "throughput", written, "Throughput vs per-user speed across concurrency",
+            "total_tokens_per_s (all users)", "tokens_per_s per user (mean)", grid=True)
 
-    # 2. tau: per step where the runner saw the steps, else per request.
-    # one concurrency level: at temperature 0 the others repeat the same steps
-    level = sweep[0]["concurrency"] if sweep else 1
-    dflash = [r for r in records if r.mode == "dflash" and r.concurrency == level]
-    per_step = all(r.acceptance_lengths is not None for r in dflash)
-    values = ([a for r in dflash for a in r.acceptance_lengths] if per_step else [r.tau for r in dflash])
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    if per_step and values:
-        ax.hist(values, bins=range(1, max(values) + 2), align="left", rwidth=0.85, color=COLORS["dflash"])
-        ax.set_xlabel("acceptance_length per step (tokens committed, bonus included)")
+    # 2. Total tokens/s by concurrency, one line per side and mode: the side-by-side figure.
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for (side, mode), rs in series.items():
+        ax.plot([r["concurrency"] for r in rs], [r["total_tokens_per_s"] for r in rs], MODE_STYLE[mode],
+                color=SIDE_COLORS.get(side, "tab:gray"), label=f"{labels[side]}, {mode}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["concurrency"] for r in rows}), [str(c) for c in sorted({r["concurrency"] for r in rows})])
+    _finish(fig, ax, out_dir, "tokens_per_s_by_concurrency", written, "Output tokens/s of all users",
+            "concurrency C (users)", "total_tokens_per_s", grid=True)
+
+    # 3. tau per step at the lowest level, per side (at temperature 0 the other levels repeat the steps).
+    level = min((r["concurrency"] for r in rows), default=1)
+    dflash = [r for r in records if r.mode == "dflash" and r.concurrency == level and r.error is None]
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    per_step = [s for s in dict.fromkeys(r.side for r in dflash)
+                if all(r.acceptance_lengths is not None for r in dflash if r.side == s)]
+    if per_step:
+        top = max((a for r in dflash for a in r.acceptance_lengths or [1]), default=1)
+        for side in per_step:
+            values = [a for r in dflash if r.side == side for a in r.acceptance_lengths]
+            ax.hist(values, bins=range(1, top + 2), align="left", histtype="step", linewidth=1.5,
+                    color=SIDE_COLORS.get(side, "tab:gray"), label=labels.get(side, side))
+        xlabel = "acceptance_length per step (tokens committed, bonus included)"
     else:
-        ax.hist(values or [0.0], bins=20, color=COLORS["dflash"])
-        ax.set_xlabel("tau per request")
-    mean_tau = sweep[0]["dflash"]["tau"] if sweep and sweep[0].get("dflash") else 0.0
-    ax.axvline(mean_tau, color="black", ls="--", label=f"tau = {mean_tau:.2f}")
-    ax.set_ylabel("count")
-    ax.set_title("DFlash acceptance length")
-    ax.legend()
-    _save(fig, out_dir / PLOTS["tau_histogram"])
-    plt.close(fig)
-    written["tau_histogram"] = PLOTS["tau_histogram"]
+        ax.hist([r.tau for r in dflash] or [0.0], bins=20, color="tab:blue")
+        xlabel = "tau per request"
+    _finish(fig, ax, out_dir, "tau_histogram", written, f"DFlash acceptance length at C={level}", xlabel, "steps",
+            legend=bool(per_step))
 
-    # 3. Per-position acceptance: how deep into the block the drafter stays right.
-    ppa = sweep[0]["dflash"]["per_position_acceptance"] if sweep and sweep[0].get("dflash") else None
+    # 4. Per-position acceptance: how deep into the block the drafter stays right, per side.
+    ppa = [(r["side"], r["per_position_acceptance"]) for r in rows
+           if r["mode"] == "dflash" and r["concurrency"] == level and r.get("per_position_acceptance")]
     if ppa:
-        fig, ax = plt.subplots(figsize=(6, 4.2))
-        ax.bar(range(1, len(ppa) + 1), ppa, color=COLORS["dflash"])
-        ax.set_xlabel("draft slot (1 = first token after the anchor)")
-        ax.set_ylabel("per_position_acceptance")
+        fig, ax = plt.subplots(figsize=(7, 4.6))
+        width = 0.8 / len(ppa)
+        for i, (side, values) in enumerate(ppa):
+            ax.bar([j + 1 + (i - (len(ppa) - 1) / 2) * width for j in range(len(values))], values, width=width,
+                   color=SIDE_COLORS.get(side, "tab:gray"), label=labels.get(side, side))
         ax.set_ylim(0, 1)
-        ax.set_title("Acceptance by draft position")
-        _save(fig, out_dir / PLOTS["per_position_acceptance"])
-        plt.close(fig)
-        written["per_position_acceptance"] = PLOTS["per_position_acceptance"]
+        _finish(fig, ax, out_dir, "per_position_acceptance", written, f"Acceptance by draft position at C={level}",
+                "draft slot (1 = first token after the anchor)", "per_position_acceptance")
     return written

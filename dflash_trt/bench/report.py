@@ -1,40 +1,152 @@
-"""The terminal table (rich) and the same table as markdown (table.md, for READMEs)."""
+"""The report of a bench run, from its bench.json object: the same tables in the terminal (rich) and as
+markdown (table.md, docs/results.md via `dflash-trt bench report bench.json --markdown`).
+
+Tables: the sweep (one row per side, mode and C), what limits each DFlash figure (bench/limits.py),
+per category (with --per-category); then lines: the issue's goals per C where a peer ran, the
+ceiling, the identity check, the machine's load.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-# the metrics vocabulary as headers; latencies shown in milliseconds
-COLUMNS = ("C", "mode", "tau", "acceptance_rate", "ttft_s p50 (ms)", "tpot_s mean (ms)", "tpot_s p90 (ms)",
-           "tokens_per_s per user", "total_tokens_per_s", "speedup")
+SWEEP_COLUMNS = ("C", "side", "mode", "tau", "per-position acceptance", "TTFT p50 (ms)", "TPOT mean (ms)",
+                 "tok/s per user", "tok/s total", "DFlash/plain", "vs vLLM", "identical", "load")
 
 
-def _ms(x: float) -> str:
-    return f"{x * 1e3:.1f}"
+@dataclass
+class Table:
+    title: str
+    columns: tuple[str, ...]
+    rows: list[list[str]]
 
 
-def rows(result: dict[str, Any]) -> list[list[str]]:
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _x(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def sweep_table(result: dict[str, Any]) -> Table:
+    has_peer = any(r.get("peer") for r in result["rows"])
+    cols = tuple(c for c in SWEEP_COLUMNS if has_peer or c != "vs vLLM")
     out = []
-    for row in result["sweep"]:
-        for mode in ("dflash", "plain"):
-            s = row.get(mode)
-            if not s:
-                continue
-            is_d = mode == "dflash"
-            out.append([
-                str(row["concurrency"]), mode,
-                f"{s['tau']:.2f}" if is_d else "1",
-                f"{s['acceptance_rate']:.3f}" if is_d else "-",
-                _ms(s["ttft_s"]["p50"]), _ms(s["tpot_s"]["mean"]), _ms(s["tpot_s"]["p90"]),
-                f"{s['tokens_per_s']['mean']:.1f}", f"{s['total_tokens_per_s']:.1f}",
-                f"{row['speedup']:.2f}x" if is_d and row["speedup"] is not None else "",
-            ])
+    for r in result["rows"]:
+        d = r["mode"] == "dflash"
+        ppa = r.get("per_position_acceptance")
+        ident = r.get("identical")
+        cells = {
+            "C": str(r["concurrency"]), "side": r["label"], "mode": "DFlash" if d else "plain",
+            "tau": _f(r["tau"]) if d else "1",
+            "per-position acceptance": " ".join(f"{x:.2f}" for x in ppa[:5]) if d and ppa else "-",
+            "TTFT p50 (ms)": _ms(r["ttft_s"]["p50"]), "TPOT mean (ms)": _ms(r["tpot_s"]["mean"]),
+            "tok/s per user": f"{r['tokens_per_s']['mean']:.1f}", "tok/s total": f"{r['total_tokens_per_s']:.1f}",
+            "DFlash/plain": _x(r.get("dflash_over_plain")), "vs vLLM": _x(r.get("vs_peer")),
+            "identical": f"{ident['identical']}/{ident['checked']}" if ident else "-",
+            # the machine's 1-minute load average when the run started: how shared it was
+            "load": _f(((r.get("info") or {}).get("loadavg") or [None])[0], 1),
+        }
+        if r.get("errors"):
+            cells["side"] += f" ({r['errors']} errors)"
+        out.append([cells[c] for c in cols])
+    cfg = result["config"]
+    title = (f"dflash-trt bench: {len(result['prompts'])} prompts, max_new_tokens={cfg['max_new_tokens']}, "
+             f"temperature={cfg['temperature']}, {cfg['dtype'] if result['source']['kind'] == 'in_process' else ''}")
+    return Table(title.rstrip(", "), cols, out)
+
+
+def limits_table(result: dict[str, Any]) -> Table | None:
+    entries = [e for e in result.get("limits") or [] if "cost" in e or "implied_cost" in e]
+    if not entries:
+        return None
+    labels = {r["side"]: r["label"] for r in result["rows"]}
+    cols = ("C", "side", "tau", "k per step (steps)", "plain step (ms)", "DFlash step (plain steps)", "drafter",
+            "verify (per draft)", "other", "tau / cost", "measured DFlash/plain")
+    out = []
+    for e in entries:
+        if "cost" in e:
+            ks = " ".join(f"{k}:{n}" for k, n in e["k_steps"].items())
+            verify = f"{e['verify']:.2f} ({e['verify_per_draft']:.3f})" if e["verify_per_draft"] else f"{e['verify']:.2f}"
+            out.append([str(e["concurrency"]), labels.get(e["side"], e["side"]), _f(e["tau"]), ks,
+                        f"{e['plain_step_ms']:.1f}", f"{e['cost']:.2f}", f"{e['drafter']:.2f}", verify,
+                        f"{e['other']:.2f}", _x(e.get("predicted_dflash_over_plain")), _x(e["dflash_over_plain"])])
+        else:
+            out.append([str(e["concurrency"]), labels.get(e["side"], e["side"]), _f(e["tau"]), "", "",
+                        f"{e['implied_cost']:.2f} (implied)", "", "", "", "", _x(e["dflash_over_plain"])])
+    return Table("What limits DFlash: a step's cost in plain steps of the same side and C (1 + drafter + verify + "
+                 "other), against tau", cols, out)
+
+
+def policy_table(result: dict[str, Any]) -> Table | None:
+    out = []
+    for e in result.get("limits") or []:
+        pol = e.get("policy")
+        if not pol:
+            continue
+        cands = "  ".join(f"k={c['k']}: {_f(c['cost_vs_plain'])} / {c['expected_tokens']:.2f} -> {_f(c['expected_gain'])}"
+                          for c in pol["candidates"])
+        counts = " ".join(f"{k}:{n}" for k, n in (pol.get("k_counts") or {}).items())
+        out.append([str(e["concurrency"]), cands, counts])
+    if not out:
+        return None
+    return Table("The adaptive policy's table at each C: cost in plain steps / expected tokens per step -> expected "
+                 "gain (it drafts where the gain beats 1 by its margin)", ("C", "candidates", "k chosen (last 256 steps)"),
+                 out)
+
+
+def category_table(result: dict[str, Any]) -> Table | None:
+    out = []
+    for r in result["rows"]:
+        for cat, s in (r.get("per_category") or {}).items():
+            ppa = s.get("per_position_acceptance")
+            out.append([str(r["concurrency"]), r["label"], "DFlash" if r["mode"] == "dflash" else "plain", cat,
+                        _f(s["tau"]) if r["mode"] == "dflash" else "1",
+                        " ".join(f"{x:.2f}" for x in ppa[:5]) if r["mode"] == "dflash" and ppa else "-",
+                        _ms(s["tpot_s"]["mean"]), f"{s['tokens_per_s']['mean']:.1f}", str(s["num_requests"])])
+    if not out:
+        return None
+    return Table("Per category", ("C", "side", "mode", "category", "tau", "per-position acceptance", "TPOT mean (ms)",
+                                  "tok/s per user", "requests"), out)
+
+
+def tables(result: dict[str, Any]) -> list[Table]:
+    return [t for t in (sweep_table(result), limits_table(result), policy_table(result), category_table(result)) if t]
+
+
+def goal_lines(result: dict[str, Any]) -> list[str]:
+    """Issue 23's figures at each C where the peer ran: ours DFlash vs vLLM's DFlash (>= 1.25x) and vs
+    the fastest plain decoder of all sides (>= 1)."""
+    rows = result["rows"]
+    out = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        ours = [r for r in rows if r["concurrency"] == c and r["mode"] == "dflash" and r.get("peer")]
+        if not ours:
+            continue
+        best = max(ours, key=lambda r: r["total_tokens_per_s"])
+        plains = [r for r in rows if r["concurrency"] == c and r["mode"] == "plain"]
+        fastest = max(plains, key=lambda r: r["total_tokens_per_s"]) if plains else None
+        line = (f"C={c}: our fastest DFlash ({best['label']}, {best['total_tokens_per_s']:.1f} tok/s) = "
+                f"{best['vs_peer']:.2f}x vLLM's DFlash (goal >= 1.25x)")
+        if fastest is not None:
+            line += (f", {best['vs_fastest_plain']:.2f}x the fastest plain decoder ({fastest['label']}, "
+                     f"{fastest['total_tokens_per_s']:.1f} tok/s; goal >= 1)")
+        out.append(line)
     return out
 
 
-def ceiling_lines(result: dict[str, Any]) -> list[str]:
+def note_lines(result: dict[str, Any]) -> list[str]:
     c = result["ceiling"]
-    lines = [f"Leviathan bound (free drafting, verify = one step): speedup <= tau = {c['tau_bound_speedup']:.2f}"]
+    lines = goal_lines(result)
+    if c.get("tau_bound_speedup"):
+        lines.append(f"Leviathan bound (free drafting, verify = one step): speedup <= tau = {c['tau_bound_speedup']:.2f}")
     if c.get("measured_speedup"):
         lines.append(f"measured speedup {c['measured_speedup']:.2f}x = {100 * c['speedup_over_bound']:.0f}% of the bound; "
                      f"a DFlash step (draft + verify) costs {c['step_cost_ratio']:.2f} plain steps "
@@ -48,35 +160,67 @@ def ceiling_lines(result: dict[str, Any]) -> list[str]:
                      f"({c['bytes_per_step_deployed'] / 1e6:.0f} MB/step): plain <= "
                      f"{c['bandwidth_bound_tokens_per_s']:.0f} tokens/s/user, DFlash (free drafting) <= "
                      f"{c['bandwidth_bound_dflash_tokens_per_s']:.0f}")
-    elif c.get("gpu") in (None, "cpu"):
-        lines.append("no GPU bandwidth ceiling for this run (CPU or unknown GPU; pass --gpu for an endpoint's GPU)"
-                     if c.get("target_params") or c.get("gpu") is None else "")
-    ident = result.get("identical_to_plain")
-    if ident:
-        lines.append(f"DFlash output identical to plain greedy decoding on {ident['identical']}/{ident['checked']} requests")
-    if not result["source"]["parallel"] and len(result["sweep"]) > 1:
-        lines.append("the in-process runner decodes one request at a time: concurrent requests queue "
+    ident = result.get("identical_all")
+    if ident is not None:
+        lines.append("output ids identical to the reference loop's plain greedy decoding in every row"
+                     if ident else "NOT every output is identical: see the identical column")
+    env = result.get("environment") or {}
+    if env.get("loadavg_start"):
+        threads = f", torch threads {env['torch_threads']}" if env.get("torch_threads") else ""
+        lines.append(f"machine: {env.get('cpu')}, {env.get('cpu_count')} cores{threads}, load average {' '.join(map(str, env['loadavg_start']))} at start, "
+                     f"{' '.join(map(str, env.get('loadavg_end') or []))} at the end (shared machine: other processes ran)")
+    sides = result["source"].get("sides") or []
+    if any(s["name"] == "reference" for s in sides) and len({r["concurrency"] for r in result["rows"]}) > 1:
+        lines.append("the reference loop decodes one request at a time: concurrent requests queue "
                      "(total tokens/s flat, per-user tokens/s ~ 1/C)")
-    return [x for x in lines if x]
+    return lines
 
 
-def print_table(result: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
+def print_report(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table as RichTable
 
-    src = result["source"]
-    title = (f"dflash-trt bench: {len(result['prompts'])} prompts, max_new_tokens={result['config']['max_new_tokens']}, "
-             f"temperature={result['config']['temperature']}, {src['runner']}")
-    table = Table(title=title)
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col == "mode" else "right")
-    for r in rows(result):
-        table.add_row(*r)
-    console.print(table)
-    for line in ceiling_lines(result):
-        console.print(f"  {line}", soft_wrap=True, highlight=False)
+    for t in tables(result):
+        table = RichTable(title=t.title)
+        for col in t.columns:
+            table.add_column(col, justify="left" if col in ("side", "mode", "candidates", "category") else "right")
+        for r in t.rows:
+            table.add_row(*r)
+        console.print(table)
+    for line in note_lines(result):
+        console.print(f"  {line}", soft_wrap=True, highlight=False, markup=False)
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """A bench.json written by `dflash-trt bench` (this schema); one-line DFlashError otherwise."""
+    import json
+
+    from dflash_trt.bench.run import SCHEMA_VERSION
+    from dflash_trt.errors import DFlashError
+
+    p = Path(path)
+    if not p.is_file():
+        raise DFlashError(f"{p} not found; pass the bench.json that `dflash-trt bench --out DIR` wrote")
+    try:
+        result = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{p} is not JSON ({e}); pass a bench.json written by `dflash-trt bench --out DIR`") from None
+    version = result.get("schema_version") if isinstance(result, dict) else None
+    if version != SCHEMA_VERSION:
+        raise DFlashError(f"{p} has bench.json schema {version!r}, this dflash-trt reads {SCHEMA_VERSION}; rerun the "
+                          f"benchmark with this version")
+    return result
 
 
 def markdown(result: dict[str, Any]) -> str:
-    head = "| " + " | ".join(COLUMNS) + " |\n|" + "|".join("---:" if c != "mode" else ":---" for c in COLUMNS) + "|\n"
-    body = "".join("| " + " | ".join(r) + " |\n" for r in rows(result))
-    return head + body + "\n" + "".join(f"- {line}\n" for line in ceiling_lines(result))
+    """The report as markdown: where it came from, the tables, the notes."""
+    env = result.get("environment") or {}
+    head = []
+    if result.get("command"):
+        head.append(f"Command: `{result['command']}`")
+    head.append(f"Versions: {', '.join(f'{k} {v}' for k, v in (env.get('versions') or {}).items())}")
+    parts = ["\n\n".join(head) + "\n"]
+    for t in tables(result):
+        header = "| " + " | ".join(t.columns) + " |\n|" + "|".join(
+            ":---" if c in ("side", "mode", "candidates", "category") else "---:" for c in t.columns) + "|\n"
+        parts.append(f"{t.title}\n\n" + header + "".join("| " + " | ".join(r) + " |\n" for r in t.rows))
+    return "\n".join(parts) + "\n" + "".join(f"- {line}\n" for line in note_lines(result))

@@ -1,20 +1,26 @@
-"""One bench run: resolve the source and prompts, sweep concurrency for each mode, summarise."""
+"""One bench run: resolve the sides and prompts, sweep concurrency, summarise.
+
+The sweep runs level by level: at each C every side runs DFlash and plain decoding back to back
+(with --repeats, that whole round again, alternating, and the fastest run of each (side, mode, C)
+counts), so load from other processes on a shared machine hits every side alike.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.bench.config import BenchConfig
+from dflash_trt.bench.config import BenchConfig, parse_policy
 from dflash_trt.bench.prompts import BenchPrompt, from_categories, from_jsonl
-from dflash_trt.bench.runners import BenchRequest, EndpointRunner, InProcessRunner, RequestRecord
+from dflash_trt.bench.runners import BenchRequest, RequestRecord, RunResult
 from dflash_trt.errors import DFlashError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def load_bench_prompts(cfg: BenchConfig) -> list[BenchPrompt]:
@@ -22,6 +28,13 @@ def load_bench_prompts(cfg: BenchConfig) -> list[BenchPrompt]:
     if not prompts:
         raise DFlashError(f"no {cfg.split} prompts in categories {','.join(cfg.category)}; choose other --category")
     return prompts[: cfg.num_prompts] if cfg.num_prompts else prompts
+
+
+def bench_requests(cfg: BenchConfig, prompts: list[BenchPrompt], concurrency: int) -> list[BenchRequest]:
+    """--num-requests cycling over the prompts, by default one per prompt and at least one per user
+    (C users and fewer prompts would leave users idle and measure a lower level); request i uses seed + i."""
+    n = cfg.num_requests or max(len(prompts), concurrency)
+    return [BenchRequest(prompts[i % len(prompts)], cfg.max_new_tokens, cfg.temperature, cfg.seed + i) for i in range(n)]
 
 
 def _cpu_name() -> str:
@@ -34,6 +47,14 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> list[float] | None:
+    """1, 5 and 15-minute load averages: how shared the machine was while the figures were taken."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def environment(cfg: BenchConfig) -> dict[str, Any]:
     """Versions and machine, recorded with every figure."""
     from importlib import metadata
@@ -41,13 +62,16 @@ def environment(cfg: BenchConfig) -> dict[str, Any]:
     import dflash_trt
 
     versions = {"python": platform.python_version(), "dflash_trt": dflash_trt.__version__}
-    for pkg in ("torch", "transformers", "numpy", "tritonclient", "grpcio", "nvidia-modelopt", "tensorrt_llm"):
+    for pkg in ("torch", "transformers", "numpy", "tritonclient", "grpcio", "httpx", "nvidia-modelopt", "tensorrt_llm"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             pass
     env: dict[str, Any] = {"versions": versions, "platform": platform.platform(), "cpu": _cpu_name(),
-                           "cpu_count": os.cpu_count(), "device": cfg.device if cfg.in_process else None, "gpu_name": None}
+                           "cpu_count": os.cpu_count(), "device": cfg.device if cfg.in_process else None,
+                           "gpu_name": None, "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                           else None, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                           "vllm_cpu_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
     if cfg.in_process:
         import torch
 
@@ -57,24 +81,59 @@ def environment(cfg: BenchConfig) -> dict[str, Any]:
     return env
 
 
-def _source(cfg: BenchConfig) -> tuple[Any, dict[str, Any], dict[str, Any] | None]:
-    """(runner, source description, weight sizes for the ceiling or None)."""
-    if not cfg.in_process:
-        runner = EndpointRunner(cfg.url, model=cfg.model, plain_url=cfg.plain_url, timeout_s=cfg.timeout_s)
-        runner.check()
-        return runner, {"kind": "endpoint", "url": cfg.url, "plain_url": cfg.plain_url, "model": cfg.model}, None
+# ------------------------------------------------------------------------------------------------
+# the sides of this run
+# ------------------------------------------------------------------------------------------------
+def _endpoint_sides(cfg: BenchConfig) -> tuple[list[Any], dict[str, Any]]:
+    from dflash_trt.bench.openai_endpoint import OpenAIEndpointSide, is_http_url
 
+    assert cfg.url is not None
+    if is_http_url(cfg.url):
+        if cfg.plain_url and not is_http_url(cfg.plain_url):
+            raise DFlashError(f"--plain-url {cfg.plain_url} must speak what --url speaks (http://host:port)")
+        side: Any = OpenAIEndpointSide(cfg.url, model=cfg.model, plain_url=cfg.plain_url, metrics_url=cfg.metrics_url,
+                                       timeout_s=cfg.timeout_s)
+        kind = "openai"
+    else:
+        from dflash_trt.bench.triton_endpoint import TritonEndpointSide
+
+        url = cfg.url.removeprefix("grpc://")
+        side = TritonEndpointSide(url, model=cfg.model or "dflash",
+                                  plain_url=cfg.plain_url.removeprefix("grpc://") if cfg.plain_url else None,
+                                  timeout_s=cfg.timeout_s, stream=cfg.stream)
+        kind = "triton_grpc"
+    side.check()
+    return [side], {"kind": "endpoint", "protocol": kind, "url": cfg.url, "plain_url": cfg.plain_url,
+                    "model": side.model, "metrics_url": getattr(side, "metrics_url", None)}
+
+
+def _max_seq_len(cfg: BenchConfig, inputs: Any, prompts: list[BenchPrompt], block_size: int, candidates: int) -> int:
+    from dflash_trt.runtime.batched import calibration_tokens
+
+    longest = max(len(inputs.encode(p)) for p in prompts)
+    calib = 16 + calibration_tokens(candidates, block_size) if cfg.calibrate else 0
+    return max(longest + cfg.max_new_tokens, calib, 64)
+
+
+def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) -> tuple[list[Any], dict[str, Any],
+                                                                                       Any, Any]:
+    """(sides, source, weight sizes for the ceiling, the loaded pair's inputs)."""
     import torch
 
     from dflash_trt.bench.ceiling import bytes_per_step
+    from dflash_trt.bench.inprocess import BatchedSide, PairInputs, ReferenceSide
     from dflash_trt.pairs import resolve_pair
+    from dflash_trt.runtime.policy import default_candidates
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    kind, k = parse_policy(cfg.policy) if cfg.policy else ("fixed", None)
     pair = resolve_pair(cfg.target, cfg.draft, engine_dir=cfg.engine, dtype=cfg.dtype, device=cfg.device,
-                        max_draft_len=cfg.max_draft_len, policy=cfg.policy)
+                        max_draft_len=cfg.max_draft_len, policy="adaptive" if kind == "adaptive" else "fixed",
+                        pack=cfg.pack)
+    spec = pair.speculation
     source: dict[str, Any] = {"kind": "in_process", "engine": cfg.engine, "target": cfg.target, "draft": cfg.draft,
-                              "engine_manifest_sha256": None, "speculation": pair.speculation.to_dict()}
+                              "engine_manifest_sha256": None, "speculation": spec.to_dict()}
     weights = "none"
     if cfg.engine:
         from dflash_trt.engine.manifest import MANIFEST_NAME
@@ -87,44 +146,145 @@ def _source(cfg: BenchConfig) -> tuple[Any, dict[str, Any], dict[str, Any] | Non
 
         t, d = default_pair_dirs()
         source.update(target=str(t), draft=str(d), embedded=True)
-    runner = InProcessRunner(pair)
-    return runner, source, bytes_per_step(pair.target, weights)
+    inputs = PairInputs(pair)
+    modes = ("dflash",) if cfg.tau_only else ("dflash", "plain")
+    sides: list[Any] = []
+    for name in cfg.runtime or []:
+        if name == "reference":
+            sides.append(ReferenceSide(inputs, spec.replace(policy="fixed"), modes=modes))
+        else:
+            policy = "adaptive" if kind == "adaptive" else f"fixed:{k if k is not None else spec.max_draft_len}"
+            n_cands = len(default_candidates(spec.max_draft_len))
+            sides.append(BatchedSide(inputs, spec, policy, max_batch=max(cfg.concurrency),
+                                     max_seq_len=_max_seq_len(cfg, inputs, prompts, spec.block_size, n_cands),
+                                     cuda_graphs=cfg.cuda_graphs,
+                                     calibrate_levels=cfg.concurrency if cfg.calibrate else (), modes=modes))
+            source["batched_policy"] = policy
+    source["runtimes"] = list(cfg.runtime or [])
+    if cfg.peer:
+        sides += _peer_sides(cfg, source, pair, spec, say)
+    return sides, source, bytes_per_step(pair.target, weights), inputs
 
 
-def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[dict[str, Any], list[RequestRecord]]:
+def _peer_sides(cfg: BenchConfig, source: dict[str, Any], pair: Any, spec: Any, say: Any) -> list[Any]:
+    from dflash_trt.bench.peer_vllm import PeerSettings, VllmSide
+
+    log_dir = Path(cfg.out) / "vllm-logs" if cfg.out else Path(tempfile.mkdtemp(prefix="dflash-peer-logs-"))
+    sides = []
+    for eager in {"compiled": [False], "eager": [True], "both": [False, True]}[cfg.vllm_mode]:
+        settings = PeerSettings(target=Path(source["target"]), draft=Path(source["draft"]), enforce_eager=eager,
+                                num_speculative_tokens=spec.max_draft_len, dtype=cfg.dtype,
+                                max_new_tokens=cfg.max_new_tokens, stop_token_ids=list(pair.codec.stop_token_ids),
+                                fix_context_k_norm=cfg.k_norm_fix, seed=cfg.seed)
+        sides.append(VllmSide(settings, pair.codec, log_dir, progress=say))
+    source["peer"] = {"name": "vllm", "log_dir": str(log_dir), "modes": cfg.vllm_mode,
+                      "num_speculative_tokens": spec.max_draft_len}
+    return sides
+
+
+def _oracle(inputs: Any, requests: list[BenchRequest], say: Any) -> dict[str, list[int]]:
+    """The reference loop's plain greedy decoding of every prompt (not timed): what --check compares with."""
+    from dflash_trt.runtime.generate import autoregressive_generate
+
+    out: dict[str, list[int]] = {}
+    for r in requests:
+        if r.prompt.id not in out:
+            out[r.prompt.id] = autoregressive_generate(inputs.pair.target, inputs.encode(r.prompt),
+                                                       inputs.params(r.max_new_tokens)).output_ids
+    say(f"reference greedy decoding of {len(out)} prompts done (the identity oracle)")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+# ------------------------------------------------------------------------------------------------
+def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
+              ) -> tuple[dict[str, Any], list[RequestRecord]]:
     """Every figure of one run (the bench.json object) and the raw records.
 
-    `progress(kind, total_or_record)` is told the number of requests first, then each record.
-    """
+    `progress(kind, total_or_record)` is told the number of requests first, then each record;
+    `say(line)` gets status lines (warm-up, the peer's progress)."""
     from dflash_trt.bench.ceiling import ceiling, detect_gpu
-    from dflash_trt.bench.summary import build_sweep, identical_outputs
+    from dflash_trt.bench.limits import analyse
+    from dflash_trt.bench.summary import build_rows
 
+    say = say or (lambda _line: None)
+    if cfg.peer:
+        from dflash_trt.bench.peer_vllm import require_peer
+
+        require_peer()  # before anything slow: one line and `make peer` if it is absent
+    load_start = load_average()
     prompts = load_bench_prompts(cfg)
-    runner, source, sizes = _source(cfg)
-    requests = [BenchRequest(p, cfg.max_new_tokens, cfg.temperature, cfg.seed + i) for i, p in enumerate(prompts)]
-    modes = runner.modes
-    if progress:
-        progress("total", len(requests) * len(modes) * len(cfg.concurrency))
-    runner.warmup()
-    runner.t0 = time.perf_counter()
-    records: list[RequestRecord] = []
-    for c in cfg.concurrency:
-        for mode in modes:
-            records += runner.run(mode, requests, c, (lambda r: progress("done", r)) if progress else (lambda r: None))
+    requests = {c: bench_requests(cfg, prompts, c) for c in cfg.concurrency}
+    inputs = sizes = None
+    if cfg.in_process:
+        sides, source, sizes, inputs = _in_process_sides(cfg, prompts, say)
+    else:
+        sides, source = _endpoint_sides(cfg)
+    try:
+        for side in sides:
+            say(f"warm-up: {side.label}")
+            side.warmup()
+        runs = [(side, mode) for side in sides for mode in side.modes]
+        if progress:
+            progress("total", sum(map(len, requests.values())) * len(runs) * cfg.repeats)
+        ran_reference_plain = any(s.name == "reference" and "plain" in s.modes for s in sides)
+        oracle = None
+        if cfg.check and cfg.temperature == 0 and inputs is not None and not ran_reference_plain and not cfg.tau_only:
+            oracle = _oracle(inputs, requests[max(cfg.concurrency)], say)
+        results: dict[tuple[str, str, int], RunResult] = {}
+        on_done = (lambda r: progress("done", r)) if progress else (lambda r: None)
+        for c in cfg.concurrency:
+            for _ in range(cfg.repeats):
+                for side, mode in runs:
+                    load = load_average()
+                    res = side.run(mode, requests[c], c, on_done)
+                    res.info["loadavg"] = load
+                    say(f"{side.name} {mode} C={c}: {_throughput(res):.1f} tok/s total (load {load[0] if load else '?'})")
+                    best = results.get((side.name, mode, c))
+                    if best is None or _throughput(res) > _throughput(best):
+                        results[(side.name, mode, c)] = res
+    finally:
+        for side in sides:
+            side.close()
 
-    sweep = build_sweep(records, cfg.concurrency, modes)
-    first = sweep[0]
-    gpu = cfg.gpu or (detect_gpu(cfg.device) if cfg.in_process else None) or ("cpu" if cfg.in_process and cfg.device == "cpu" else None)
+    rows = build_rows(results, sides, cfg.concurrency, cfg.per_category, oracle)
+    first = next((r for r in rows if r["mode"] == "dflash"), rows[0])
+    plain_first = next((r for r in rows if r["side"] == first["side"] and r["mode"] == "plain"
+                        and r["concurrency"] == first["concurrency"]), None)
+    gpu = cfg.gpu or (detect_gpu(cfg.device) if cfg.in_process else None) or (
+        "cpu" if cfg.in_process and cfg.device == "cpu" else None)
+    records = [r for res in results.values() for r in res.records]
+    env = environment(cfg)
+    env.update(loadavg_start=load_start, loadavg_end=load_average())
+    for r in rows:  # the peer's own versions, from its worker
+        engine = (r.get("info") or {}).get("engine") or {}
+        if engine.get("vllm_version"):
+            env["versions"].update(vllm=engine["vllm_version"], vllm_torch=engine.get("torch_version"))
     result: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "config": cfg.model_dump(),
-        "environment": environment(cfg),
-        "source": {**source, "runner": runner.name, "parallel": runner.parallel, "modes": list(modes)},
+        "environment": env,
+        "source": {**source, "sides": [{"name": s.name, "label": s.label, "parallel": s.parallel,
+                                        "modes": list(s.modes)} for s in sides]},
         "prompts": [{"id": p.id, "category": p.category} for p in prompts],
-        "sweep": sweep,
-        "ceiling": ceiling(sizes, gpu, first["dflash"]["tau"], first["dflash"]["tpot_s"]["mean"],
-                           first["plain"]["tpot_s"]["mean"] if first["plain"] else None),
-        "identical_to_plain": identical_outputs(records) if cfg.temperature == 0 else None,
+        "rows": rows,
+        "ceiling": ceiling(sizes, gpu, first["tau"] or 0.0, first["tpot_s"]["mean"],
+                           plain_first["tpot_s"]["mean"] if plain_first else None),
+        "identical_all": _identical_all(rows) if cfg.temperature == 0 else None,
+        "limits": analyse(rows),
         "requests": [r.to_dict() for r in records],
     }
     return result, records
+
+
+def _throughput(res: RunResult) -> float:
+    ok = [r for r in res.records if r.error is None]
+    return sum(r.num_output_tokens for r in ok) / res.wall_s if res.wall_s > 0 else 0.0
+
+
+def _identical_all(rows: list[dict[str, Any]]) -> bool | None:
+    checks = [r["identical"] for r in rows if r.get("identical")]
+    if not checks:
+        return None
+    return all(c["identical"] == c["checked"] for c in checks)

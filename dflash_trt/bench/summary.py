@@ -1,11 +1,26 @@
-"""Summaries of RequestRecords per (concurrency, mode) in the dflash_trt.metrics vocabulary."""
+"""Summaries of RequestRecords per (side, mode, concurrency) in the dflash_trt.metrics vocabulary,
+the ratios between them, and the identity check.
+
+- A row's figures pool its requests: tau and acceptance over all steps (not a mean of request
+  means), latencies as distributions, total_tokens_per_s over the run's wall time.
+- ``dflash_over_plain``: a side's DFlash total tokens/s over its own plain decoding's, same C;
+  ``speedup``: plain mean TPOT over DFlash mean TPOT (the per-user pace).
+- ``vs_peer``: a side's total tokens/s over the peer's (vLLM in its default, compiled mode when it
+  ran, else eager), same mode, same C; ``vs_fastest_plain``: a DFlash row over the fastest plain
+  decoder of all sides at that C (what speculation must beat to be worth it).
+- ``identical``: at temperature 0 every output must equal the oracle's for the same prompt: the
+  reference loop's plain greedy decoding (measured, or computed beforehand with --check); an
+  endpoint without ids compares its DFlash text with its plain server's.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dflash_trt.bench.runners import RequestRecord
+from dflash_trt.bench.runners import RequestRecord, RunResult
 from dflash_trt.metrics import GenerationStats, merge_stats, summarize
+
+PEER_SIDES = ("vllm", "vllm-eager")  # in order of preference for vs_peer
 
 
 def _stats_of(r: RequestRecord) -> GenerationStats:
@@ -14,8 +29,8 @@ def _stats_of(r: RequestRecord) -> GenerationStats:
         lengths = r.acceptance_lengths
     else:  # an endpoint reports totals: steps * tau tokens spread over steps with the same sum
         lengths = [1] * r.num_steps
-        for i in range(r.total_accepted_draft_tokens):
-            lengths[i % max(1, r.num_steps)] += 1
+        for i in range(r.total_accepted_draft_tokens if r.num_steps else 0):
+            lengths[i % r.num_steps] += 1
     return GenerationStats(
         num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens, acceptance_lengths=list(lengths),
         total_draft_tokens=r.total_draft_tokens, total_accepted_draft_tokens=r.total_accepted_draft_tokens,
@@ -23,13 +38,18 @@ def _stats_of(r: RequestRecord) -> GenerationStats:
     )
 
 
-def summarize_records(records: list[RequestRecord]) -> dict[str, Any]:
-    """One mode at one concurrency level: pooled acceptance, latency distributions, throughput."""
-    pooled = merge_stats([_stats_of(r) for r in records])
-    per_step = all(r.acceptance_lengths is not None for r in records)
-    wall = max(r.t_end for r in records) - min(r.t_submit for r in records) if records else 0.0
-    return {
-        "num_requests": len(records),
+def summarize_records(records: list[RequestRecord], counters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One side, one mode, one level: pooled acceptance, latency distributions, throughput.
+
+    `counters`: pooled counts from a server's metrics (bench/server_metrics.py), used where the
+    records carry no per-request acceptance."""
+    ok = [r for r in records if r.error is None]
+    pooled = merge_stats([_stats_of(r) for r in ok])
+    per_step = bool(ok) and all(r.acceptance_lengths is not None for r in ok)
+    wall = max(r.t_end for r in ok) - min(r.t_submit for r in ok) if ok else 0.0
+    out = {
+        "num_requests": len(ok),
+        "errors": len(records) - len(ok),
         "num_output_tokens": pooled.num_output_tokens,
         "num_steps": pooled.num_steps,
         "total_draft_tokens": pooled.total_draft_tokens,
@@ -37,39 +57,98 @@ def summarize_records(records: list[RequestRecord]) -> dict[str, Any]:
         "tau": pooled.tau,
         "acceptance_rate": pooled.acceptance_rate,
         "per_position_acceptance": pooled.per_position_acceptance if per_step else None,
-        "ttft_s": summarize([r.ttft_s for r in records]),
-        "tpot_s": summarize([r.tpot_s for r in records if r.num_output_tokens > 1]),
-        "tokens_per_s": summarize([r.tokens_per_s for r in records]),
-        "queue_s": summarize([r.queue_s for r in records]),
+        "acceptance_source": "per request" if pooled.num_steps else None,
+        "ttft_s": summarize([r.ttft_s for r in ok]),
+        "tpot_s": summarize([r.tpot_s for r in ok if r.num_output_tokens > 1]),
+        "tokens_per_s": summarize([r.tokens_per_s for r in ok]),
+        "queue_s": summarize([r.queue_s for r in ok]),
         "total_tokens_per_s": pooled.num_output_tokens / wall if wall > 0 else 0.0,
         "wall_s": wall,
     }
+    decode = [r for r in ok if r.server_decode_s is not None]
+    if decode:  # an endpoint's latency = waiting for its runtime + decoding + the rest (server overhead)
+        out["server_decode_s"] = summarize([r.server_decode_s for r in decode])
+        out["server_overhead_s"] = summarize([r.latency_s - r.queue_s - r.server_decode_s for r in decode])
+    if counters is not None and not pooled.num_steps:
+        drafted, accepted = counters["total_draft_tokens"], counters["total_accepted_draft_tokens"]
+        steps = counters.get("num_drafts")
+        out.update(total_draft_tokens=drafted, total_accepted_draft_tokens=accepted,
+                   acceptance_rate=accepted / drafted if drafted else 0.0,
+                   num_steps=steps or 0, tau=1 + accepted / steps if steps else None,
+                   acceptance_source="server metrics (pooled over the run)")
+        if steps and counters.get("position_accepted"):
+            out["per_position_acceptance"] = [a / steps for a in counters["position_accepted"]]
+    return out
 
 
-def speedup(plain: dict[str, Any] | None, dflash: dict[str, Any] | None) -> float | None:
-    """plain mean tpot_s / DFlash mean tpot_s (None when either side is missing)."""
-    if not plain or not dflash or not dflash["tpot_s"]["mean"]:
-        return None
-    return plain["tpot_s"]["mean"] / dflash["tpot_s"]["mean"]
+def _key(r: RequestRecord) -> Any:
+    return r.output_ids if r.output_ids is not None else r.text
 
 
-def build_sweep(records: list[RequestRecord], levels: list[int], modes: tuple[str, ...]) -> list[dict[str, Any]]:
-    sweep = []
+def build_rows(results: dict[tuple[str, str, int], RunResult], sides: list[Any], levels: list[int],
+               per_category: bool = False, oracle: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
+    """Every (side, mode, C) that ran, in table order (C, then side, DFlash before plain)."""
+    rows: list[dict[str, Any]] = []
     for c in levels:
-        row: dict[str, Any] = {"concurrency": c}
-        for m in ("dflash", "plain"):
-            rs = [r for r in records if r.concurrency == c and r.mode == m]
-            row[m] = summarize_records(rs) if m in modes and rs else None
-        row["speedup"] = speedup(row["plain"], row["dflash"])
-        sweep.append(row)
-    return sweep
+        for side in sides:
+            for mode in ("dflash", "plain"):
+                run = results.get((side.name, mode, c))
+                if run is None:
+                    continue
+                row: dict[str, Any] = {"side": side.name, "label": side.label, "mode": mode, "concurrency": c,
+                                       **summarize_records(run.records, run.counters)}
+                if per_category:
+                    cats = sorted({r.category for r in run.records})
+                    row["per_category"] = {cat: summarize_records([r for r in run.records if r.category == cat])
+                                           for cat in cats}
+                row["info"] = run.info
+                rows.append(row)
+    _ratios(rows)
+    _identity(rows, results, oracle)
+    return rows
 
 
-def identical_outputs(records: list[RequestRecord]) -> dict[str, int] | None:
-    """At temperature 0 DFlash must reproduce plain greedy decoding: count prompts where it did."""
-    d = {(r.concurrency, r.prompt_id): r.output_ids for r in records if r.mode == "dflash" and r.output_ids is not None}
-    p = {(r.concurrency, r.prompt_id): r.output_ids for r in records if r.mode == "plain" and r.output_ids is not None}
-    keys = sorted(set(d) & set(p))
-    if not keys:
-        return None
-    return {"checked": len(keys), "identical": sum(d[k] == p[k] for k in keys)}
+def find(rows: list[dict[str, Any]], side: str, mode: str, c: int) -> dict[str, Any] | None:
+    return next((r for r in rows if r["side"] == side and r["mode"] == mode and r["concurrency"] == c), None)
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    peers = [s for s in PEER_SIDES if any(r["side"] == s for r in rows)]
+    for r in rows:
+        c, mode = r["concurrency"], r["mode"]
+        plain = find(rows, r["side"], "plain", c)
+        r["dflash_over_plain"] = r["speedup"] = None
+        if mode == "dflash" and plain and plain["total_tokens_per_s"]:
+            r["dflash_over_plain"] = r["total_tokens_per_s"] / plain["total_tokens_per_s"]
+            if r["tpot_s"]["mean"]:
+                r["speedup"] = plain["tpot_s"]["mean"] / r["tpot_s"]["mean"]
+        peer = next((p for s in peers if (p := find(rows, s, mode, c)) is not None), None)
+        r["vs_peer"] = (r["total_tokens_per_s"] / peer["total_tokens_per_s"]
+                        if peer and r["side"] not in PEER_SIDES and peer["total_tokens_per_s"] else None)
+        r["peer"] = peer["side"] if peer and r["vs_peer"] is not None else None
+        fastest = max((p["total_tokens_per_s"] for p in rows if p["mode"] == "plain" and p["concurrency"] == c),
+                      default=0.0)
+        r["vs_fastest_plain"] = r["total_tokens_per_s"] / fastest if mode == "dflash" and fastest else None
+
+
+def _identity(rows: list[dict[str, Any]], results: dict[tuple[str, str, int], RunResult],
+              oracle: dict[str, list[int]] | None) -> None:
+    if oracle is None:  # the reference loop's plain greedy decoding, when it ran
+        ref = [(c, run) for (side, mode, c), run in results.items() if side == "reference" and mode == "plain"]
+        if ref:
+            oracle = {r.prompt_id: r.output_ids for r in min(ref, key=lambda x: x[0])[1].records if r.error is None}
+    for row in rows:
+        recs = [r for r in results[(row["side"], row["mode"], row["concurrency"])].records if r.error is None]
+        if oracle is not None and all(r.output_ids is not None for r in recs):
+            want = {pid: ids for pid, ids in oracle.items()}
+            against = "reference loop, plain greedy"
+        else:  # an endpoint: its DFlash outputs against its plain server's, per prompt
+            plain = results.get((row["side"], "plain", row["concurrency"]))
+            if plain is None:
+                row["identical"] = None
+                continue
+            want = {r.prompt_id: _key(r) for r in plain.records if r.error is None}
+            against = "the same side's plain decoding"
+        checked = [r for r in recs if r.prompt_id in want]
+        row["identical"] = {"checked": len(checked), "identical": sum(_key(r) == want[r.prompt_id] for r in checked),
+                            "against": against} if checked else None
