@@ -1,6 +1,7 @@
 """A Triton gRPC endpoint as a benchmark side (tritonserver with TensorRT-LLM, or `dflash-trt serve`).
 
-Requests go over Triton's gRPC streaming API through dflash_trt.serving.client; every response
+Requests go through dflash_trt.serving.client (streaming on a decoupled repository, unary on one that is
+not: TTFT is only meaningful against `deploy triton --decoupled`); every response
 carries the model's statistics outputs (acceptance_length, total_draft_tokens, ...,
 queue_time_ms, decode_time_ms), so each request has its own tau, and its latency splits into
 waiting for the runtime, decoding, and the rest (gRPC, (de)serialisation, the Python-backend
