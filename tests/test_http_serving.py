@@ -198,3 +198,21 @@ def test_idle_streams_past_the_limit_are_refused_and_health_still_answers(engine
         assert r.status_code == 200, r.text
     finally:
         srv.stop(grace=2.0)
+
+
+def test_dflash_trt_client_speaks_openai_to_an_http_url(base, engine):
+    """`dflash-trt client http://...` goes through the openai package: one user turn, greedy, and
+    the statistics from the `dflash` object; streamed and not give the same text."""
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    outs = []
+    for flag in ("--no-stream", "--stream"):
+        r = CliRunner().invoke(main, ["client", PROMPT, "--url", base, "--max-tokens", str(MAX_TOKENS), flag, "--json"])
+        assert r.exit_code == 0, r.output
+        outs.append(json.loads(r.stdout))
+    assert outs[0]["text"] == outs[1]["text"] == reference_answer(engine, PROMPT, MAX_TOKENS)
+    assert all(o["tau"] >= 1 and o["total_accepted_draft_tokens"] <= o["total_draft_tokens"] for o in outs)
+    r = CliRunner().invoke(main, ["client", "hi", "--url", "http://127.0.0.1:9", "--timeout", "5"])
+    assert r.exit_code != 0 and "cannot reach an OpenAI-compatible server" in r.output and "Traceback" not in r.output

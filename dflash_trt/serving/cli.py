@@ -178,7 +178,9 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
 
 @click.command()
 @click.argument("prompt")
-@click.option("--url", default="localhost:8001", show_default=True, help="Server gRPC address host:port.")
+@click.option("--url", default="localhost:8001", show_default=True,
+              help="host:port: a Triton gRPC server (tritonserver or `dflash-trt serve`); http[s]://host:port: an "
+                   "OpenAI-compatible server (`dflash-trt serve --http-port`, vllm serve, trtllm-serve).")
 @click.option("--model", "model", default="dflash", show_default=True, help="Model name in the repository.")
 @click.option("--stream/--no-stream", default=False, show_default=True, help="Print text as it is accepted.")
 @click.option("--max-tokens", type=int, default=None, help="Tokens to generate [default: the model's].")
@@ -192,12 +194,14 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
 @friendly_errors
 def client(prompt: str, url: str, model: str, stream: bool, max_tokens: int | None, temperature: float | None,
            top_p: float | None, seed: int | None, stop: tuple[str, ...], timeout_s: float, as_json: bool) -> None:
-    """Send PROMPT to a Triton-protocol server and print the answer and its DFlash statistics."""
+    """Send PROMPT to a Triton gRPC or an OpenAI-compatible server; print the answer and its DFlash statistics."""
     from dflash_trt.serving.client import generate
+    from dflash_trt.serving.openai_client import generate_openai
 
     printer = (lambda t: click.echo(t, nl=False)) if stream and not as_json else None
-    result = generate(url, prompt, model=model, stream=stream, on_text=printer, timeout_s=timeout_s,
-                      max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+    send = generate_openai if url.startswith(("http://", "https://")) else generate
+    result = send(url, prompt, model=model, stream=stream, on_text=printer, timeout_s=timeout_s,
+                  max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
     if as_json:
         click.echo(json.dumps({"text": result.text, "finish_reason": result.finish_reason, **result.stats,
                                "ttft_s": result.ttft_s, "latency_s": result.latency_s}))
@@ -205,8 +209,8 @@ def client(prompt: str, url: str, model: str, stream: bool, max_tokens: int | No
     click.echo("" if stream else result.text)
     s = result.stats
     click.echo(
-        f"\n[triton] finish={result.finish_reason} tokens={s.get('num_output_tokens', '?')} "
-        f"tau={s.get('acceptance_length', 0.0):.2f} acceptance_rate={s.get('acceptance_rate', 0.0):.2f} "
+        f"\n[{'openai' if send is generate_openai else 'triton'}] finish={result.finish_reason} "
+        f"tokens={s.get('num_output_tokens', '?')} tau={s.get('tau', 0.0):.2f} acceptance_rate={s.get('acceptance_rate', 0.0):.2f} "
         f"drafted={s.get('total_draft_tokens', '?')} accepted={s.get('total_accepted_draft_tokens', '?')} "
         f"ttft={result.ttft_s * 1e3:.0f}ms latency={result.latency_s * 1e3:.0f}ms", err=True)
 
