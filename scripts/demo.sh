@@ -16,11 +16,11 @@ $DFLASH build --spec smollm2-135m-cpu --out "$OUT/engine" --force --no-progress
 $DFLASH verify "$OUT/engine"
 
 echo "== 2. Triton model repository =="
-$DFLASH deploy triton "$OUT/engine" --out "$OUT/triton_repo" --force
+$DFLASH deploy triton "$OUT/engine" --out "$OUT/triton_repo" --force --decoupled
 
-echo "== 3. serve (Triton gRPC protocol, ephemeral ports) =="
+echo "== 3. serve (Triton gRPC, HTTP with the OpenAI API, ephemeral ports) =="
 rm -f "$OUT/ready"
-$DFLASH serve --model-repository "$OUT/triton_repo" --grpc-port 0 --metrics-port 0 \
+$DFLASH serve --model-repository "$OUT/triton_repo" --grpc-port 0 --metrics-port 0 --http-port 0 \
   --ready-file "$OUT/ready" >"$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
@@ -31,10 +31,14 @@ for _ in $(seq 120); do
 done
 [ -s "$OUT/ready" ] || { echo "server not ready after 120 s; see $OUT/server.log" >&2; exit 1; }
 URL=$(cut -d' ' -f1 "$OUT/ready")
-echo "serving on $URL"
+HTTP="http://127.0.0.1:$(cut -d' ' -f3 "$OUT/ready")"
+echo "serving on $URL (gRPC) and $HTTP (HTTP)"
 
 echo "== 4. a Triton gRPC request (tritonclient) =="
 $DFLASH client --url "$URL" --max-tokens 128 --stream "$PROMPT"
+
+echo "== 4b. the same prompt through the OpenAI-compatible API (openai package) =="
+$DFLASH client --url "$HTTP" --max-tokens 128 "$PROMPT"
 
 echo "== 5. speedup over plain decoding (same engine, same prompt, same run) =="
 $DFLASH generate --engine "$OUT/engine" --max-new-tokens 128 --compare "$PROMPT" >/dev/null
