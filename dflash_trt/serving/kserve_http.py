@@ -204,16 +204,9 @@ class KServeHTTP:
             request_id = str(doc.get("id", ""))
             deliveries, sender = await self._start(model, wire, request_id, doc.get("parameters") or {},
                                                    [name for name, _ in requested])
-            try:
-                responses = await _collect(deliveries)
-            except BaseException:
-                sender.cancel()
-                raise
-            if len(responses) != 1:
-                raise InferError(grpc.StatusCode.INTERNAL, f"model '{model.name}' sent {len(responses)} responses "
-                                                           f"to one request")
-            return Guarded(self._kserve_response(model, responses[0], request_id, dict(requested), binary_out),
-                           release)
+            response = await _only_response(deliveries, sender, f"model '{model.name}' sent more than one response "
+                                                                "to one request")
+            return Guarded(self._kserve_response(model, response, request_id, dict(requested), binary_out), release)
 
         return await self._guarded("infer", handle)
 
@@ -306,14 +299,8 @@ class KServeHTTP:
             wire, parameters = self._generate_request(model, doc)
             deliveries, sender = await self._start(model, wire, request_id, parameters, [])
             if not stream:
-                try:
-                    responses = await _collect(deliveries)
-                except BaseException:
-                    sender.cancel()
-                    raise
-                if len(responses) != 1:
-                    raise InferError(grpc.StatusCode.INTERNAL, NON_STREAM_MANY)
-                return Guarded(JSONResponse(self._generate_response(model, responses[0], request_id)), release)
+                response = await _only_response(deliveries, sender, NON_STREAM_MANY)
+                return Guarded(JSONResponse(self._generate_response(model, response, request_id)), release)
             first = await deliveries.queue.get()  # its outcome sets the status code, as in Triton
             status = first.error.http_status if first.error is not None else 200
 
@@ -395,6 +382,19 @@ def _generate_tensor(model: HostedModel, name: str, value: Any) -> WireTensor:
                          f"The schema can not convert input '{name}' to tensor with proper shape")
     datatype = model.input_datatype(name)
     return WireTensor(name, datatype, shape, lambda: _from_json(name, datatype, value))
+
+
+async def _only_response(deliveries: LoopDeliveries, sender: Any, too_many: str) -> Any:
+    """The one response of a non-streamed request (the sender is cancelled if waiting fails);
+    INTERNAL with `too_many` when the model sent several."""
+    try:
+        responses = await _collect(deliveries)
+    except BaseException:
+        sender.cancel()
+        raise
+    if len(responses) != 1:
+        raise InferError(grpc.StatusCode.INTERNAL, too_many)
+    return responses[0]
 
 
 async def _collect(deliveries: LoopDeliveries) -> list[Any]:
