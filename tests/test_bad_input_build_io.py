@@ -145,13 +145,15 @@ def test_engine_files_have_the_umask_modes(tiny_pair_dirs, tmp_path, umask, file
 
 def test_no_progress_silences_the_libraries_bars(tiny_pair_dirs, tmp_path):
     """transformers draws its own "Loading weights" / "Writing model shards" bars; --no-progress
-    must silence those too (a subprocess: disabling them is process-wide)."""
+    must silence those too (a subprocess: disabling them is process-wide). A quantized build, so
+    models are loaded, calibrated, exported and gated (a --quant none build only streams shards)."""
     cli = [sys.executable, "-m", "dflash_trt.cli"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    quiet = subprocess.run(cli + _build_args(tiny_pair_dirs, tmp_path / "quiet"), capture_output=True, text=True,
-                           cwd=ROOT, env=env)
+    work = ("--quant", "fp8", "--no-gate", "--calib-size", "2")
+    quiet = subprocess.run(cli + _build_args(tiny_pair_dirs, tmp_path / "quiet", *work), capture_output=True,
+                           text=True, cwd=ROOT, env=env)
     assert quiet.returncode == 0, quiet.stderr
     assert "it/s" not in quiet.stderr and "Loading weights" not in quiet.stderr, quiet.stderr
-    loud_args = [a for a in _build_args(tiny_pair_dirs, tmp_path / "loud") if a != "--no-progress"]
+    loud_args = [a for a in _build_args(tiny_pair_dirs, tmp_path / "loud", *work) if a != "--no-progress"]
     loud = subprocess.run(cli + loud_args, capture_output=True, text=True, cwd=ROOT, env=env)
     assert loud.returncode == 0 and "it/s" in loud.stderr  # the bars this test looks for do exist
