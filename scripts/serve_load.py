@@ -114,6 +114,7 @@ def main(engine: str, num_requests: int, concurrency: int, max_tokens: int, num_
             errors: list[str] = []
             mismatches = 0
             lock = threading.Lock()
+            trajectory: list[float] = []  # RSS (MiB) after every tenth of the run: a leak climbs, arenas plateau
 
             def one(job: tuple[str, str]) -> None:
                 nonlocal mismatches
@@ -129,6 +130,8 @@ def main(engine: str, num_requests: int, concurrency: int, max_tokens: int, num_
                 with lock:
                     results[kind].append((time.perf_counter() - t0, ttft))
                     mismatches += text != want
+                    if sum(len(v) for v in results.values()) % max(1, num_requests // 10) == 0:
+                        trajectory.append(_rss_mib(proc.pid))
 
             t_start = time.perf_counter()
             with ThreadPoolExecutor(concurrency) as pool:
@@ -151,6 +154,7 @@ def main(engine: str, num_requests: int, concurrency: int, max_tokens: int, num_
                   f"{_pct(ttft, 99):.0f} |")
     print(f"server RSS after the warm-up at C={concurrency} {rss_before:.0f} MiB, at the end {rss_after:.0f} MiB "
           f"(growth {100 * (rss_after - rss_before) / rss_before:+.1f}%)")
+    print("server RSS after each tenth of the run (MiB): " + " ".join(f"{r:.0f}" for r in trajectory))
     for e in errors[:5]:
         print("  error:", e)
     sys.exit(1 if errors or mismatches else 0)
