@@ -1,12 +1,21 @@
 """oneDNN-packed linear layers for float32 inference on CPU (the reference runtime; GPUs use
 TensorRT-LLM).
 
-PyTorch's default CPU GEMM re-packs the weight on every call, and for a few rows (M = 2..8, what
-a DFlash verify or draft pass feeds each layer) it is far off the memory-bound cost of reading
-the weight once: on the 2-core CPU a SmolLM2-135M layer stack costs ~1.4x more at M=2 than at
-M=1, so verifying a short draft cost more than it could win. oneDNN with each weight packed ONCE
-in its blocked layout (``to_mkldnn``) keeps M = 1..8 within ~1.3x of M = 1 and is never slower
-than the stock path (``scripts/bench_cpu_packing.py`` prints both, side by side).
+PyTorch's default CPU GEMM re-packs the weight on every call, and for a few rows (M = 2..64, what
+a DFlash verify or draft pass, or a batch of plain decoders, feeds each layer) it is far off the
+memory-bound cost of reading the weight once. Each weight is therefore reordered ONCE into
+oneDNN's blocked layout for multi-row products (``torch.ops.mkldnn._reorder_linear_weight``, the
+layout Inductor's CPU freezing pass gives a linear). Measured on the 2-core CPU over SmolLM2-135M's
+210 decoder linears, weights streamed from memory, one thread (``scripts/bench_cpu_packing.py``):
+
+    rows M           1      4      16     64
+    stock (MKL)     32.2   50.7   69.7  104.9  ms
+    oneDNN plain    38.8   52.2   67.6  108.1  ms   (``to_mkldnn()``, what this module used before)
+    oneDNN blocked  38.9   38.0   55.3  102.4  ms
+
+A single row (a plain decoding step at batch 1) goes to the stock path instead: MKL's GEMV reads
+the dense weight faster than oneDNN's blocked kernel does. The blocked products equal the plain
+oneDNN ones bit for bit (same kernel order over K), so the layout changes speed, not results.
 
 The packed copy is memory: one more copy of every packed weight (~0.5 GB for SmolLM2-135M in
 float32). Plain decoding and DFlash share the same packed layers, so the comparison between them
@@ -27,6 +36,19 @@ log = logging.getLogger(__name__)
 # saves two layout conversions per call (~30 us each here, ~7 ms per SmolLM2 step). Older builds
 # lack it: mkldnn_linear on converted tensors computes the same.
 _LINEAR_POINTWISE = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+# Reorders a weight into oneDNN's blocked layout for a batch-size hint; the layout serves any M.
+_REORDER = getattr(getattr(torch.ops, "mkldnn", None), "_reorder_linear_weight", None)
+# The hint: within ~2% of the best layout at every M from 2 to 64 on the embedded target's shapes.
+BLOCKED_BATCH_HINT = 64
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A oneDNN tensor of `weight` [out, in] in the blocked layout for multi-row products (the plain
+    oneDNN layout where this build cannot reorder, or has no pointwise op to read a blocked one)."""
+    w = weight.detach()
+    if _REORDER is not None and _LINEAR_POINTWISE is not None:
+        return _REORDER(w, batch_size=BLOCKED_BATCH_HINT)
+    return w.to_mkldnn()
 
 
 class PackedCPULinear(nn.Module):
@@ -39,7 +61,7 @@ class PackedCPULinear(nn.Module):
         self.weight = linear.weight  # [out, in], shared, not copied
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._packed = linear.weight.detach().to_mkldnn()  # plain attribute: never saved or moved
+        self._packed = pack_weight(linear.weight)  # plain attribute: never saved or moved
         self.use_packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,6 +69,8 @@ class PackedCPULinear(nn.Module):
         if not self.use_packed or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)  # training: autograd through the dense weight
         flat = x.reshape(-1, x.shape[-1]).contiguous()  # [N, in]
+        if flat.shape[0] == 1:  # one row: MKL's GEMV on the dense weight is the faster kernel
+            return F.linear(x, self.weight, self.bias)
         if _LINEAR_POINTWISE is not None:  # dense in, dense out: no per-call layout conversions
             y = _LINEAR_POINTWISE(flat, self._packed, self.bias, "none", [], "")  # [N, out]
         else:

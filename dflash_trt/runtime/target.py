@@ -19,6 +19,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from dflash_trt.runtime.gqa_attention import use_grouped_attention
+from dflash_trt.runtime.lean_forward import lean_forward, lean_unsupported
 
 
 class TargetAdapter:
@@ -43,6 +44,9 @@ class TargetAdapter:
             # which sends transformers' own SDPA path through repeat_kv
             use_grouped_attention(model)
         self._state: _CaptureState = state
+        # Passes with an explicit mask (the batched runtime's) take the lean forward where it
+        # computes exactly what transformers' does (runtime/lean_forward.py); None: why not.
+        self.lean_unsupported = lean_unsupported(model, self._decoder_layers)
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -93,6 +97,11 @@ class TargetAdapter:
         attention_mask: torch.Tensor | None = None,  # [B, 1, S, K] additive; None = causal over the cache
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns logits [B, S', V] (S' = logits_to_keep or S) and ctx features [B, S, n*H]."""
+        if attention_mask is not None and self.lean_unsupported is None:
+            logits, captured = lean_forward(self.model, self._decoder_layers, input_ids, position_ids, cache,
+                                            tuple(capture_layer_ids), logits_to_keep, attention_mask)
+            feats = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
+            return logits, feats
         state = self._state
         state.layer_ids, state.captured = tuple(capture_layer_ids), {}
         try:

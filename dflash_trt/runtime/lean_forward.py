@@ -1,0 +1,107 @@
+"""A lean forward pass for Llama-family targets (Llama, Mistral, Qwen2, Qwen3) over an explicit mask.
+
+transformers' modeling code spends, per decoder layer, several Python frames of dispatch around
+the arithmetic: keyword plumbing through the decoder layer and the attention module, the
+attention-interface lookup, the grouped-SDPA adapter's checks, and a forward hook per layer for
+the captured features. On this project's CPU that is a measurable share of a decoding step (a
+SmolLM2-135M plain step: ~7 ms of 65 at one row with the linear layers stubbed out).
+
+This pass runs the SAME modules and weights through the same operations in the same order --
+the model's own norms, projections, rotary embedding and MLP, transformers' RMSNorm and rotary
+formulas, the grouped SDPA of gqa_attention.py over the caller's KV cache -- with the decoder
+loop, the attention and the feature capture written out once. Its logits and features therefore
+equal transformers' bit for bit (tests/test_lean_forward.py), so every runtime that uses it stays
+token for token the reference loop's.
+
+Scope: what the batched runtime runs (an explicit 4D additive mask, explicit positions, a cache
+with ``update(k, v, layer_idx)``). Anything else -- other architectures, sliding-window layers,
+attention implementations other than the grouped SDPA, no mask -- stays on transformers' forward
+(:func:`lean_unsupported` says why).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
+from dflash_trt.runtime.gqa_attention import grouped_attention
+
+# Decoders whose layers are Llama's (pre-norm attention + SwiGLU MLP, RMSNorm, rotary on q and k);
+# Qwen3 adds per-head q_norm / k_norm, Qwen2 biases on q/k/v (the projections carry them).
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def lean_unsupported(model: nn.Module, layers: nn.ModuleList) -> str | None:
+    """None when :func:`lean_forward` computes exactly what `model`'s own forward does, else why not."""
+    cfg = model.config
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in LEAN_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {', '.join(LEAN_MODEL_TYPES)}"
+    if getattr(cfg, "_attn_implementation", None) != GROUPED_SDPA:
+        return f"attention implementation {getattr(cfg, '_attn_implementation', None)!r} (the lean pass is {GROUPED_SDPA})"
+    if model_type == "mistral" and getattr(cfg, "sliding_window", None) is not None:
+        return "Mistral with a sliding window"
+    devices = set((getattr(model, "hf_device_map", None) or {}).values())
+    if len(devices) > 1:
+        return f"the model is spread over {len(devices)} devices (transformers' forward moves activations between them)"
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "rotary_emb") or not hasattr(base, "embed_tokens") or not hasattr(base, "norm"):
+        return "no model.rotary_emb / embed_tokens / norm"
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return f"{type(layer).__name__} is not a Llama-style decoder layer"
+        if getattr(attn, "sliding_window", None) is not None:
+            return "sliding-window attention layers"
+        if not all(hasattr(n, "variance_epsilon") for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return f"{type(layer.input_layernorm).__name__} is not an RMSNorm"
+    return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _attention(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, layer_idx: int,
+               mask: torch.Tensor) -> torch.Tensor:
+    """transformers' Llama/Qwen3 attention over `cache` with the grouped SDPA: h [B, S, H] -> [B, S, H]."""
+    b, s, _ = h.shape
+    hd = attn.head_dim
+    q = attn.q_proj(h).view(b, s, -1, hd)  # [B, S, nh, hd]
+    k = attn.k_proj(h).view(b, s, -1, hd)  # [B, S, nkv, hd]
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head, before the transpose
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
+    v = attn.v_proj(h).view(b, s, -1, hd).transpose(1, 2)
+    q = (q * cos) + (_rotate_half(q) * sin)
+    k = (k * cos) + (_rotate_half(k) * sin)
+    k, v = cache.update(k, v, layer_idx)  # [B, nkv, W, hd]: the cache's view up to the mask width
+    out = grouped_attention(q, k, v, mask[:, :, :, : k.shape[-2]], attn.scaling)  # [B, nh, S, hd]
+    out = out.transpose(1, 2).contiguous().reshape(b, s, -1).contiguous()
+    return attn.o_proj(out)
+
+
+def lean_forward(model: nn.Module, layers: nn.ModuleList, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 cache: Any, capture_layer_ids: tuple[int, ...], logits_to_keep: int,
+                 attention_mask: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Logits [B, S', V] (S' = logits_to_keep or S) and the outputs of `capture_layer_ids` ([B, S, H]
+    each, after the layer's residual add), for input_ids/position_ids [B, S] and an additive mask
+    [B, 1, S, W] over `cache`."""
+    base = model.model
+    x = base.embed_tokens(input_ids)  # [B, S, H]
+    cos, sin = base.rotary_emb(x, position_ids=position_ids)  # [B, S, hd] each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, hd]: broadcast over heads
+    captured: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, i, attention_mask)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if i in capture_layer_ids:
+            captured[i] = x
+    x = base.norm(x)
+    if logits_to_keep:
+        x = x[:, -logits_to_keep:]
+    return model.lm_head(x), captured
