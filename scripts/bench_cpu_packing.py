@@ -1,14 +1,15 @@
 #!/usr/bin/env python
-"""Stock vs oneDNN-packed linear layers on this CPU, side by side in one run.
+"""The CPU linear kernels side by side in one run: stock, oneDNN (plain and blocked layout), panels.
 
 1. The target's 210 decoder linear layers alone (every layer once, like one forward pass, weights
    streamed from memory): [M, in] x [out, in]^T for M = 1 (a plain step) up to 64 (16 rows verifying
-   3 drafts each), with three kernels: stock (MKL, which re-packs the weight on every call),
-   oneDNN on the weight in its plain layout (``to_mkldnn()``), and oneDNN on the weight reordered
-   into its blocked layout (what runtime/cpu_packing.py packs).
-2. End to end on held-out prompts: plain and DFlash TPOT with each path, the two alternated
-   prompt by prompt so both see the same machine load; every output compared with the stock
-   path's plain greedy output.
+   3 drafts each), with four kernels: stock (MKL, which re-packs the weight on every call), oneDNN
+   on the weight in its plain layout (``to_mkldnn()``), oneDNN on the weight reordered into its
+   blocked layout, and the panel GEMM (runtime/panel_gemm.py). runtime/cpu_packing.py packs for the
+   panels, or for blocked oneDNN (MKL's GEMV at M = 1) where the panel kernel cannot be built.
+2. End to end on held-out prompts: plain and DFlash TPOT with the stock path and each packed
+   kernel, alternated prompt by prompt so all see the same machine load; every output compared
+   with the stock path's plain greedy output.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_cpu_packing.py --num-prompts 6 --max-new-tokens 64
 """
@@ -43,7 +44,8 @@ def main(num_prompts: int, max_new_tokens: int, threads: int, max_draft_len: int
     from dflash_trt.cli_helpers import friendly_errors
     from dflash_trt.embedded import default_pair_dirs
     from dflash_trt.prompts import interleave, load_prompts
-    from dflash_trt.runtime.cpu_packing import PackedCPULinear, packed_bytes, set_packed
+    from dflash_trt.runtime import panel_gemm
+    from dflash_trt.runtime.cpu_packing import KERNELS, PackedCPULinear, pack_weight, packed_bytes, repack, set_packed
     from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
     from dflash_trt.runtime.loading import load_pair
     from dflash_trt.runtime.tokens import TextCodec
@@ -64,12 +66,18 @@ def main(num_prompts: int, max_new_tokens: int, threads: int, max_draft_len: int
 
         decoder = [m for m in pair.target.model.layers.modules() if isinstance(m, PackedCPULinear)]
         plain_layout = [m.weight.detach().to_mkldnn() for m in decoder]
+        blocked = [pack_weight(m.weight) for m in decoder]
         pointwise = torch.ops.mkldnn._linear_pointwise
         kernels = {
             "stock": lambda i, x: torch.nn.functional.linear(x, decoder[i].weight),
             "oneDNN plain": lambda i, x: pointwise(x, plain_layout[i], None, "none", [], ""),
-            "oneDNN blocked": lambda i, x: pointwise(x, decoder[i]._packed, None, "none", [], ""),
+            "oneDNN blocked": lambda i, x: pointwise(x, blocked[i], None, "none", [], ""),
         }
+        if panel_gemm.unavailable() is None:
+            panels = [panel_gemm.pack(m.weight) for m in decoder]
+            kernels["panels"] = lambda i, x: panel_gemm.linear(x, panels[i], decoder[i].out_features, None)
+        else:
+            print(f"  (panel GEMM unavailable: {panel_gemm.unavailable()})")
 
         with torch.inference_mode():
             for m in (1, 2, 4, 8, 16, 64):
@@ -85,7 +93,9 @@ def main(num_prompts: int, max_new_tokens: int, threads: int, max_draft_len: int
         codec = TextCodec.of_pair(pair)
         params = SamplingParams(max_tokens=max_new_tokens, stop_token_ids=codec.stop_token_ids)
         speculation = SpeculationSettings.for_block(pair.draft.block_size, max_draft_len)
-        paths = ("stock", "packed")
+        # the stock path, then each packed kernel this machine has (re-packing both models in turn)
+        kernels_here = [k for k in KERNELS if k != "panels" or panel_gemm.unavailable() is None]
+        paths = ("stock", *kernels_here)
         dec = {(h, m): [0.0, 0] for h in paths for m in ("plain", "dflash")}  # decode s, decode tokens
         identical = 0
         prompts = interleave(load_prompts("eval"))[:num_prompts]
@@ -94,7 +104,9 @@ def main(num_prompts: int, max_new_tokens: int, threads: int, max_draft_len: int
             outs = []
             for name in paths:
                 for model in models:
-                    set_packed(model, name == "packed")
+                    set_packed(model, name != "stock")
+                    if name != "stock":
+                        repack(model, name)
                 for mode, r in (("plain", autoregressive_generate(pair.target, ids, params)),
                                 ("dflash", dflash_generate(pair.draft, pair.target, ids, params, speculation))):
                     dec[name, mode][0] += r.stats.total_time_s - r.stats.ttft_s
@@ -106,10 +118,10 @@ def main(num_prompts: int, max_new_tokens: int, threads: int, max_draft_len: int
               f"DFlash block {pair.draft.block_size}, K {speculation.max_draft_len}")
         for name in paths:
             print(f"  {name:6s}: plain {tpot[name, 'plain']:6.1f} ms/token  DFlash {tpot[name, 'dflash']:6.1f} "
-                  f"ms/token  speedup {tpot[name, 'plain'] / tpot[name, 'dflash']:.2f}x")
-        print(f"  packed/stock TPOT: plain {tpot['packed', 'plain'] / tpot['stock', 'plain']:.3f}  "
-              f"DFlash {tpot['packed', 'dflash'] / tpot['stock', 'dflash']:.3f}")
-        print(f"  all four outputs identical: {identical}/{len(prompts)} prompts")
+                  f"ms/token  speedup {tpot[name, 'plain'] / tpot[name, 'dflash']:.2f}x  "
+                  f"(TPOT vs stock: plain {tpot[name, 'plain'] / tpot['stock', 'plain']:.3f}, "
+                  f"DFlash {tpot[name, 'dflash'] / tpot['stock', 'dflash']:.3f})")
+        print(f"  all {2 * len(paths)} outputs identical: {identical}/{len(prompts)} prompts")
 
     run()
 

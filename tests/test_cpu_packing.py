@@ -84,17 +84,21 @@ def test_packing_declines_where_it_does_not_apply(tiny_pair_dirs):
     assert num_packed(pair.target) == 0 and num_packed(pair.draft) == 0
 
 
-def test_fallback_without_the_pointwise_op_computes_the_same(monkeypatch):
-    """Builds without torch.ops.mkldnn._linear_pointwise use mkldnn_linear on converted tensors."""
+def test_onednn_kernel_and_its_fallback_without_the_pointwise_op_compute_the_same(monkeypatch):
+    """Where the panel kernel cannot be built, layers pack for oneDNN (blocked layout, MKL's GEMV
+    for one row); builds without torch.ops.mkldnn._linear_pointwise use mkldnn_linear instead."""
     import dflash_trt.runtime.cpu_packing as cp
 
     lin = torch.nn.Linear(24, 40, bias=True)
-    x = torch.randn(5, 24)
     with torch.inference_mode():
-        fast = PackedCPULinear(lin)(x)
-        monkeypatch.setattr(cp, "_LINEAR_POINTWISE", None)
-        slow = PackedCPULinear(lin)(x)
-    torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-5)
+        for rows in (1, 5):
+            x = torch.randn(rows, 24)
+            fast = PackedCPULinear(lin, kernel="onednn")(x)
+            torch.testing.assert_close(fast, lin(x), rtol=1e-5, atol=1e-5)
+            monkeypatch.setattr(cp, "_LINEAR_POINTWISE", None)
+            slow = PackedCPULinear(lin, kernel="onednn")(x)
+            monkeypatch.undo()
+            torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-5)
 
 
 def test_a_pair_for_another_device_is_loaded_there_unpacked(tiny_pair_dirs):

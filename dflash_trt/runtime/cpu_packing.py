@@ -1,21 +1,17 @@
-"""oneDNN-packed linear layers for float32 inference on CPU (the reference runtime; GPUs use
-TensorRT-LLM).
+"""Packed linear layers for float32 inference on CPU (the reference runtime; GPUs use TensorRT-LLM).
 
-PyTorch's default CPU GEMM re-packs the weight on every call, and for a few rows (M = 2..64, what
-a DFlash verify or draft pass, or a batch of plain decoders, feeds each layer) it is far off the
-memory-bound cost of reading the weight once. Each weight is therefore reordered ONCE into
-oneDNN's blocked layout for multi-row products (``torch.ops.mkldnn._reorder_linear_weight``, the
-layout Inductor's CPU freezing pass gives a linear). Measured on the 2-core CPU over SmolLM2-135M's
-210 decoder linears, weights streamed from memory, one thread (``scripts/bench_cpu_packing.py``):
+PyTorch's default CPU GEMM (MKL) re-packs the weight on every call, and for a few rows (M = 2..64:
+what a DFlash verify or draft pass, or a batch of plain decoders, feeds each layer) it is far off
+the cost of reading the weight once. Each weight is therefore reordered ONCE, at load, for one of
+two kernels:
 
-    rows M           1      4      16     64
-    stock (MKL)     32.2   50.7   69.7  104.9  ms
-    oneDNN plain    38.8   52.2   67.6  108.1  ms   (``to_mkldnn()``, what this module used before)
-    oneDNN blocked  38.9   38.0   55.3  102.4  ms
+- panels (runtime/panel_gemm.py, built from source on first use): fastest at every decoding M
+  measured here and batch-invariant (a row's outputs do not depend on the other rows, bit for bit);
+- oneDNN, where the panel kernel cannot be built: the weight in oneDNN's blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, the layout Inductor's CPU freezing gives a linear)
+  for M >= 2, and MKL's GEMV on the dense weight for a single row, the faster kernel there.
 
-A single row (a plain decoding step at batch 1) goes to the stock path instead: MKL's GEMV reads
-the dense weight faster than oneDNN's blocked kernel does. The blocked products equal the plain
-oneDNN ones bit for bit (same kernel order over K), so the layout changes speed, not results.
+``scripts/bench_cpu_packing.py`` prints every kernel side by side, alone and inside decoding.
 
 The packed copy is memory: one more copy of every packed weight (~0.5 GB for SmolLM2-135M in
 float32). Plain decoding and DFlash share the same packed layers, so the comparison between them
@@ -29,6 +25,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_trt.runtime import panel_gemm
 
 log = logging.getLogger(__name__)
 
@@ -51,24 +49,45 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return w.to_mkldnn()
 
 
+KERNELS = ("panels", "onednn")
+
+
+def packed_kernel() -> str:
+    """The kernel new packed layers use: "panels" where the panel GEMM loads, else "onednn"."""
+    return "panels" if panel_gemm.unavailable() is None else "onednn"
+
+
 class PackedCPULinear(nn.Module):
     """Drop-in for an nn.Linear: the same ``weight``/``bias`` Parameters (tied embeddings stay tied,
-    state_dict unchanged), plus a oneDNN-packed copy of the weight used when no gradient is needed
-    and ``use_packed`` is set (:func:`set_packed` flips it for a whole model)."""
+    state_dict unchanged), plus a packed copy of the weight for ``kernel`` (:func:`packed_kernel`),
+    used when no gradient is needed and ``use_packed`` is set (:func:`set_packed` flips it for a
+    whole model)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernel: str | None = None) -> None:
         super().__init__()
         self.weight = linear.weight  # [out, in], shared, not copied
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._packed = pack_weight(linear.weight)  # plain attribute: never saved or moved
         self.use_packed = True
+        self.repack(kernel or packed_kernel())
+
+    def repack(self, kernel: str) -> None:
+        """Pack the weight for `kernel` ("panels" or "onednn"), replacing the previous packed copy."""
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown packed-linear kernel {kernel!r}; use one of {', '.join(KERNELS)}")
+        self._packed = None  # the old copy goes before the new one is made: one extra copy at most
+        # plain attribute: never saved or moved
+        self._packed = panel_gemm.pack(self.weight) if kernel == "panels" else pack_weight(self.weight)
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., in] -> [..., out]
         if not self.use_packed or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)  # training: autograd through the dense weight
         flat = x.reshape(-1, x.shape[-1]).contiguous()  # [N, in]
+        if self.kernel == "panels":
+            y = panel_gemm.linear(flat, self._packed, self.out_features, self.bias)  # [N, out]
+            return y.reshape(*x.shape[:-1], self.out_features)
         if flat.shape[0] == 1:  # one row: MKL's GEMV on the dense weight is the faster kernel
             return F.linear(x, self.weight, self.bias)
         if _LINEAR_POINTWISE is not None:  # dense in, dense out: no per-call layout conversions
@@ -80,7 +99,8 @@ class PackedCPULinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"kernel={self.kernel}")
 
 
 def packing_unsupported(model: nn.Module) -> str | None:
@@ -90,8 +110,8 @@ def packing_unsupported(model: nn.Module) -> str | None:
         return "the model has no parameters"
     if p.device.type != "cpu" or p.dtype != torch.float32:
         return f"weights are {p.dtype} on {p.device.type} (packing is for float32 on CPU)"
-    if not torch.backends.mkldnn.is_available():
-        return "this PyTorch build has no oneDNN (mkldnn)"
+    if not torch.backends.mkldnn.is_available() and panel_gemm.unavailable() is not None:
+        return f"this PyTorch build has no oneDNN (mkldnn) and the panel kernel is unavailable ({panel_gemm.unavailable()})"
     return None
 
 
@@ -119,6 +139,13 @@ def set_packed(model: nn.Module, on: bool) -> None:
     for m in model.modules():
         if isinstance(m, PackedCPULinear):
             m.use_packed = on
+
+
+def repack(model: nn.Module, kernel: str) -> None:
+    """Re-pack every packed layer of `model` for `kernel` (side-by-side kernel measurements)."""
+    for m in model.modules():
+        if isinstance(m, PackedCPULinear):
+            m.repack(kernel)
 
 
 def packed_bytes(model: nn.Module) -> int:

@@ -1,0 +1,78 @@
+"""The panel GEMM (runtime/panel_gemm.py, kernels/panel_gemm.cpp), built here from source by the
+machine's compiler as `make setup` builds it: products equal to F.linear up to float32 rounding,
+bit-for-bit batch invariance (a row's outputs do not depend on the other rows), bias and ragged
+shapes, tracing through torch.compile, and the switch that keeps oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trt.runtime import panel_gemm
+from dflash_trt.runtime.cpu_packing import PackedCPULinear, packed_kernel
+
+pytestmark = pytest.mark.skipif(panel_gemm.unavailable() is not None,
+                                reason=f"panel GEMM kernel unavailable here: {panel_gemm.unavailable()}")
+
+
+@pytest.mark.parametrize("n,k", [(40, 24), (576, 576), (192, 1536), (17, 5), (1, 33)])
+def test_products_match_f_linear_for_every_row_count(n, k):
+    gen = torch.Generator().manual_seed(n * k)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    panels = panel_gemm.pack(w)
+    assert panels.shape == ((n + 15) // 16, k, 16)
+    for m in (1, 2, 3, 4, 7, 8, 9, 13, 16, 33):
+        x = torch.randn(m, k, generator=gen)
+        got = panel_gemm.linear(x, panels, n, b)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4 * k ** 0.5)
+        assert torch.equal(panel_gemm.linear(x, panels, n, None) + b, got)  # the bias is added after the sum
+
+
+def test_a_rows_outputs_do_not_depend_on_the_other_rows_bit_for_bit():
+    """What makes a sequence's tokens independent of its batch: the same row alone, first, last or
+    in the middle of 1..40-row batches (every tile shape and row chunking) gives identical bits."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(1536, 576, generator=gen)
+    panels = panel_gemm.pack(w)
+    row = torch.randn(1, 576, generator=gen)
+    alone = panel_gemm.linear(row, panels, 1536, None)
+    for m in range(1, 41):
+        others = torch.randn(m, 576, generator=gen)
+        for at in {0, m // 2, m}:
+            batch = torch.cat([others[:at], row, others[at:]])
+            assert torch.equal(panel_gemm.linear(batch, panels, 1536, None)[at], alone[0]), (m, at)
+
+
+def test_packed_layer_uses_the_panels_and_traces_as_one_graph():
+    assert packed_kernel() == "panels"
+    lin = torch.nn.Linear(64, 80, bias=True)
+    layer = PackedCPULinear(lin)
+    assert layer.kernel == "panels" and "kernel=panels" in repr(layer)
+    x = torch.randn(2, 3, 64)
+    with torch.inference_mode():
+        want = layer(x)
+        torch._dynamo.reset()
+        traced = torch.compile(layer, fullgraph=True, backend="eager")(x)  # the op has a fake: no graph break
+    assert torch.equal(traced, want)
+    torch.testing.assert_close(want, lin(x), rtol=1e-5, atol=1e-4)
+
+
+def test_bad_shapes_are_refused_in_one_line():
+    panels = panel_gemm.pack(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="do not match"):
+        panel_gemm.linear(torch.randn(2, 9), panels, 32, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        panel_gemm.pack(torch.randn(4, 4, dtype=torch.float64))
+
+
+def test_the_switch_keeps_onednn(monkeypatch):
+    """DFLASH_TRT_PANEL_GEMM=0 (A/B runs, a suspected kernel fault) packs for oneDNN instead."""
+    monkeypatch.setenv(panel_gemm.DISABLE_ENV, "0")
+    panel_gemm._load.cache_clear()
+    try:
+        assert panel_gemm.unavailable() == f"{panel_gemm.DISABLE_ENV}=0"
+        assert PackedCPULinear(torch.nn.Linear(8, 8)).kernel == "onednn"
+    finally:
+        monkeypatch.delenv(panel_gemm.DISABLE_ENV)
+        panel_gemm._load.cache_clear()
+    assert panel_gemm.unavailable() is None
