@@ -47,7 +47,9 @@ class PassTimer:
     Use as a context manager around the runs; call :meth:`take` after each step."""
 
     def __init__(self, modules: dict[str, Any]) -> None:
-        self.modules = {name: m for name, m in modules.items() if m is not None}
+        # name -> the module, or the modules, whose forward is that pass (a target's transformers
+        # forward and its lean pass: runtime/lean_forward.py)
+        self.modules = {name: m if isinstance(m, tuple) else (m,) for name, m in modules.items() if m is not None}
         self._handles: list[Any] = []
         self._depth = 0
         self._t: float = 0.0
@@ -57,9 +59,10 @@ class PassTimer:
         self.last_tokens: dict[str, int] = {}
 
     def __enter__(self) -> "PassTimer":
-        for name, module in self.modules.items():
-            self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post(name)))
+        for name, modules in self.modules.items():
+            for module in modules:
+                self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._post(name)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -102,8 +105,11 @@ def timer_for(target: Any, draft: Any = None, draft_head: Any = None) -> PassTim
         return None
     if device.type != "cpu":
         return None
+    from dflash_trt.runtime.target import TargetAdapter
+
     head = target.get_output_embeddings() if draft_head is None else draft_head
-    return PassTimer({"target": target, "draft": draft, "head": head if draft is not None else None})
+    return PassTimer({"target": TargetAdapter(target).pass_modules(), "draft": draft,
+                      "head": head if draft is not None else None})
 
 
 def summarize_steps(steps: list[StepTiming]) -> dict[str, Any]:

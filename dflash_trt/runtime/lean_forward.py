@@ -85,12 +85,37 @@ def _attention(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return attn.o_proj(out)
 
 
-def lean_forward(model: nn.Module, layers: nn.ModuleList, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 cache: Any, capture_layer_ids: tuple[int, ...], logits_to_keep: int,
-                 attention_mask: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """Logits [B, S', V] (S' = logits_to_keep or S) and the outputs of `capture_layer_ids` ([B, S, H]
-    each, after the layer's residual add), for input_ids/position_ids [B, S] and an additive mask
-    [B, 1, S, W] over `cache`."""
+class LeanForward(nn.Module):
+    """The lean pass of one model, as a module: hooks that time "the target's forward pass"
+    (bench/phases.py) see it as they see transformers' forward. One per model (:func:`lean_module`);
+    it holds the model without registering it, so the model's own modules and state are unchanged."""
+
+    def __init__(self, model: nn.Module, layers: nn.ModuleList) -> None:
+        super().__init__()
+        object.__setattr__(self, "target", model)
+        object.__setattr__(self, "layers", layers)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
+                capture_layer_ids: tuple[int, ...], logits_to_keep: int,
+                attention_mask: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Logits [B, S', V] (S' = logits_to_keep or S) and the outputs of `capture_layer_ids`
+        ([B, S, H] each, after the layer's residual add), for input_ids/position_ids [B, S] and an
+        additive mask [B, 1, S, W] over `cache`."""
+        return _lean_pass(self.target, self.layers, input_ids, position_ids, cache, capture_layer_ids,
+                          logits_to_keep, attention_mask)
+
+
+def lean_module(model: nn.Module, layers: nn.ModuleList) -> LeanForward:
+    """`model`'s LeanForward, made on first use (kept in the model's __dict__, not as a submodule)."""
+    lean = model.__dict__.get("_dflash_lean")
+    if lean is None:
+        lean = model.__dict__["_dflash_lean"] = LeanForward(model, layers)
+    return lean
+
+
+def _lean_pass(model: nn.Module, layers: nn.ModuleList, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               cache: Any, capture_layer_ids: tuple[int, ...], logits_to_keep: int,
+               attention_mask: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     base = model.model
     x = base.embed_tokens(input_ids)  # [B, S, H]
     cos, sin = base.rotary_emb(x, position_ids=position_ids)  # [B, S, hd] each

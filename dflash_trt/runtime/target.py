@@ -19,7 +19,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from dflash_trt.runtime.gqa_attention import use_grouped_attention
-from dflash_trt.runtime.lean_forward import lean_forward, lean_unsupported
+from dflash_trt.runtime.lean_forward import lean_module, lean_unsupported
 
 
 class TargetAdapter:
@@ -47,6 +47,7 @@ class TargetAdapter:
         # Passes with an explicit mask (the batched runtime's) take the lean forward where it
         # computes exactly what transformers' does (runtime/lean_forward.py); None: why not.
         self.lean_unsupported = lean_unsupported(model, self._decoder_layers)
+        self._lean = lean_module(model, self._decoder_layers) if self.lean_unsupported is None else None
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -97,9 +98,9 @@ class TargetAdapter:
         attention_mask: torch.Tensor | None = None,  # [B, 1, S, K] additive; None = causal over the cache
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns logits [B, S', V] (S' = logits_to_keep or S) and ctx features [B, S, n*H]."""
-        if attention_mask is not None and self.lean_unsupported is None:
-            logits, captured = lean_forward(self.model, self._decoder_layers, input_ids, position_ids, cache,
-                                            tuple(capture_layer_ids), logits_to_keep, attention_mask)
+        if attention_mask is not None and self.lean_unsupported is None and self._lean is not None:
+            logits, captured = self._lean(input_ids, position_ids, cache, tuple(capture_layer_ids), logits_to_keep,
+                                          attention_mask)
             feats = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
             return logits, feats
         state = self._state
@@ -118,6 +119,11 @@ class TargetAdapter:
         home = self.device  # layers of a device-mapped target sit on different GPUs
         feats = torch.cat([captured[i].to(home) for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
         return out.logits.to(home), feats
+
+    def pass_modules(self) -> tuple[nn.Module, ...]:
+        """The modules whose forward is a target pass: transformers' model, and its lean pass where
+        that applies (what bench/phases.py times as "target")."""
+        return (self.model,) if self._lean is None else (self.model, self._lean)
 
     @staticmethod
     def crop(cache: DynamicCache, length: int) -> None:
