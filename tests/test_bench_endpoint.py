@@ -61,7 +61,7 @@ def test_endpoint_tau_equals_in_process(engine, url, tmp_path):
     here = {r["prompt_id"]: r for r in local["requests"] if r["mode"] == "dflash"}
     for r in remote["requests"]:
         mine = here[r["prompt_id"]]
-        # acceptance_length travels as FP32 (config.pbtxt); everything else is an exact count
+        # tau travels as FP32 (config.pbtxt); everything else is an exact count
         assert r["tau"] == float(np.float32(mine["tau"]))
         for key in ("num_output_tokens", "num_steps", "total_draft_tokens", "total_accepted_draft_tokens"):
             assert r[key] == mine[key], key

@@ -2,7 +2,7 @@
 
 Requests go through dflash_trt.serving.client (streaming on a decoupled repository, unary on one that is
 not: TTFT is only meaningful against `deploy triton --decoupled`); every response
-carries the model's statistics outputs (acceptance_length, total_draft_tokens, ...,
+carries the model's statistics outputs (tau, total_draft_tokens, ...,
 queue_time_ms, decode_time_ms), so each request has its own tau, and its latency splits into
 waiting for the runtime, decoding, and the rest (gRPC, (de)serialisation, the Python-backend
 shim: server overhead). ``mode`` names what a server runs: `url` the DFlash model; a plain
@@ -106,7 +106,7 @@ class TritonEndpointSide:
                                  str(e))
         t_end = t_submit + r.latency_s
         n = int(r.stats.get("num_output_tokens", 0))
-        tau = float(r.stats.get("acceptance_length", 1.0) or 1.0)
+        tau = float(r.stats.get("tau", 1.0) or 1.0)
         accepted = int(r.stats.get("total_accepted_draft_tokens", 0))
         drafted = int(r.stats.get("total_draft_tokens", 0))
         # no text at all (e.g. only a stop token), or one response: the first token came with the final one

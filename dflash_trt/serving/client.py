@@ -82,8 +82,6 @@ def read_result(result: Any) -> tuple[str, dict[str, Any]]:
     """(text_output, {finish_reason and statistics present in this response})."""
     text = _scalar(result, "text_output") or ""
     extra = {n: v for n in ("finish_reason", *STAT_OUTPUTS) if (v := _scalar(result, n)) is not None}
-    if "tau" in extra:  # transitional: dflash_trt.bench reads the output's former name
-        extra["acceptance_length"] = extra["tau"]
     return text, extra
 
 
