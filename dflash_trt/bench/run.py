@@ -166,6 +166,20 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
     return sides, source, bytes_per_step(pair.target, weights), inputs
 
 
+def _settle(sides: list[Any], say: Any) -> float:
+    """Wait until the sides' own processes (the vLLM peer's engines) are idle; seconds waited
+    (bench/quiet.py: an idle engine's spin otherwise shares the cores with the next run)."""
+    pids = [pid for side in sides for pid in getattr(side, "pids", list)()]
+    if not pids:
+        return 0.0
+    from dflash_trt.bench.quiet import wait_until_idle
+
+    waited, idle = wait_until_idle(pids)
+    if not idle:
+        say(f"the peer's processes were still busy after {waited:.0f} s; running anyway")
+    return waited
+
+
 def _peer_sides(cfg: BenchConfig, source: dict[str, Any], pair: Any, spec: Any, say: Any) -> list[Any]:
     from dflash_trt.bench.peer_vllm import PeerSettings, VllmSide
 
@@ -237,9 +251,10 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
         for c in cfg.concurrency:
             for _ in range(cfg.repeats):
                 for side, mode in runs:
+                    settle_s = _settle(sides, say)
                     load = load_average()
                     res = side.run(mode, requests[c], c, on_done)
-                    res.info["loadavg"] = load
+                    res.info.update(loadavg=load, settle_s=round(settle_s, 2))
                     say(f"{side.name} {mode} C={c}: {_throughput(res):.1f} tok/s total (load {load[0] if load else '?'})")
                     best = results.get((side.name, mode, c))
                     if best is None or _throughput(res) > _throughput(best):
