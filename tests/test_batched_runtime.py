@@ -112,14 +112,15 @@ class BatchedOracle(DFlashDraftModel):
         self.pinv = torch.linalg.pinv(lm_head_weight.double())  # [H, V]
         self.row_sequences: list[list[int]] = []
 
-    def forward(self, target_hidden, noise_embedding, position_ids, cache=None, attn_mask=None):
+    def forward(self, target_hidden, noise_embedding, position_ids, cache=None, attn_mask=None, outputs=None):
         n, s = noise_embedding.shape[:2]
         onehot = torch.zeros(n, s, self.pinv.shape[1], dtype=torch.float64)
         for i in range(n):
             seq = self.row_sequences[i]
             for j, p in enumerate(position_ids[i, -s:].tolist()):
                 onehot[i, j, seq[p] if p < len(seq) else 0] = 100.0
-        return (onehot @ self.pinv.T).to(noise_embedding.dtype)  # [n, S, H]
+        hidden = (onehot @ self.pinv.T).to(noise_embedding.dtype)  # [n, S, H]
+        return hidden if outputs is None else hidden[:, outputs]
 
 
 def test_perfect_drafter_reaches_tau_equal_block_size_in_a_batch():

@@ -51,9 +51,9 @@ class ShapeRecordingOracle(BatchedOracle):
 
     shapes: list[tuple[int, int]]
 
-    def forward(self, target_hidden, noise_embedding, position_ids, cache=None, attn_mask=None):
+    def forward(self, target_hidden, noise_embedding, position_ids, cache=None, attn_mask=None, outputs=None):
         self.shapes.append((noise_embedding.shape[0], position_ids.shape[1]))
-        return super().forward(target_hidden, noise_embedding, position_ids, cache, attn_mask)
+        return super().forward(target_hidden, noise_embedding, position_ids, cache, attn_mask, outputs)
 
 
 def test_padded_rows_leave_a_perfect_drafter_perfect():

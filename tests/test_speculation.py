@@ -43,14 +43,14 @@ class FullBlockOracle(BatchedOracle):
     wrong. (A real drafter, trained with bidirectional attention inside full blocks, changes its
     proposals when the block shrinks; this makes the change visible.)"""
 
-    def forward(self, target_hidden, noise_embedding, position_ids, cache=None, attn_mask=None):
+    def forward(self, target_hidden, noise_embedding, position_ids, cache=None, attn_mask=None, outputs=None):
         n, s = noise_embedding.shape[:2]
         if s == self.block_size:
-            return super().forward(target_hidden, noise_embedding, position_ids, cache, attn_mask)
+            return super().forward(target_hidden, noise_embedding, position_ids, cache, attn_mask, outputs)
         saved = self.row_sequences
         self.row_sequences = [[(t + 1) % self.pinv.shape[1] for t in seq] for seq in saved]  # all wrong
         try:
-            return super().forward(target_hidden, noise_embedding, position_ids, cache, attn_mask)
+            return super().forward(target_hidden, noise_embedding, position_ids, cache, attn_mask, outputs)
         finally:
             self.row_sequences = saved
 

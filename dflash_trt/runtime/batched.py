@@ -503,10 +503,13 @@ class BatchedRuntime:
             self.draft_cache.kv.prepare(slice(0, N), write, W)
             rows = torch.arange(N, device=ctx_pos.device)[:, None].expand_as(ctx_pos)
             ctx = self.features[rows, ctx_pos]  # [N, C, n_ctx*H]
-            hidden = self.draft(ctx, self.target.embed(block), draft_pos, self.draft_cache, mask)  # [N, B, H]
+            # [N, k, H]: the draft slots only (slot j predicts position start+j); the whole block is
+            # still the drafter's input, as in the reference loop
+            hidden = self.draft(ctx, self.target.embed(block), draft_pos, self.draft_cache, mask,
+                                outputs=slice(1, k + 1))
             if self.draft_head is not None:
-                return (self.draft_head(hidden[:, 1 : k + 1]),)  # [N, k] token ids: slot j predicts position start+j
-            return (self.target.lm_head(hidden[:, 1 : k + 1]).argmax(-1),)  # [N, k]
+                return (self.draft_head(hidden),)  # [N, k] token ids
+            return (self.target.lm_head(hidden).argmax(-1),)  # [N, k]
 
         inputs = (ctx_pos, block, draft_pos, write, mask)
         if graphed and self.graphs is not None:

@@ -1,0 +1,36 @@
+"""The drafter computes only the block positions a step reads (`outputs`): the same hidden
+states as the whole block's, bit for bit with the CPU runtime's packed (batch-invariant) linear
+layers, and to rounding without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trt.runtime.cpu_packing import num_packed, pack_cpu_linears
+from dflash_trt.runtime.tiny import random_draft, tiny_target
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("rows,ctx,k", [(1, 3, 3), (4, 2, 1), (3, 5, 7)])
+def test_only_the_draft_slots_equal_the_whole_blocks_slots(packed, rows, ctx, k):
+    target = tiny_target("qwen3", seed=3, hidden_size=64)
+    draft = random_draft(target.config, seed=1, num_layers=2, block_size=8).eval()
+    if packed:
+        pack_cpu_linears(draft)
+        assert num_packed(draft) > 0
+    H, B = target.config.hidden_size, draft.block_size
+    g = torch.Generator().manual_seed(rows * 100 + k)
+    feats = torch.randn(rows, ctx, len(draft.target_layer_ids) * H, generator=g)
+    block = torch.randn(rows, B, H, generator=g)
+    pos = torch.arange(ctx + B)[None].expand(rows, -1) + 20
+    mask = torch.ones(rows, 1, 1, ctx + B, dtype=torch.bool)
+    for m in (None, mask):
+        with torch.inference_mode():
+            whole = draft(feats, block, pos, None, m)[:, 1 : k + 1]  # [rows, k, H]
+            slots = draft(feats, block, pos, None, m, outputs=slice(1, k + 1))
+        assert slots.shape == (rows, k, H)
+        if packed:
+            assert torch.equal(slots, whole)
+        else:
+            torch.testing.assert_close(slots, whole, rtol=1e-5, atol=1e-6)
