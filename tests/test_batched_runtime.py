@@ -221,3 +221,44 @@ def test_a_row_without_a_distribution_fails_alone_and_its_batch_goes_on():
     assert handles[2].result.output_ids == seeded
     assert [handles[i].result.output_ids for i in (0, 3, 4, 5)] == [alone[i] for i in (0, 3, 4, 5)]
     assert all(handles[i].error is None for i in (0, 2, 3, 4, 5))
+
+
+def test_prefill_runs_bound_the_padding_of_each_pass():
+    from dflash_trt.runtime.batched import prefill_runs
+
+    lengths = sorted([39, 46, 64, 39, 46, 64, 5, 200])
+    runs = prefill_runs(lengths, 0.15)
+    assert sum(runs) == len(lengths) and len(runs) > 1
+    i = 0
+    for n in runs:
+        run = lengths[i : i + n]
+        assert n * max(run) - sum(run) <= 0.15 * n * max(run)  # padding within the limit
+        i += n
+    assert prefill_runs(lengths, float("inf")) == [len(lengths)]  # a GPU: one pass
+    assert prefill_runs([7] * 5, 0.0) == [5]  # equal lengths never split
+    assert prefill_runs([], 0.15) == []
+
+
+def test_newcomers_of_mixed_lengths_prefill_in_runs_and_decode_as_alone():
+    """Six prompts of 1-13 tokens join at once on a CPU: they prefill in several passes, sorted
+    by length into slots, and each decodes exactly as the reference loop decodes it alone."""
+    from dflash_trt.runtime.batched import prefill_runs
+
+    target, draft = _pair("qwen3", seed=4)
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]
+    rt = BatchedRuntime(target, draft, max_batch=len(PROMPTS), policy=FixedPolicy(draft.block_size - 1))
+    passes: list[int] = []
+    forward = rt.target.forward
+
+    def counting_forward(ids, *args, **kwargs):
+        passes.append(ids.shape[0])
+        return forward(ids, *args, **kwargs)
+
+    rt.target.forward = counting_forward
+    seqs = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS, BUDGETS)]
+    rt.step()  # admits and prefills all six (no row was running: no decode pass)
+    assert len(passes) > 1
+    assert passes == prefill_runs(sorted(len(p) for p in PROMPTS), rt.prefill_pad_limit)
+    rt.target.forward = forward
+    rt.run()
+    assert [s.result.output_ids for s in seqs] == ref

@@ -2,7 +2,8 @@
 
 One step over the n running rows (slots 0..n-1 of preallocated caches, see batched_cache.py):
 
-    admit   waiting requests into free slots; prefill them in one left-padded target pass
+    admit   waiting requests into free slots; prefill them in left-padded target passes
+            (one per run of similar prompt lengths on a CPU)
     k       = policy.choose(n, K)                      0 = plain decoding (no draft pass)
     draft   one drafter pass over [each row's unconsumed context ; anchor, MASK x (B-1)]
             (the full trained block; slots 1..k are this step's drafts)
@@ -130,6 +131,26 @@ def _round_up(x: int, m: int, cap: int) -> int:
     return min(cap, -(-x // m) * m)
 
 
+# A prefill pass pads every prompt to its longest one. On a CPU, where a padded token costs what a
+# real one does (the pass is compute-bound: the embedded pair's mixed-length prompts at C=16 padded
+# 29% of its tokens), newcomers are sorted by length and split into passes wherever padding would
+# pass this share of a pass's tokens. On a GPU one pass: its cost there is launches, not tokens.
+CPU_PREFILL_PAD_LIMIT = 0.15
+
+
+def prefill_runs(lengths: Sequence[int], pad_limit: float) -> list[int]:
+    """Sizes of consecutive runs of `lengths` (ascending), one prefill pass each: a run takes the
+    next prompt while its padding to that (longest) prompt stays <= `pad_limit` of its tokens."""
+    runs: list[int] = []
+    count = total = 0
+    for L in lengths:
+        if count and (count + 1) * L - (total + L) > pad_limit * (count + 1) * L:
+            runs.append(count)
+            count = total = 0
+        count, total = count + 1, total + L
+    return runs + [count] if count else runs
+
+
 # With static shapes, mask widths are rounded up to this: a few graphs per (rows, k) over a
 # max_seq_len, and attending to <= 127 masked keys more costs a GPU next to nothing
 GRAPH_WIDTH_MULTIPLE = 128
@@ -194,6 +215,7 @@ class BatchedRuntime:
         self.draft_cache = BatchedDraftCache(len(draft.layers), max_batch, capacity) if draft is not None else None
         self.capacity, self.dump = capacity, capacity - 1
         self.width_multiple = width_multiple  # mask widths rounded up: fewer distinct shapes
+        self.prefill_pad_limit = CPU_PREFILL_PAD_LIMIT if self.device.type == "cpu" else float("inf")
         self.static_shapes = cuda_graphs
         if cuda_graphs:
             self.width_multiple = max(width_multiple, GRAPH_WIDTH_MULTIPLE)
@@ -325,8 +347,10 @@ class BatchedRuntime:
     # -- internals -------------------------------------------------------------------------------
     def _admit(self) -> list[BatchedSequence]:
         new: list[BatchedSequence] = []
-        while self.waiting and len(self.rows) < self.max_batch:
-            seq = self.waiting.popleft()
+        while self.waiting and len(self.rows) + len(new) < self.max_batch:
+            new.append(self.waiting.popleft())
+        new.sort(key=lambda s: len(s.request.prompt_ids))  # slots by length: prefill runs are contiguous
+        for seq in new:
             req = seq.request
             seq.slot, seq.t0 = len(self.rows), time.perf_counter()
             seq.stats = GenerationStats(num_prompt_tokens=len(req.prompt_ids))
@@ -334,7 +358,6 @@ class BatchedRuntime:
             seed = req.params.seed
             seq.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
             self.rows.append(seq)
-            new.append(seq)
         return new
 
     def _forward(self, rows: slice, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
@@ -379,8 +402,23 @@ class BatchedRuntime:
         return tokens, bad
 
     def _prefill(self, new: list[BatchedSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Left-padded prompts of the newcomers (contiguous slots) in one pass -> first tokens [m]
-        and which rows had no distribution to sample from ([m], None when all are greedy)."""
+        """The newcomers' prompts (contiguous slots, ascending length) in one left-padded pass per
+        run of similar lengths -> first tokens [m] and which rows had no distribution to sample
+        from ([m], None when all are greedy)."""
+        runs = prefill_runs([len(s.request.prompt_ids) for s in new], self.prefill_pad_limit)
+        if len(runs) == 1:
+            return self._prefill_pass(new)
+        tokens, bads, i = [], [], 0
+        for n in runs:
+            t, b = self._prefill_pass(new[i : i + n])
+            tokens.append(t)
+            bads.append(b if b is not None else torch.zeros(n, dtype=torch.bool, device=self.device))
+            i += n
+        any_sampled = any(not s.request.params.greedy for s in new)
+        return torch.cat(tokens), torch.cat(bads) if any_sampled else None
+
+    def _prefill_pass(self, new: list[BatchedSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left-padded prompts of `new` (contiguous slots) in one pass -> first tokens [m], bad [m] | None."""
         dev, m = self.device, len(new)
         lens = [len(s.request.prompt_ids) for s in new]
         P = max(lens)
