@@ -4,7 +4,10 @@
 // Layout: W is reordered once into panels of 16 output columns, [ceil(N/16)][K][16], zero-padded.
 // A tile keeps R rows x NB panels of accumulators in vector registers (<= 24 of the 32 AVX-512
 // registers) and reads each panel once per tile; the rows of a batch are taken 8 at a time over the
-// same group of panels, so a group's panels stay in L1/L2 while every row uses them.
+// same group of panels, so a group's panels stay in L1/L2 while every row uses them. While its first
+// rows read a group, the tile prefetches the next group: the later row tiles of this group compute
+// from cache while memory delivers the next one (1.1-1.25x at 4-64 rows; a single row is left to
+// the hardware prefetcher, which keeps up with it).
 //
 // Invariant: every output element is ONE sequential sum over k = 0..K-1 (fused multiply-adds in
 // that order), whatever M, the tile shape or the thread split, so a row's result does not depend on
@@ -29,9 +32,10 @@ constexpr int panels_for(int64_t rows) {
   return rows == 1 ? 8 : rows == 2 ? 6 : rows <= 4 ? 6 : rows <= 6 ? 4 : 3;
 }
 
+// ahead: offset (floats) from these panels to the ones to prefetch, 0 = none
 template <int R, int NB>
 inline void tile(const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
-                 int64_t b0) {
+                 int64_t b0, int64_t ahead) {
   v16 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = splat(0.f);
@@ -39,6 +43,8 @@ inline void tile(const float* x, int64_t K, const float* panels, const float* bi
   for (int64_t k = 0; k < K; ++k) {
     v16 w[NB];
     for (int b = 0; b < NB; ++b) w[b] = *(const v16*)(w0 + (b * K + k) * 16);
+    if (ahead)  // one cache line per panel row read: the same lines of the next group, into L1
+      for (int b = 0; b < NB; ++b) __builtin_prefetch(w0 + ahead + (b * K + k) * 16, 0, 3);
     for (int r = 0; r < R; ++r) {
       const v16 xr = splat(x[r * K + k]);
       for (int b = 0; b < NB; ++b) acc[r][b] += w[b] * xr;  // one FMA (-ffp-contract=fast)
@@ -64,24 +70,24 @@ inline void tile(const float* x, int64_t K, const float* panels, const float* bi
 // R rows over panels [b, b + count): tiles of panels_for(R) panels, then single panels.
 template <int R>
 void rows_over(const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
-               int64_t b, int64_t count) {
+               int64_t b, int64_t count, int64_t ahead) {
   constexpr int NB = panels_for(R);
   int64_t i = 0;
-  for (; i + NB <= count; i += NB) tile<R, NB>(x, K, panels, bias, y, N, b + i);
-  for (; i < count; ++i) tile<R, 1>(x, K, panels, bias, y, N, b + i);
+  for (; i + NB <= count; i += NB) tile<R, NB>(x, K, panels, bias, y, N, b + i, ahead);
+  for (; i < count; ++i) tile<R, 1>(x, K, panels, bias, y, N, b + i, ahead);
 }
 
 void rows_over(int64_t rows, const float* x, int64_t K, const float* panels, const float* bias, float* y,
-               int64_t N, int64_t b, int64_t count) {
+               int64_t N, int64_t b, int64_t count, int64_t ahead) {
   switch (rows) {
-    case 8: rows_over<8>(x, K, panels, bias, y, N, b, count); break;
-    case 7: rows_over<7>(x, K, panels, bias, y, N, b, count); break;
-    case 6: rows_over<6>(x, K, panels, bias, y, N, b, count); break;
-    case 5: rows_over<5>(x, K, panels, bias, y, N, b, count); break;
-    case 4: rows_over<4>(x, K, panels, bias, y, N, b, count); break;
-    case 3: rows_over<3>(x, K, panels, bias, y, N, b, count); break;
-    case 2: rows_over<2>(x, K, panels, bias, y, N, b, count); break;
-    case 1: rows_over<1>(x, K, panels, bias, y, N, b, count); break;
+    case 8: rows_over<8>(x, K, panels, bias, y, N, b, count, ahead); break;
+    case 7: rows_over<7>(x, K, panels, bias, y, N, b, count, ahead); break;
+    case 6: rows_over<6>(x, K, panels, bias, y, N, b, count, ahead); break;
+    case 5: rows_over<5>(x, K, panels, bias, y, N, b, count, ahead); break;
+    case 4: rows_over<4>(x, K, panels, bias, y, N, b, count, ahead); break;
+    case 3: rows_over<3>(x, K, panels, bias, y, N, b, count, ahead); break;
+    case 2: rows_over<2>(x, K, panels, bias, y, N, b, count, ahead); break;
+    case 1: rows_over<1>(x, K, panels, bias, y, N, b, count, ahead); break;
     default: TORCH_CHECK(false, "panel_linear: 1..8 rows per chunk, got ", rows);
   }
 }
@@ -133,9 +139,12 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g * group, count = std::min(group, nb - b);
+      // the next group's panels sit right after this group's (prefetching past the last group's
+      // end is harmless: a prefetch never faults)
+      const int64_t ahead = M >= 2 ? group * K * 16 : 0;
       int64_t m = 0;
-      for (; m + 8 <= M; m += 8) rows_over(8, xp + m * K, K, wp, bp, yp + m * n, n, b, count);
-      if (m < M) rows_over(M - m, xp + m * K, K, wp, bp, yp + m * n, n, b, count);
+      for (; m + 8 <= M; m += 8) rows_over(8, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
+      if (m < M) rows_over(M - m, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
     }
   });
   return y;
