@@ -272,6 +272,12 @@ def run_server(model_repository: str | Path, grpc_port: int = 8001, metrics_port
     written to it (atomically) once the server accepts requests, so a launcher can wait for it and
     learn ephemeral ports (port 0).
     """
+    from dflash_trt.runtime.kernel_caches import bound_kernel_caches
+
+    # before the models load (oneDNN reads the capacities once): on the oneDNN path (no panel GEMM) a
+    # long-running server meets new GEMM shapes with every new prompt length, and caches of 1024
+    # shapes each (~600 MiB) grew its RSS; harmless where the panel GEMM runs the linears
+    log.info("oneDNN kernel caches bounded: %s", bound_kernel_caches())
     server = TritonServer(model_repository, host=host, grpc_port=grpc_port, metrics_port=metrics_port,
                           models=models, http_port=http_port, max_streams=max_streams,
                           stream_idle_timeout_s=stream_idle_timeout_s)
