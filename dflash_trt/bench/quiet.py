@@ -6,7 +6,7 @@ their own). After a run, vLLM's CPU worker keeps polling its shared-memory queue
 with few cores the run that came next, ours or vLLM's other engine, shared its cores with that
 spin: measured on the 2-core CI machine, the next run's TTFT grew by ~0.55 s at C = 4-16 (1.31 s
 against 0.75 s at C=8), about 5% of its tokens/s, and always against whichever side ran right
-after another (docs/results.md). Each run now starts once those processes are idle.
+after another (docs/peer.md). Each run now starts once those processes are idle.
 """
 
 from __future__ import annotations
