@@ -335,17 +335,20 @@ def make_sender(deliver: Callable[[Delivery], None],
         if response is not None and state["first"]:
             state["first"] = False
             on_first()
+        delivery = None
         if response is not None and response.has_error():
             err = response.error()
             code = GRPC_CODES.get(err.code(), grpc.StatusCode.INTERNAL)
             state["error"] = code
-            deliver(Delivery(None, InferError(code, err.message()), final))
+            delivery = Delivery(None, InferError(code, err.message()), final)
         elif response is not None:
             state["values"].update(scalar_outputs(response))
-            deliver(Delivery(response, None, final))
+            delivery = Delivery(response, None, final)
         elif final:
-            deliver(Delivery(None, None, True))
-        if final:
+            delivery = Delivery(None, None, True)
+        if final:  # counted before the client can see its last message: metrics read right after it include it
             on_final(state["error"] is None, state["error"], state["values"])
+        if delivery is not None:
+            deliver(delivery)
 
     return pb_utils.ResponseSender(send)
