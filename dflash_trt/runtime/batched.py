@@ -91,6 +91,7 @@ class BatchedSequence:
 
     request: SequenceRequest
     added_at: float = field(default_factory=time.perf_counter)
+    order: int = 0  # its place in the order of add() calls
     result: GenerationResult | None = None
     # runtime state
     slot: int = -1
@@ -234,6 +235,7 @@ class BatchedRuntime:
         self.rows: list[BatchedSequence] = []  # rows[i].slot == i
         self.waiting: deque[BatchedSequence] = deque()
         self.steps = 0
+        self._added = 0  # add() calls so far: BatchedSequence.order
         self.last_decision: Decision | None = None
         self._catching_up = False  # this step's draft pass also consumes a prompt or plain steps' commits
         self.step_captured = False  # the last step captured a CUDA graph
@@ -250,7 +252,8 @@ class BatchedRuntime:
         vocab = self.target.vocab_size
         if min(p) < 0 or max(p) >= vocab:
             raise InvalidRequest(f"prompt token ids must lie in 0..{vocab - 1}; got {min(p)}..{max(p)}")
-        seq = BatchedSequence(request, budget=n)
+        seq = BatchedSequence(request, budget=n, order=self._added)
+        self._added += 1
         self.waiting.append(seq)
         return seq
 
@@ -275,7 +278,7 @@ class BatchedRuntime:
     @torch.inference_mode()
     def step(self) -> list[BatchedSequence]:
         """Admit, prefill newcomers, one draft + verify pass over the running rows, commit.
-        Returns the sequences that finished in this step."""
+        Returns the sequences that finished in this step, in the order they were added."""
         t_step = time.perf_counter()
         n_old = len(self.rows)
         new = self._admit()
@@ -335,7 +338,8 @@ class BatchedRuntime:
                     finished.append(seq)
         self._retire(finished)
         self.steps += 1
-        return finished
+        # in the order they were added, whatever their slots (slots follow prompt length, see _admit)
+        return sorted(finished, key=lambda s: s.order)
 
     def run(self, max_steps: int | None = None) -> None:
         """Step until every added sequence finished (or `max_steps`)."""
