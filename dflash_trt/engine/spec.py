@@ -61,8 +61,11 @@ class BuildSpec(_Strict):
     ep: int = Field(1, ge=1)
     quant: QuantName = "none"
     recipe: RecipeName = Field("auto", description="which layers --quant applies to: full | mlp-only | "
-                               "experts-only (auto: mlp-only; NVIDIA's nvfp4_mlp_only for gpt-oss)")
+                               "experts-only (auto: mlp-only, nvfp4 with down_proj kept; NVIDIA's nvfp4_mlp_only "
+                               "for gpt-oss)")
     keep_layers: list[int] | None = Field(None, description="decoder layers left in 16 bits (default: the recipe's)")
+    keep_modules: list[str] | None = Field(None, description="linear layers (e.g. down_proj) left in 16 bits in every "
+                                           "decoder layer (default: the recipe's; nvfp4 keeps down_proj)")
     kv_cache_quant: KvQuantName = "none"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="dtype of unquantized tensors in the engine (auto: the checkpoint's 16-bit dtype; "
