@@ -148,7 +148,7 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
               help="Run the acceptance gate (default: on when quantizing; with --quant none it only checks that the "
                    "drafter fits the target).")
 @click.option("--gate-prompts", type=click.IntRange(min=2),
-              help="Held-out prompts the acceptance gate decodes (default 24; the interval narrows as 1/sqrt(n)).")
+              help="Held-out prompts the acceptance gate decodes (default 39, the whole held-out split; the interval narrows as 1/sqrt(n)).")
 @click.option("--gate-tokens", type=click.IntRange(min=2), help="Tokens per gate prompt (default 96).")
 @click.option("--min-tau", type=click.FloatRange(min=1.0),
               help="Refuse a pair whose unquantized tau is surely below this (default 1.2: a drafter that does not "
