@@ -129,10 +129,14 @@ def test_engine_generates_what_the_reference_runtime_generates(engines, tiny_pai
     assert got.output_ids == ref.output_ids
     assert got.output_ids == autoregressive_generate(ref_target, PROMPT, SamplingParams(max_tokens=24)).output_ids  # lossless
     src = _reference_target(tiny_pair_dirs[0]).model.layers[0]
-    w = pair.target.model.layers[0].mlp.down_proj.weight
-    orig = src.mlp.down_proj.weight
-    # the default recipe (mlp-only) leaves attention in its source dtype, untouched
+    mlp = pair.target.model.layers[0].mlp
+    w, orig = mlp.gate_proj.weight, src.mlp.gate_proj.weight
+    # the default recipe (mlp-only) leaves attention in its source dtype, untouched; nvfp4's also
+    # down_proj (dflash_trt.engine.recipes.DEFAULT_KEEP_MODULES), recorded in the manifest
     assert torch.equal(pair.target.model.layers[0].self_attn.q_proj.weight, src.self_attn.q_proj.weight)
+    kept = verify_engine(eng).quantization.keep_modules
+    assert kept == (["down_proj"] if quant == "nvfp4" else [])
+    assert torch.equal(mlp.down_proj.weight, src.mlp.down_proj.weight) == (quant in ("none", "nvfp4"))
     if quant == "none":
         assert torch.equal(w, orig)
     else:  # really quantized, and close: NVFP4 error < 1/6 of the largest weight, FP8 < 1/16

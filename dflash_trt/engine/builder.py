@@ -224,7 +224,8 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
     check_dtype(spec)
     dtype_name = resolve_dtype_name(spec, tcfg.get("dtype") or tcfg.get("torch_dtype"))
     recipe = resolve_recipe(spec.quant, spec.recipe, spec.keep_layers, is_moe=arch.is_moe,
-                            native_experts=arch.native_expert_format, num_layers=arch.num_layers)
+                            native_experts=arch.native_expert_format, num_layers=arch.num_layers,
+                            keep_modules=spec.keep_modules)
     experts = expert_format(arch, spec.quant, dtype_name) if arch.is_moe else None
     if experts:
         check_moe_backend(arch, spec, experts)
@@ -440,6 +441,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
             quantization=Quantization(weights=spec.quant, kv_cache=spec.kv_cache_quant,
                                       recipe=p.recipe.name if p.recipe else None,
                                       keep_layers=list(p.recipe.keep_layers) if p.recipe else [],
+                                      keep_modules=list(p.recipe.keep_modules) if p.recipe else [],
                                       source_format=p.source_format, expert_format=p.expert_format,
                                       dtype=p.dtype_name, report=quant_report or None),
             limits=Limits(max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len,

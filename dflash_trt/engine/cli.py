@@ -24,9 +24,13 @@ FLAG_TO_KEY = {
     "calib_prompts": "calibration.prompts", "calib_size": "calibration.num_samples",
     "calib_max_length": "calibration.max_length", "max_tau_drop": "gate.max_tau_drop",
     "accept_tau_drop": "gate.accept_tau_drop", "gate": "gate.enabled", "gate_prompts": "gate.num_prompts",
-    "recipe": "recipe", "keep_layers": "keep_layers", "device": "device", "min_tau": "gate.min_tau",
+    "recipe": "recipe", "keep_layers": "keep_layers", "keep_modules": "keep_modules", "device": "device", "min_tau": "gate.min_tau",
     "gate_tokens": "gate.max_new_tokens",
 }
+
+
+def _name_list(ctx: Any, param: Any, value: str | None) -> list[str] | None:
+    return None if value is None else [x.strip() for x in value.split(",") if x.strip()]
 
 
 def _layer_list(ctx: Any, param: Any, value: str | None) -> list[int] | None:
@@ -50,9 +54,13 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--ep", type=click.IntRange(min=1), help="MoE expert parallel size (divides --tp)."),
         click.option("--quant", type=click.Choice(["none", "fp8", "nvfp4"]), help="Target weight quantization."),
         click.option("--recipe", type=click.Choice(["auto", "full", "mlp-only", "experts-only"]),
-                     help="Which layers --quant applies to (auto: mlp-only; on gpt-oss NVIDIA's nvfp4_mlp_only)."),
+                     help="Which layers --quant applies to (auto: mlp-only, nvfp4 with down_proj kept in 16 bits; "
+                          "on gpt-oss NVIDIA's nvfp4_mlp_only)."),
         click.option("--keep-layers", callback=_layer_list, metavar="I,J",
                      help="Decoder layers left in 16 bits (comma-separated; negative from the end)."),
+        click.option("--keep-modules", callback=_name_list, metavar="NAME,NAME",
+                     help="Linear layers left in 16 bits in every decoder layer, e.g. down_proj ('' for none; "
+                          "default: the recipe's, down_proj for nvfp4)."),
         click.option("--kv-cache-quant", type=click.Choice(["none", "fp8"]), help="KV-cache quantization."),
         click.option("--gpu", type=click.Choice(["b300", "b200", "h200", "h100", "cpu"]),
                      help="GPU the engine is for (cpu: the reference runtime)."),
@@ -140,7 +148,7 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
               help="Run the acceptance gate (default: on when quantizing; with --quant none it only checks that the "
                    "drafter fits the target).")
 @click.option("--gate-prompts", type=click.IntRange(min=2),
-              help="Held-out prompts the acceptance gate decodes (default 24; the interval narrows as 1/sqrt(n)).")
+              help="Held-out prompts the acceptance gate decodes (default 39, the whole held-out split; the interval narrows as 1/sqrt(n)).")
 @click.option("--gate-tokens", type=click.IntRange(min=2), help="Tokens per gate prompt (default 96).")
 @click.option("--min-tau", type=click.FloatRange(min=1.0),
               help="Refuse a pair whose unquantized tau is surely below this (default 1.2: a drafter that does not "

@@ -56,6 +56,7 @@ class Quantization(Strict):
     # Added by the build area for issue 20 (absent in older manifests):
     recipe: str | None = None  # full | mlp-only | experts-only (dflash_trt.engine.recipes)
     keep_layers: list[int] = Field(default_factory=list)  # decoder layers left in 16 bits
+    keep_modules: list[str] = Field(default_factory=list)  # linear layers (down_proj) left in 16 bits in every layer
     source_format: str | None = None  # MXFP4 when the target shipped MXFP4 experts (gpt-oss)
     expert_format: str | None = None  # MoE experts as written: mxfp4 | nvfp4 | fp8 | bf16 ...
     dtype: str | None = None  # unquantized tensors (bfloat16 / float16; float32 only for gpu cpu)

@@ -13,7 +13,8 @@ Byte formulas (per rank; H = hidden, hd = head_dim, L_r = layers on the fullest 
   MoE router E*H + E (replicated), norms 2H per layer + H, biases and attention sinks.
 - which layers are quantized follows the build's recipe (dflash_trt.engine.recipes): `full`
   quantizes attention too; `mlp-only` / `experts-only` keep attention in bf16; `keep_layers` keep
-  whole layers in bf16. Expert weights are in the format `build` writes: the checkpoint's own
+  whole layers in bf16; `keep_modules` keep that projection (e.g. down_proj, a third of the MLP /
+  expert parameters) in bf16 in every layer. Expert weights are in the format `build` writes: the checkpoint's own
   (MXFP4 for gpt-oss as released) with --quant none, else the --quant format. gpt-oss's experts
   are fused (gate_up_proj, down_proj per layer), so their FP32 per-tensor scales count twice per
   layer, not per expert.
@@ -131,6 +132,12 @@ def _linear(fmt: WeightFormat, params: float, tensors: int) -> float:
     return fmt.bytes_per_param * params + fmt.per_tensor_bytes * tensors
 
 
+def _projections(fmt: WeightFormat, sizes: dict[str, float], tensors: int, keep_modules: tuple[str, ...]) -> float:
+    """Bytes of one layer's projections (name -> params), those in keep_modules in bf16."""
+    bf16 = WEIGHT_FORMATS["bf16"]
+    return sum(_linear(bf16 if name in keep_modules else fmt, n, tensors) for name, n in sizes.items())
+
+
 def _kept_on_fullest_stage(stages: list[list[int]], keep: tuple[int, ...]) -> int:
     fullest = max(stages, key=len)
     return sum(1 for i in fullest if i in set(keep))
@@ -155,10 +162,14 @@ def plan_memory(arch: ArchSpec, spec: BuildSpec, draft: DraftShape, max_draft_le
     L_r = max(len(s) for s in stages)
     kept = _kept_on_fullest_stage(stages, recipe.keep_layers if recipe is not None else ())
     L_q = L_r - kept  # layers quantized as the recipe says; `kept` layers are all bf16
+    mods = recipe.keep_modules if recipe is not None else ()
+    if mods:  # the plan's one-line recipe says what stays 16-bit
+        recipe_name += f" ({'/'.join(mods)} bf16)"
 
     # -- target weights on the fullest stage ---------------------------------------------------
     attn_params = 2 * H * q_width + 2 * H * kvr * hd  # q, o, k, v
-    quantized = L_q * _linear(attn_fmt, attn_params, 4) + kept * _linear(bf16, attn_params, 4)
+    attn_sizes = {"q_proj": H * q_width, "o_proj": H * q_width, "k_proj": H * kvr * hd, "v_proj": H * kvr * hd}
+    quantized = L_q * _projections(attn_fmt, attn_sizes, 1, mods) + kept * _linear(bf16, attn_params, 4)
     unq = L_r * (2 * H) * BF16  # input/post-attention norms
     if arch.attention_bias:
         unq += L_r * (q_width + 2 * kvr * hd + H) * BF16
@@ -170,7 +181,11 @@ def plan_memory(arch: ArchSpec, spec: BuildSpec, draft: DraftShape, max_draft_le
         expert_params = E * 3 * H * Ie / tp
         # gpt-oss fuses its experts: one gate_up_proj and one down_proj tensor per layer
         expert_tensors = 2 if arch.model_type == "gpt_oss" else E // ep * 3
-        expert_bytes = L_q * _linear(expert_fmt, expert_params, expert_tensors)
+        thirds = {p: expert_params / 3 for p in ("gate_proj", "up_proj", "down_proj")}
+        if mods:  # a kept projection: each third of the expert parameters in its own format
+            expert_bytes = L_q * _projections(expert_fmt, thirds, expert_tensors / 3, mods)
+        else:
+            expert_bytes = L_q * _linear(expert_fmt, expert_params, expert_tensors)
         expert_bytes += kept * _linear(bf16, expert_params, expert_tensors)  # exported dequantized
         quantized += expert_bytes
         unq += L_r * (E * H + E) * BF16  # router weight + bias, replicated
@@ -188,7 +203,8 @@ def plan_memory(arch: ArchSpec, spec: BuildSpec, draft: DraftShape, max_draft_le
     else:
         expert_bytes = 0.0
         mlp_params = 3 * H * arch.intermediate_size / tp
-        quantized += L_q * _linear(quant_fmt, mlp_params, 3) + kept * _linear(bf16, mlp_params, 3)
+        mlp_sizes = {p: mlp_params / 3 for p in ("gate_proj", "up_proj", "down_proj")}
+        quantized += L_q * _projections(quant_fmt, mlp_sizes, 1, mods) + kept * _linear(bf16, mlp_params, 3)
         widest = 2 * arch.intermediate_size // tp
     embed = V * H * BF16
     lm_head = 0.0 if (arch.tie_word_embeddings and pp == 1) else math.ceil(V / tp) * H * BF16
