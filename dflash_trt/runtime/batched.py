@@ -409,11 +409,8 @@ class BatchedRuntime:
         """The newcomers' prompts (contiguous slots, ascending length) in one left-padded pass per
         run of similar lengths -> first tokens [m] and which rows had no distribution to sample
         from ([m], None when all are greedy)."""
-        runs = prefill_runs([len(s.request.prompt_ids) for s in new], self.prefill_pad_limit)
-        if len(runs) == 1:
-            return self._prefill_pass(new)
         tokens, bads, i = [], [], 0
-        for n in runs:
+        for n in prefill_runs([len(s.request.prompt_ids) for s in new], self.prefill_pad_limit):
             t, b = self._prefill_pass(new[i : i + n])
             tokens.append(t)
             bads.append(b if b is not None else torch.zeros(n, dtype=torch.bool, device=self.device))

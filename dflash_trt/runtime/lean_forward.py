@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half
 
 from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
 from dflash_trt.runtime.gqa_attention import grouped_attention
@@ -61,11 +62,6 @@ def lean_unsupported(model: nn.Module, layers: nn.ModuleList) -> str | None:
     return None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _attention(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, layer_idx: int,
                mask: torch.Tensor) -> torch.Tensor:
     """transformers' Llama/Qwen3 attention over `cache` with the grouped SDPA: h [B, S, H] -> [B, S, H]."""
@@ -77,8 +73,8 @@ def _attention(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.T
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, S, hd]
     v = attn.v_proj(h).view(b, s, -1, hd).transpose(1, 2)
-    q = (q * cos) + (_rotate_half(q) * sin)
-    k = (k * cos) + (_rotate_half(k) * sin)
+    q = (q * cos) + (rotate_half(q) * sin)
+    k = (k * cos) + (rotate_half(k) * sin)
     k, v = cache.update(k, v, layer_idx)  # [B, nkv, W, hd]: the cache's view up to the mask width
     out = grouped_attention(q, k, v, mask[:, :, :, : k.shape[-2]], attn.scaling)  # [B, nh, S, hd]
     out = out.transpose(1, 2).contiguous().reshape(b, s, -1).contiguous()
@@ -101,8 +97,20 @@ class LeanForward(nn.Module):
         """Logits [B, S', V] (S' = logits_to_keep or S) and the outputs of `capture_layer_ids`
         ([B, S, H] each, after the layer's residual add), for input_ids/position_ids [B, S] and an
         additive mask [B, 1, S, W] over `cache`."""
-        return _lean_pass(self.target, self.layers, input_ids, position_ids, cache, capture_layer_ids,
-                          logits_to_keep, attention_mask)
+        base = self.target.model
+        x = base.embed_tokens(input_ids)  # [B, S, H]
+        cos, sin = base.rotary_emb(x, position_ids=position_ids)  # [B, S, hd] each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, hd]: broadcast over heads
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, i, attention_mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in capture_layer_ids:
+                captured[i] = x
+        x = base.norm(x)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        return self.target.lm_head(x), captured
 
 
 def lean_module(model: nn.Module, layers: nn.ModuleList) -> LeanForward:
@@ -111,22 +119,3 @@ def lean_module(model: nn.Module, layers: nn.ModuleList) -> LeanForward:
     if lean is None:
         lean = model.__dict__["_dflash_lean"] = LeanForward(model, layers)
     return lean
-
-
-def _lean_pass(model: nn.Module, layers: nn.ModuleList, input_ids: torch.Tensor, position_ids: torch.Tensor,
-               cache: Any, capture_layer_ids: tuple[int, ...], logits_to_keep: int,
-               attention_mask: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    base = model.model
-    x = base.embed_tokens(input_ids)  # [B, S, H]
-    cos, sin = base.rotary_emb(x, position_ids=position_ids)  # [B, S, hd] each
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, hd]: broadcast over heads
-    captured: dict[int, torch.Tensor] = {}
-    for i, layer in enumerate(layers):
-        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, i, attention_mask)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if i in capture_layer_ids:
-            captured[i] = x
-    x = base.norm(x)
-    if logits_to_keep:
-        x = x[:, -logits_to_keep:]
-    return model.lm_head(x), captured

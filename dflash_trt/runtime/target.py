@@ -98,7 +98,7 @@ class TargetAdapter:
         attention_mask: torch.Tensor | None = None,  # [B, 1, S, K] additive; None = causal over the cache
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns logits [B, S', V] (S' = logits_to_keep or S) and ctx features [B, S, n*H]."""
-        if attention_mask is not None and self.lean_unsupported is None and self._lean is not None:
+        if attention_mask is not None and self._lean is not None:
             logits, captured = self._lean(input_ids, position_ids, cache, tuple(capture_layer_ids), logits_to_keep,
                                           attention_mask)
             feats = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
