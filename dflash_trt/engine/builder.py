@@ -276,23 +276,6 @@ def default_name(p: Prepared) -> str:
         f"ep{s.ep}" if s.ep > 1 else "")
 
 
-def _free() -> None:
-    """Collect a model the caller just dropped, before the next one loads (host RAM, GPU cache)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:  # glibc keeps freed heap memory mapped; hand it back so the next model does not add to it
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    if "torch" in sys.modules:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-
-
 def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool) -> tuple[list[list[int]], list[list[int]]]:
     from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
 
@@ -325,6 +308,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     from dflash_trt.engine import gate as gate_mod
     from dflash_trt.engine.checkpoint_io import convert_checkpoint, copy_aux_files, load_checkpoint
     from dflash_trt.engine.devices import device_map_for, input_device, resolve_device
+    from dflash_trt.engine.host_memory import release_freed_memory, return_large_frees_to_os
     from dflash_trt.engine.llm_api import launch_scripts, llm_api_options, render_yaml
     from dflash_trt.engine.manifest import MANIFEST_NAME, DraftInfo, EngineManifest, Limits, Mapping, Quantization, TargetInfo
     from dflash_trt.engine.trtllm_versions import min_version, requirements
@@ -334,6 +318,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     from dflash_trt.runtime.loading import DTYPES, load_tokenizer
 
     spec, prof = p.spec, profile or Profile()
+    return_large_frees_to_os()  # before any model: see dflash_trt.engine.host_memory
     assert p.target_dir is not None and p.draft_dir is not None
     if out.exists() and not overwrite:
         raise DFlashError(f"{out} already exists; pass --force to replace it, or choose another --out")
@@ -393,21 +378,21 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                     say(f"MXFP4 -> NVFP4 expert cast: {cast['lossless_blocks']}/{cast['mxfp4_blocks']} blocks "
                         "bit-exact")
             target = None
-            _free()
+            release_freed_memory()
             if gate_on:
                 with prof.phase("tau_after"):
                     qtarget = load_checkpoint(tmp / "target", dtype, device_map=placement)
                     after = gate_mod.measure_tau(qtarget, draft, gate_ids, spec.gate.max_new_tokens,
                                                  f"tau ({spec.quant})", progress, p.max_draft_len)
                     qtarget = None
-                    _free()
+                    release_freed_memory()
                 acceptance = {**gate_mod.decide(before, after, spec.quant, spec.gate.max_tau_drop,
                                                 spec.gate.accept_tau_drop, spec.gate.min_tau),
                               "fit": acceptance["fit"] if acceptance else None}
                 say(gate_mod.describe(acceptance, spec.quant))
         else:
             target = draft = None
-            _free()
+            release_freed_memory()
             with prof.phase("export"):
                 stats = convert_checkpoint(p.target_dir, tmp / "target", dtype, progress)
                 say(f"target written shard by shard: {stats['cast']} tensors in {p.dtype_name}, {stats['kept']} kept "
