@@ -30,3 +30,21 @@ def test_adapters_share_one_set_of_hooks():
     for _ in range(5):
         TargetAdapter(target)
     assert all(len(layer._forward_hooks) == 1 for layer in target.model.layers)
+
+
+def test_lm_head_sees_standard_strides_with_the_same_values():
+    """Slices like hidden[:, 1:K+1] reach the lm_head re-strided (on a CPU in bfloat16 the sliced
+    form takes a bmm path that copies the whole head per call), and the logits keep their bits."""
+    target = tiny_target("llama").to(torch.bfloat16)
+    adapter = TargetAdapter(target)
+    seen = []
+    target.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].stride()))
+    hidden = torch.randn(2, 9, target.config.hidden_size, dtype=torch.bfloat16)
+    weight = target.get_output_embeddings().weight
+    for rows in (hidden[:1, 1:5], hidden[:, 1:5], hidden[:, -1:], hidden[:1, -1:]):
+        with torch.no_grad():
+            logits = adapter.lm_head(rows)
+            expected = torch.nn.functional.linear(rows.reshape(-1, rows.shape[-1]), weight).view(*rows.shape[:2], -1)
+        assert torch.equal(logits, expected)
+        n, s, h = rows.shape
+        assert seen[-1] == (s * h, h, 1)
