@@ -41,6 +41,22 @@ def test_save_load_round_trip_gives_identical_logits(tmp_path):
     assert torch.equal(_draft_logits(draft, target), _draft_logits(loaded, target))
 
 
+def test_loading_in_bfloat16_equals_loading_in_float32_then_casting(tmp_path):
+    """from_pretrained builds the modules in the dtype asked for (no float32 copy beside the
+    weights): every parameter and buffer, the rotary frequencies included, has the bits and dtype
+    of the float32 load cast afterwards, and torch's default dtype is left as it was."""
+    target = tiny_target("qwen3")
+    random_draft(target.config, num_layers=2, block_size=7, seed=3).save_pretrained(tmp_path / "d")
+    direct = DFlashDraftModel.from_pretrained(tmp_path / "d", dtype=torch.bfloat16)
+    cast = DFlashDraftModel.from_pretrained(tmp_path / "d").to(torch.bfloat16)
+    assert torch.get_default_dtype() == torch.float32
+    a = {**dict(direct.named_parameters()), **dict(direct.named_buffers())}
+    b = {**dict(cast.named_parameters()), **dict(cast.named_buffers())}
+    assert sorted(a) == sorted(b) and any("rotary" in k for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
 def test_loads_zlab_layout_with_block_size_inside_dflash_config_and_never_runs_auto_map(tmp_path):
     """Published drafters carry auto_map -> remote code. Loading must read data only: the
     referenced module would write a marker file if it were ever imported."""

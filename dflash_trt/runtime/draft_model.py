@@ -329,7 +329,15 @@ class DFlashDraftModel(nn.Module):
         directory = Path(directory)
         cfg = read_json(directory / CONFIG_NAME, what="drafter config")
         check_is_drafter(cfg, directory)
-        model = cls(cfg)
+        # built in the dtype it is loaded in: in float32 (torch's default) the modules' own
+        # random weights were 2x a bf16 drafter beside its loaded weights and the cast copy (the
+        # peak of a build's load phase at 830M parameters); the weights are overwritten either way
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
+        try:
+            model = cls(cfg)
+        finally:
+            torch.set_default_dtype(prev)
         state = load_state_dict(directory, allow_pickle=allow_pickle)
         model._load_checked(state, directory)
         # bounds-checked against the drafter's vocab_size here, against the target's by the runtime
