@@ -80,7 +80,7 @@ def main(num_prompts: int, max_new_tokens: int, threads: int, max_draft_len: int
             print(f"  (panel GEMM unavailable: {panel_gemm.unavailable()})")
 
         with torch.inference_mode():
-            for m in (1, 2, 4, 8, 16, 64):
+            for m in (1, 2, 4, 8, 16, 20, 24, 32, 64):  # 20-32: a C=16 verify with some rows drafting
                 xs = {d: torch.randn(m, d) for d in {layer.in_features for layer in decoder}}
                 # rounds over the kernels, median per kernel: a shared machine's drift hits all three
                 times: dict[str, list[float]] = {k: [] for k in kernels}
