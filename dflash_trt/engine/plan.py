@@ -182,10 +182,7 @@ def plan_memory(arch: ArchSpec, spec: BuildSpec, draft: DraftShape, max_draft_le
         # gpt-oss fuses its experts: one gate_up_proj and one down_proj tensor per layer
         expert_tensors = 2 if arch.model_type == "gpt_oss" else E // ep * 3
         thirds = {p: expert_params / 3 for p in ("gate_proj", "up_proj", "down_proj")}
-        if mods:  # a kept projection: each third of the expert parameters in its own format
-            expert_bytes = L_q * _projections(expert_fmt, thirds, expert_tensors / 3, mods)
-        else:
-            expert_bytes = L_q * _linear(expert_fmt, expert_params, expert_tensors)
+        expert_bytes = L_q * _projections(expert_fmt, thirds, expert_tensors / 3, mods)  # each third in its format
         expert_bytes += kept * _linear(bf16, expert_params, expert_tensors)  # exported dequantized
         quantized += expert_bytes
         unq += L_r * (E * H + E) * BF16  # router weight + bias, replicated
