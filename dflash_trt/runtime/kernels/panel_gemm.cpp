@@ -32,6 +32,12 @@ constexpr int panels_for(int64_t rows) {
   return rows == 1 ? 8 : rows == 2 ? 6 : rows <= 4 ? 6 : rows <= 6 ? 4 : 3;
 }
 
+// The same for the last M % 8 rows of a batch past 8, which run over the panel groups of the 8-row
+// tiles (3 panels wide): a width that keeps those tiles whole and the group small. Widening the
+// group to panels_for(M % 8) split the 8-row tiles into 3+3+1+1 at one leftover row, and a
+// 9-row pass cost more than a 16-row one (210 decoder layers: 45.6 vs 44.4 ms; now 40.4).
+constexpr int tail_panels_for(int64_t rows) { return rows <= 4 ? 6 : 3; }
+
 // ahead: offset (floats) from these panels to the ones to prefetch, 0 = none
 template <int R, int NB>
 inline void tile(const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
@@ -67,27 +73,36 @@ inline void tile(const float* x, int64_t K, const float* panels, const float* bi
   }
 }
 
-// R rows over panels [b, b + count): tiles of panels_for(R) panels, then single panels.
-template <int R>
+// R rows over panels [b, b + count): tiles of NB panels, then single panels.
+template <int R, int NB>
 void rows_over(const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
                int64_t b, int64_t count, int64_t ahead) {
-  constexpr int NB = panels_for(R);
   int64_t i = 0;
   for (; i + NB <= count; i += NB) tile<R, NB>(x, K, panels, bias, y, N, b + i, ahead);
   for (; i < count; ++i) tile<R, 1>(x, K, panels, bias, y, N, b + i, ahead);
 }
 
-void rows_over(int64_t rows, const float* x, int64_t K, const float* panels, const float* bias, float* y,
+// tail: these rows follow 8-row tiles over the same groups (tail_panels_for), else panels_for
+template <int R>
+void rows_over(bool tail, const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
+               int64_t b, int64_t count, int64_t ahead) {
+  if (tail)
+    rows_over<R, tail_panels_for(R)>(x, K, panels, bias, y, N, b, count, ahead);
+  else
+    rows_over<R, panels_for(R)>(x, K, panels, bias, y, N, b, count, ahead);
+}
+
+void rows_over(int64_t rows, bool tail, const float* x, int64_t K, const float* panels, const float* bias, float* y,
                int64_t N, int64_t b, int64_t count, int64_t ahead) {
   switch (rows) {
-    case 8: rows_over<8>(x, K, panels, bias, y, N, b, count, ahead); break;
-    case 7: rows_over<7>(x, K, panels, bias, y, N, b, count, ahead); break;
-    case 6: rows_over<6>(x, K, panels, bias, y, N, b, count, ahead); break;
-    case 5: rows_over<5>(x, K, panels, bias, y, N, b, count, ahead); break;
-    case 4: rows_over<4>(x, K, panels, bias, y, N, b, count, ahead); break;
-    case 3: rows_over<3>(x, K, panels, bias, y, N, b, count, ahead); break;
-    case 2: rows_over<2>(x, K, panels, bias, y, N, b, count, ahead); break;
-    case 1: rows_over<1>(x, K, panels, bias, y, N, b, count, ahead); break;
+    case 8: rows_over<8, panels_for(8)>(x, K, panels, bias, y, N, b, count, ahead); break;
+    case 7: rows_over<7>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
+    case 6: rows_over<6>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
+    case 5: rows_over<5>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
+    case 4: rows_over<4>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
+    case 3: rows_over<3>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
+    case 2: rows_over<2>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
+    case 1: rows_over<1>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
     default: TORCH_CHECK(false, "panel_linear: 1..8 rows per chunk, got ", rows);
   }
 }
@@ -133,8 +148,8 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   float* yp = y.data_ptr<float>();
   // Panel groups are the unit of work (and of threads): a group is as wide as the widest tile
   // that runs over it, so its panels are read from memory once for all rows.
-  const int64_t tail = M % 8 == 0 ? 8 : M % 8;
-  const int64_t group = std::max<int64_t>(M >= 8 ? panels_for(8) : 1, panels_for(tail));
+  const int64_t tail = M % 8;
+  const int64_t group = M < 8 ? panels_for(M) : std::max<int64_t>(panels_for(8), tail ? tail_panels_for(tail) : 0);
   const int64_t groups = (nb + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -143,8 +158,8 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
       // end is harmless: a prefetch never faults)
       const int64_t ahead = M >= 2 ? group * K * 16 : 0;
       int64_t m = 0;
-      for (; m + 8 <= M; m += 8) rows_over(8, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
-      if (m < M) rows_over(M - m, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
+      for (; m + 8 <= M; m += 8) rows_over(8, false, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
+      if (m < M) rows_over(M - m, M > 8, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
     }
   });
   return y;
