@@ -17,7 +17,7 @@ Two studies on a target + drafter pair (default: the embedded SmolLM2-135M pair)
   scored on the same anchors (no divergence noise), split into what the drafter's changed inputs
   cost and what the target's changed choices cost. Cheap (one target and one drafter pass per
   prompt per row); it picks the layers to keep in 16 bits, the recipes study / the gate then
-  measure tau free-running. Use --prompt-offset 24 to keep it off the gate's 24 prompts.
+  measure tau free-running. --prompt-offset 24 skips the gate's former 24 prompts (it now decodes all 39).
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/quant_recipes.py --gpu h100 --quant fp8 \\
         --recipe full --recipe mlp-only --out fp8.json
@@ -295,7 +295,7 @@ def sensitivity_study(args: SimpleNamespace) -> list[dict]:
 @click.option("--forced-tau/--no-forced-tau", default=True, show_default=True,
               help="--sensitivity: also the teacher-forced tau drop (drafter passes at every answer position)")
 @click.option("--prompt-offset", type=click.IntRange(min=0), default=0, show_default=True,
-              help="skip this many held-out prompts (24: a study apart from the gate's default 24)")
+              help="skip this many held-out prompts (24: apart from the gate's former default of 24; it now decodes all 39)")
 @click.option("--dtype", default="bfloat16", show_default=True, help="engine dtype of a GPU build")
 @click.option("--compute-dtype", help="run the models in this dtype (e.g. float32 on a CPU without native bf16: "
               "weights stay exactly the --dtype ones, 3x faster there)")
