@@ -197,7 +197,8 @@ def build(spec_file: str | None, as_json: bool, dry_run: bool, force: bool, prof
 
         m = load_manifest(out)
         click.echo(json.dumps({"engine": str(out), "acceptance": m.acceptance, "timings_s": m.timings_s,
-                               "peak_rss_mib": max(prof.peak_rss_mib.values(), default=0.0)}))
+                               "peak_rss_mib": max(prof.peak_rss_mib.values(), default=0.0),
+                               "peak_gpu_mib": max(prof.peak_gpu_mib.values(), default=None)}))
 
 
 @click.command("verify")
