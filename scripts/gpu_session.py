@@ -154,11 +154,12 @@ class Session:
         half = a.answer_seconds / 2
         # Greedy answers (train-draft's own data, responses.pt) and sampled ones (--extra-data), bf16 on the GPU.
         rc_g = run("answers-greedy", [*PY, "train-data", str(target), str(greedy / "responses.pt"), "--device",
-                                      a.device, "--dtype", "bfloat16", "--batch-prompts", "256", "--time-limit",
+                                      a.device, "--dtype", "bfloat16", "--batch-prompts", str(a.answer_batch), "--time-limit",
                                       str(half), "--no-progress"], self.logs, half + 120)[0]
         sampled = self.work / "sampled.pt"
         rc_s = run("answers-sampled", [*PY, "train-data", str(target), str(sampled), "--device", a.device, "--dtype",
-                                       "bfloat16", "--samples", "4", "--temperature", "0.7", "--batch-prompts", "64",
+                                       "bfloat16", "--samples", "4", "--temperature", "0.7", "--batch-prompts",
+                                       str(max(1, a.answer_batch // 4)),
                                        "--seed", "11", "--time-limit", str(half), "--no-progress"],
                    self.logs, half + 120)[0]
         out = self.out / "drafter"
@@ -280,6 +281,7 @@ def main() -> int:
     ap.add_argument("--bench-tokens", type=int, default=64)
     ap.add_argument("--train-seconds", type=float, default=0, help="drafter leg's training time (0: no drafter leg)")
     ap.add_argument("--answer-seconds", type=float, default=80, help="drafter leg: seconds of answer generation")
+    ap.add_argument("--answer-batch", type=int, default=256, help="drafter leg: rows decoded together")
     ap.add_argument("--quick", action="store_true", help="small gate samples (a dry run on a CPU)")
     args = ap.parse_args()
     s = Session(args)
