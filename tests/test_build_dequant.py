@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trt.engine.dequant import dequant_fp8, dequant_nvfp4, unpack_e2m1
+from dflash_trt.checkpoints.dequant import dequant_fp8, dequant_nvfp4, unpack_e2m1
 
 
 def _modelopt_nvfp4():
@@ -51,7 +51,7 @@ def test_fp8_export_equals_modelopt_fake_quant(tmp_path):
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
 
-    from dflash_trt.engine.checkpoint_io import load_checkpoint
+    from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.recipes import modelopt_config, resolve_recipe
     from dflash_trt.runtime.tiny import tiny_target
 

@@ -186,7 +186,7 @@ def _check_tokenizers(target_dir: Path, draft_dir: Path | None, vocab_size: int)
 
 def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
     """All checks that need only configs; the memory plan. Raises DFlashError on the first problem."""
-    from dflash_trt.runtime.checkpoint import read_json
+    from dflash_trt.checkpoints.files import read_json
     from dflash_trt.runtime.validate import validate_pair
 
     target, draft = _resolve_dirs(spec)
@@ -238,7 +238,7 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
 
 def _source_format(tdir: Path) -> str | None:
     """MXFP4 (gpt-oss as released) or None; a ModelOpt export is refused as a build input."""
-    from dflash_trt.engine.dequant import read_quant_algo
+    from dflash_trt.checkpoints.dequant import read_quant_algo
 
     algo = read_quant_algo(tdir)
     if algo in ("FP8", "NVFP4"):
@@ -306,7 +306,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     import yaml
 
     from dflash_trt.engine import gate as gate_mod
-    from dflash_trt.engine.checkpoint_io import convert_checkpoint, copy_aux_files, load_checkpoint
+    from dflash_trt.checkpoints.streaming import convert_checkpoint, copy_aux_files, load_checkpoint
     from dflash_trt.engine.devices import device_map_for, input_device, resolve_device
     from dflash_trt.engine.host_memory import release_freed_memory, return_large_frees_to_os
     from dflash_trt.engine.llm_api import launch_scripts, llm_api_options, render_yaml

@@ -123,7 +123,7 @@ def device_map_for(model_dir: Any, dtype: Any, device: BuildDevice) -> dict[str,
         return {"": "cpu"}
     from pathlib import Path
 
-    from dflash_trt.engine.checkpoint_io import empty_model, model_config
+    from dflash_trt.checkpoints.streaming import empty_model, model_config
 
     meta = empty_model(model_config(Path(model_dir)), dtype)
     return plan_device_map(meta, device.gpu_free_bytes, dtype)

@@ -305,7 +305,7 @@ class DFlashDraftModel(nn.Module):
 
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
         from dflash_trt.fsutil import write_json_atomic
-        from dflash_trt.runtime.checkpoint import save_safetensors_atomic
+        from dflash_trt.checkpoints.files import save_safetensors_atomic
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -323,7 +323,7 @@ class DFlashDraftModel(nn.Module):
         allow_pickle: bool = False,
     ) -> "DFlashDraftModel":
         """Load a z-lab drafter directory. Reads config.json and safetensors only: no remote code."""
-        from dflash_trt.runtime.checkpoint import load_state_dict, read_json
+        from dflash_trt.checkpoints.files import load_state_dict, read_json
         from dflash_trt.runtime.draft_vocab import load_draft_vocab
 
         directory = Path(directory)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import pickle
 from dataclasses import dataclass
@@ -12,9 +10,10 @@ from typing import Any
 
 import torch
 
+from dflash_trt.checkpoints.quiet import quiet_transformers
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.cpu_packing import pack_cpu_linears
-from dflash_trt.runtime.checkpoint import PICKLE_SUFFIXES, read_json
+from dflash_trt.checkpoints.files import PICKLE_SUFFIXES, read_json
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.validate import validate_pair
 
@@ -70,7 +69,7 @@ def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, devic
     """A HF causal LM from a local directory; never executes code from it.
 
     A quantized checkpoint (gpt-oss's MXFP4 experts, a ModelOpt FP8/NVFP4 export) is dequantized
-    in plain torch, one tensor at a time (dflash_trt.engine.checkpoint_io), so the source of an
+    in plain torch, one tensor at a time (dflash_trt.checkpoints.streaming), so the source of an
     engine and the engine itself load through the same exact dequantization.
     """
     from transformers import AutoModelForCausalLM
@@ -78,7 +77,7 @@ def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, devic
     directory = Path(directory)
     cfg = read_json(directory / "config.json", what="target config")
     if cfg.get("quantization_config"):
-        from dflash_trt.engine.checkpoint_io import load_checkpoint
+        from dflash_trt.checkpoints.streaming import load_checkpoint
 
         return load_checkpoint(directory, dtype, device)
     if not list(directory.glob("*.safetensors")):
@@ -88,13 +87,13 @@ def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, devic
         if not allow_pickle:
             raise DFlashError(f"{directory}: only pickle weights ({pickles[0].name}); convert to safetensors or pass --allow-pickle")
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(
                 directory, dtype=dtype, trust_remote_code=False, use_safetensors=not allow_pickle or None,
                 local_files_only=True,
             )
     except pickle.UnpicklingError as e:  # --allow-pickle: the weights-only unpickler refused the file
-        from dflash_trt.runtime.checkpoint import pickle_refusal
+        from dflash_trt.checkpoints.files import pickle_refusal
 
         raise pickle_refusal(directory, e) from None
     except (OSError, ValueError, KeyError, RuntimeError) as e:
@@ -106,7 +105,7 @@ def load_tokenizer(directory: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             return AutoTokenizer.from_pretrained(Path(directory), trust_remote_code=False, local_files_only=True)
     except (OSError, ValueError) as e:
         logging.getLogger(__name__).info("no tokenizer in %s (%s)", directory, str(e).splitlines()[0])
@@ -134,17 +133,3 @@ def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype: str | torch.
         pack_cpu_linears(target)
         pack_cpu_linears(draft)
     return LoadedPair(target, draft, load_tokenizer(target_dir))
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """transformers prints load reports to stdout/stderr; keep the CLI output clean."""
-    from transformers.utils import logging as hf_logging
-
-    old = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        hf_logging.set_verbosity(old)

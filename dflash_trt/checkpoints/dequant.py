@@ -4,7 +4,7 @@ This is how the reference runtime (and the acceptance gate) runs exactly the wei
 ships: every quantized tensor is dequantized, activations stay in float. It is weight-only:
 input_scale / k_scale / v_scale (activation and KV-cache scales used by TensorRT-LLM's kernels)
 are read and ignored. No ModelOpt import: the runtime runs without the [quant] extra.
-`dflash_trt.engine.checkpoint_io.load_checkpoint` applies these per tensor while loading.
+`dflash_trt.checkpoints.streaming.load_checkpoint` applies these per tensor while loading.
 
 Formats (the tensors `modelopt.torch.export.export_hf_checkpoint` writes):
 - FP8: `W` float8_e4m3fn, `weight_scale` FP32 (per tensor, or per output channel):

@@ -7,7 +7,7 @@ written shard by shard, so a build's host memory stays near one copy of the mode
 `--quant none` engine never loads a model at all.
 
 - `load_checkpoint`: any checkpoint the reference runtime runs (float, ModelOpt FP8/NVFP4,
-  gpt-oss MXFP4) as a float HF model, each tensor dequantized (dflash_trt.engine.dequant) and
+  gpt-oss MXFP4) as a float HF model, each tensor dequantized (dflash_trt.checkpoints.dequant) and
   placed on its device as it is read: one device, or a device map spread over several GPUs.
 - `convert_checkpoint`: the engine's `target/` for `--quant none`: float tensors cast to the
   engine dtype, MXFP4 expert tensors (and every other integer tensor) byte for byte, shard for
@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from dflash_trt.checkpoints.dequant import IGNORED_SUFFIXES, SUPPORTED_ALGOS, dequantize_tensor, read_quant_algo
+from dflash_trt.checkpoints.files import read_json
+from dflash_trt.checkpoints.quiet import quiet_transformers
 from dflash_trt.errors import DFlashError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -139,8 +142,6 @@ def model_config(directory: Path) -> Any:
     is float: the weights are dequantized here, not by transformers' quantizers)."""
     from transformers import AutoConfig
 
-    from dflash_trt.runtime.checkpoint import read_json
-
     raw = read_json(directory / "config.json", what="target config")
     raw = {k: v for k, v in raw.items() if k not in ("quantization_config", "transformers_version")}
     model_type = raw.pop("model_type", None)
@@ -175,9 +176,7 @@ def empty_model(cfg: Any, dtype: torch.dtype) -> Any:
     """A causal LM of `cfg` whose parameters hold no memory yet."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_trt.runtime.loading import _quiet_transformers
-
-    with _quiet_transformers(), _empty_weights():
+    with quiet_transformers(), _empty_weights():
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
@@ -208,8 +207,6 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
     then dispatched so activations follow the layers across GPUs). Peak host memory: the model
     itself when on the CPU, one tensor when on GPUs.
     """
-    from dflash_trt.engine.dequant import IGNORED_SUFFIXES, SUPPORTED_ALGOS, dequantize_tensor, read_quant_algo
-
     directory = Path(directory)
     algo = read_quant_algo(directory)
     if algo is not None and algo not in SUPPORTED_ALGOS:
@@ -293,8 +290,6 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype, pro
 
     from safetensors.torch import save_file
     from tqdm import tqdm
-
-    from dflash_trt.runtime.checkpoint import read_json
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
