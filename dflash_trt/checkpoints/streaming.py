@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from dflash_trt.checkpoints.dequant import IGNORED_SUFFIXES, SUPPORTED_ALGOS, dequantize_tensor, read_quant_algo
+from dflash_trt.checkpoints.dequant import (IGNORED_SUFFIXES, SUPPORTED_ALGOS, dequantize_tensor, read_fp8_block,
+                                            read_quant_algo)
 from dflash_trt.checkpoints.files import read_json
 from dflash_trt.checkpoints.quiet import quiet_transformers
 from dflash_trt.errors import DFlashError
@@ -212,6 +213,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
     if algo is not None and algo not in SUPPORTED_ALGOS:
         raise DFlashError(f"{directory}: quant_algo {algo} is not supported by the reference runtime "
                           f"(only {', '.join(SUPPORTED_ALGOS)}); rebuild with --quant fp8 or nvfp4")
+    fp8_block = read_fp8_block(directory)
     cfg = model_config(directory)
     model = empty_model(cfg, dtype)
     placement: dict[str, Any] = dict(device_map) if device_map else {"": device}
@@ -223,7 +225,8 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
         for name, param in list(model.named_parameters()):
             target_device = device_of(placement, name)
             try:
-                got = dequantize_tensor(name, tuple(param.shape), algo, ckpt.has, ckpt.get, param.dtype, target_device)
+                got = dequantize_tensor(name, tuple(param.shape), algo, ckpt.has, ckpt.get, param.dtype, target_device,
+                                        fp8_block)
             except KeyError as e:
                 raise DFlashError(f"{directory}: quantized tensor {name} has no scale {e}; the export is incomplete, "
                                   "rebuild")

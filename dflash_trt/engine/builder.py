@@ -237,13 +237,14 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
 
 
 def _source_format(tdir: Path) -> str | None:
-    """MXFP4 (gpt-oss as released) or None; a ModelOpt export is refused as a build input."""
+    """MXFP4 (gpt-oss as released) or None; any other quantized checkpoint (a ModelOpt export,
+    transformers' FP8) is refused as a build input."""
     from dflash_trt.checkpoints.dequant import read_quant_algo
 
     algo = read_quant_algo(tdir)
-    if algo in ("FP8", "NVFP4"):
-        raise DFlashError(f"{tdir} is already a ModelOpt {algo} export (hf_quant_config.json); `build` quantizes "
-                          "a 16-bit checkpoint (or gpt-oss's released MXFP4 one): pass the original checkpoint")
+    if algo is not None and algo != "MXFP4":
+        raise DFlashError(f"{tdir} is already quantized ({algo}); `build` quantizes a 16-bit checkpoint (or "
+                          "gpt-oss's released MXFP4 one): pass the original checkpoint")
     return algo
 
 
