@@ -11,7 +11,7 @@ Formats (the tensors `modelopt.torch.export.export_hf_checkpoint` writes):
   - per tensor: one value (ModelOpt `FP8`; one per expert [E] for stacked experts);
   - per output channel: [R] (ModelOpt `FP8_PER_CHANNEL_PER_TOKEN`; [E, R] or [E, C] for experts);
   - per block: [..., ceil(R/bm), ceil(C/bn)], one value per bm x bn tile (ModelOpt `FP8_PB_WO`,
-    `weight_scale`; transformers' fine-grained FP8, quantization_config `quant_method: fp8`,
+    `weight_scale` kept as [ceil(R/bm), 1, ceil(C/bn), 1]; transformers' fine-grained FP8, quantization_config `quant_method: fp8`,
     `weight_block_size` [bm, bn], `weight_scale_inv`: despite its name also multiplied). The
     block is the config's, else 128 x 128 (both producers' default) when the grid fits it.
 - NVFP4: `W` uint8 holding two E2M1 codes per byte (element 2i in the LOW nibble, 2i+1 in the
@@ -140,6 +140,8 @@ def _fp8_grid(w_shape: tuple[int, ...], s_shape: tuple[int, ...]) -> tuple[int, 
         return 1, C
     if len(s_shape) >= 2 and s_shape[:-2] in ((), lead):  # per block
         return s_shape[-2], s_shape[-1]
+    if len(s_shape) >= 4 and s_shape[:-4] in ((), lead) and s_shape[-3] == s_shape[-1] == 1:
+        return s_shape[-4], s_shape[-2]  # per block as ModelOpt's FP8_PB_WO export keeps it: [gr, 1, gc, 1]
     raise ValueError(f"FP8 scale {s_shape} fits no layout of a {w_shape} weight (per tensor, per channel, per block)")
 
 
