@@ -29,6 +29,7 @@ import torch
 from dflash_trt.checkpoints.dequant import (IGNORED_SUFFIXES, SUPPORTED_ALGOS, dequantize_tensor, read_fp8_block,
                                             read_quant_algo)
 from dflash_trt.checkpoints.files import read_json
+from dflash_trt.checkpoints.placement import device_of
 from dflash_trt.checkpoints.quiet import quiet_transformers
 from dflash_trt.errors import DFlashError
 
@@ -187,18 +188,6 @@ def _set_parameter(model: Any, name: str, value: torch.Tensor) -> None:
     module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
 
 
-def device_of(device_map: dict[str, Any], name: str) -> Any:
-    """The device a device map gives parameter `name` (longest matching module prefix)."""
-    best, found = -1, None
-    for prefix, dev in device_map.items():
-        if prefix == "" or name == prefix or name.startswith(prefix + "."):
-            if len(prefix) > best:
-                best, found = len(prefix), dev
-    if found is None:
-        raise DFlashError(f"device map places no module holding {name}; it must cover the whole model")
-    return found
-
-
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     device_map: dict[str, Any] | None = None) -> Any:
     """A float HF causal LM from any checkpoint the engine writes, read one tensor at a time.
@@ -260,7 +249,12 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
     if len(devices) > 1:
         from accelerate import dispatch_model
 
-        model = dispatch_model(model, device_map=placement)
+        # outputs come back to the home device (the embedding's), where the loops' tensors live;
+        # named as the map names it (accelerate compares it with the string "cpu"), it also keeps
+        # accelerate from taking a "cpu" entry of the map for CPU offload
+        embedding = model.get_input_embeddings().weight
+        home = device_of(placement, next(n for n, p in model.named_parameters() if p is embedding))
+        model = dispatch_model(model, device_map=placement, main_device=home)
     else:
         model = model.to(next(iter(placement.values())))  # buffers (rotary tables); parameters are there
     return model.eval()

@@ -308,7 +308,8 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
 
     from dflash_trt.engine import gate as gate_mod
     from dflash_trt.checkpoints.streaming import convert_checkpoint, copy_aux_files, load_checkpoint
-    from dflash_trt.engine.devices import device_map_for, input_device, resolve_device
+    from dflash_trt.checkpoints.placement import home_device
+    from dflash_trt.engine.devices import device_map_for, resolve_device
     from dflash_trt.engine.host_memory import release_freed_memory, return_large_frees_to_os
     from dflash_trt.engine.llm_api import launch_scripts, llm_api_options, render_yaml
     from dflash_trt.engine.manifest import MANIFEST_NAME, DraftInfo, EngineManifest, Limits, Mapping, Quantization, TargetInfo
@@ -350,10 +351,9 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
         if quantized or gate_on:
             with prof.phase("load"):
                 placement = device_map_for(p.target_dir, dtype, device)
-                home = input_device(placement)
                 say(f"loading target {p.target_dir} ({p.dtype_name}, {device.describe()}) and drafter {p.draft_dir}")
                 target = load_checkpoint(p.target_dir, dtype, device_map=placement)
-                draft = DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=str(home))
+                draft = DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=home_device(target))
                 tokenizer = load_tokenizer(p.target_dir) if any((p.target_dir / f).is_file() for f in TOKENIZER_FILES) else None
                 calib_ids, gate_ids = _gate_and_calibration_ids(p, tokenizer, gate_on)
             if gate_on:

@@ -34,6 +34,7 @@ from typing import Any
 import modelopt.torch.quantization as mtq
 from modelopt.torch.export import export_hf_checkpoint
 
+from dflash_trt.checkpoints.placement import home_device
 from dflash_trt.checkpoints.quiet import quiet_transformers
 from dflash_trt.engine.recipes import ResolvedRecipe, modelopt_config
 from dflash_trt.errors import DFlashError
@@ -61,7 +62,7 @@ def quantize_and_export(model: Any, quant: str, kv_cache_quant: str, recipe: Res
         model.config.architectures = [type(model).__name__]
     cast = mxfp4_source is not None and quant == "nvfp4"
     cfg = modelopt_config(quant, kv_cache_quant, recipe, static_expert_weights=cast)
-    device = model.get_input_embeddings().weight.device
+    device = home_device(model)
 
     def forward_loop(m: Any) -> None:
         with torch.no_grad():

@@ -232,8 +232,11 @@ class DFlashDraftModel(nn.Module):
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=cfg)
         # optional frequency-ranked draft vocabulary (int64 [N]; runtime/draft_vocab.py), from
-        # draft_vocab.json beside the checkpoint; None drafts over the target's whole vocabulary
-        self.draft_vocab: torch.Tensor | None = None
+        # draft_vocab.json beside the checkpoint; None drafts over the target's whole vocabulary.
+        # A buffer, so `.to(device)` moves it with the weights; not persistent: it ships as its
+        # own JSON file, never in model.safetensors
+        self.draft_vocab: torch.Tensor | None
+        self.register_buffer("draft_vocab", None, persistent=False)
         self.reset_parameters()
 
     # -- properties used by the decoding loop ----------------------------------------------

@@ -59,7 +59,8 @@ def train_draft(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     layer_ids = feature_layer_ids(cfg, target.config)
     drafter_config(cfg, target.config, layer_ids)  # a bad layer id fails here, before the long data generation
 
-    seqs, n_extra = training_sequences(cfg, target, tokenizer, layer_ids, progress)
+    # online: the steps make the features, so the answers are generated without capturing any
+    seqs, n_extra = training_sequences(cfg, target, tokenizer, None if online else layer_ids, progress)
     seen = {t for s in seqs for t in s["ids"][s["prompt_len"]:]}
     mask_id = mask_token_for(cfg, tokenizer, int(target.config.vocab_size), seen)
     draft = new_drafter(cfg, drafter_config(cfg, target.config, layer_ids, mask_id), device)
