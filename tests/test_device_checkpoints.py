@@ -26,10 +26,10 @@ from dflash_trt.checkpoints.streaming import load_checkpoint
 from dflash_trt.runtime.tiny import tiny_target
 
 try:
-    from tests.device_harness import DEVICES, strict_devices
+    from tests.device_harness import DEVICES, needs_cuda, strict_devices
     from tests.gptoss_fixtures import MODULES_TO_NOT_CONVERT
 except ImportError:  # tests/ is not a package
-    from device_harness import DEVICES, strict_devices
+    from device_harness import DEVICES, needs_cuda, strict_devices
     from gptoss_fixtures import MODULES_TO_NOT_CONVERT
 
 # layer 0 and the embedding on one device, the rest on the other: what plan_device_map makes of two GPUs
@@ -161,3 +161,27 @@ def test_fine_grained_fp8_loads_as_transformers_dequantizes_it(checkpoints):
         assert set(got) == set(want)
         for key in want:
             assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=needs_cuda)])
+def test_the_gates_models_share_the_targets_home_device(tiny_pair_dirs, tmp_path, device):
+    """What `build` calibrates and gates with: the drafter (its draft vocabulary too) where the
+    target's inputs go, the target over every visible GPU on cuda."""
+    import shutil
+
+    from dflash_trt.engine.builder import load_models, prepare
+    from dflash_trt.engine.devices import resolve_device
+    from dflash_trt.engine.spec import resolve_spec
+    from dflash_trt.runtime.draft_vocab import save_draft_vocab
+
+    tdir, ddir = tiny_pair_dirs
+    shutil.copytree(ddir, tmp_path / "draft")
+    save_draft_vocab(tmp_path / "draft", torch.arange(30), 1.0)
+    spec = resolve_spec(None, {"target": str(tdir), "draft": str(tmp_path / "draft"), "gpu": "cpu",
+                               "max_seq_len": 256})
+    models = load_models(prepare(spec), torch.float32, resolve_device(device))
+    home = home_device(models.target)
+    visible = {torch.device("cpu")} if device == "cpu" else {torch.device("cuda", i) for i in
+                                                             range(torch.cuda.device_count())}
+    assert home.type == device and set(model_devices(models.target)) <= visible
+    assert model_devices(models.draft) == [home] and models.draft.draft_vocab.device == home
