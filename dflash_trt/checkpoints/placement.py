@@ -49,3 +49,24 @@ def device_of(device_map: dict[str, Any], name: str) -> Any:
     if found is None:
         raise DFlashError(f"device map places no module holding {name}; it must cover the whole model")
     return found
+
+
+def runtime_device(name: str, flag: str = "--device") -> torch.device:
+    """A `--device` for the PyTorch runtime (cpu, cuda, cuda:N) as a torch device, checked before
+    anything loads: a malformed name, a CUDA device where torch sees none (a CPU-only build, no
+    driver, CUDA_VISIBLE_DEVICES empty) or past the visible ones is one DFlashError line."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise DFlashError(f"{flag} {name!r}: give cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise DFlashError(f"{flag} {name}: the runtime runs on cpu or cuda[:N]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DFlashError(f"{flag} {name} but torch sees no CUDA GPU (torch {torch.__version__}"
+                              f"{', built without CUDA' if torch.version.cuda is None else ''}); check "
+                              "CUDA_VISIBLE_DEVICES and the driver, or use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DFlashError(f"{flag} {name}: only {torch.cuda.device_count()} CUDA GPU(s) visible "
+                              f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    return device

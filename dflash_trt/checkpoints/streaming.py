@@ -102,19 +102,32 @@ class CheckpointReader:
         return [k for k, g in self.key_file.items() if g == f]
 
 
+def check_safetensors(directory: str | Path) -> None:
+    """Every *.safetensors file of `directory` checked against its own header (truncated, corrupt,
+    offsets or lengths past the end of the file): the one DFlashError line, before any loader --
+    this one or transformers' -- reads a tensor."""
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        _read_header(f)
+
+
 def _read_header(f: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
     """{key: (dtype, shape, absolute start, absolute end)} of one safetensors file."""
     bad = f"{f}: corrupt or truncated safetensors file"
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        raw = fh.read(8)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
-            raise DFlashError(f"{bad} (header length {n}); re-download or re-export it")
-        try:
-            header = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DFlashError(f"{bad} (header is not JSON: {e}); re-download or re-export it")
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+                raise DFlashError(f"{bad} (header length {n}); re-download or re-export it")
+            try:
+                header = json.loads(fh.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise DFlashError(f"{bad} (header is not JSON: {e}); re-download or re-export it")
+    except OSError as e:  # a directory named *.safetensors, no read permission, an I/O error
+        raise DFlashError(f"{f}: cannot read it ({e.strerror or e}); pass a readable safetensors file") from None
+    if not isinstance(header, dict):
+        raise DFlashError(f"{bad} (header is a JSON {type(header).__name__}, not an object); re-download or re-export it")
     entries = {}
     for key, info in header.items():
         if key == "__metadata__":
@@ -125,10 +138,12 @@ def _read_header(f: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
             start, end = (int(x) + 8 + n for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise DFlashError(f"{bad} (tensor {key}: {str(info)[:80]}); re-download or re-export it")
+        if min(shape, default=0) < 0:
+            raise DFlashError(f"{bad} (tensor {key} has shape {shape}); re-download or re-export it")
         numel = 1
         for d in shape:
             numel *= d
-        if end > size or end - start != numel * torch.empty((), dtype=dtype).element_size():
+        if start < 8 + n or end > size or end - start != numel * torch.empty((), dtype=dtype).element_size():
             raise DFlashError(f"{bad} (tensor {key} lies outside the file); re-download or re-export it")
         entries[key] = (dtype, shape, start, end)
     return entries

@@ -34,7 +34,6 @@ from dflash_trt.engine.recipes import ResolvedRecipe, resolve_recipe
 from dflash_trt.engine.spec import BuildSpec
 from dflash_trt.errors import DFlashError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,15 +168,13 @@ def _resolve_dirs(spec: BuildSpec) -> tuple[str | None, str | None]:
 def _check_tokenizers(target_dir: Path, draft_dir: Path | None, vocab_size: int) -> None:
     from dflash_trt.runtime.loading import load_tokenizer
 
-    if not any((target_dir / f).is_file() for f in TOKENIZER_FILES):
-        return  # tiny random pairs have none; generation then folds bytes into the vocabulary
-    tok = load_tokenizer(target_dir)
+    tok = load_tokenizer(target_dir)  # unreadable files: DFlashError
     if tok is None:
-        raise DFlashError(f"{target_dir}: tokenizer files present but unreadable; re-export the checkpoint's tokenizer")
+        return  # tiny random pairs have none; generation then folds bytes into the vocabulary
     if len(tok) > vocab_size:
         raise DFlashError(f"{target_dir}: tokenizer has {len(tok)} tokens but the model's vocab_size is {vocab_size}; "
                           "ids past the embedding would crash, use the tokenizer of this checkpoint")
-    if draft_dir is not None and any((draft_dir / f).is_file() for f in TOKENIZER_FILES):
+    if draft_dir is not None:
         dtok = load_tokenizer(draft_dir)
         if dtok is not None and len(dtok) != len(tok):
             raise DFlashError(f"{draft_dir}: drafter tokenizer has {len(dtok)} tokens, the target's has {len(tok)}; "
@@ -320,7 +317,7 @@ def load_models(p: Prepared, dtype: Any, device: BuildDevice) -> BuildModels:
     placement = device_map_for(p.target_dir, dtype, device)
     target = load_checkpoint(p.target_dir, dtype, device_map=placement)
     draft = DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=home_device(target))
-    tokenizer = load_tokenizer(p.target_dir) if any((p.target_dir / f).is_file() for f in TOKENIZER_FILES) else None
+    tokenizer = load_tokenizer(p.target_dir)
     return BuildModels(target, draft, placement, tokenizer)
 
 

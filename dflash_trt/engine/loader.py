@@ -35,4 +35,4 @@ def load_engine(engine_dir: str | Path, dtype: str | torch.dtype = "float32", de
     if pack:
         pack_cpu_linears(target)
         pack_cpu_linears(draft)
-    return LoadedPair(target, draft, load_tokenizer(tdir) if (tdir / "tokenizer_config.json").is_file() else None)
+    return LoadedPair(target, draft, load_tokenizer(tdir))

@@ -79,9 +79,11 @@ def extend_answer_file(target_dir: str | Path, out_file: str | Path, settings: A
     """Answer every train prompt (of the first `max_prompts`) that `out_file` does not answer yet,
     with the settings its answers were made with, and save the file (partially at most once a
     minute), so an interrupted job is extended, not redone. Returns (rows kept, rows added)."""
+    from dflash_trt.checkpoints.placement import runtime_device
     from dflash_trt.runtime.loading import load_target, load_tokenizer, parse_dtype
     from dflash_trt.train.answers import generate_answers, train_prompts
 
+    runtime_device(device)  # a GPU job started where there is none: one line, before anything loads
     out_file = Path(out_file)
     t0 = time.time()
     meta = answer_meta(settings)

@@ -74,17 +74,9 @@ def train_draft(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
 
 def training_device(name: str) -> Any:
     """`--device` as a torch device; DFlashError for a malformed name or a missing GPU."""
-    import torch
+    from dflash_trt.checkpoints.placement import runtime_device
 
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise DFlashError(f"--device {name!r}: give cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DFlashError(f"--device {name}: this torch build or machine has no CUDA GPU; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise DFlashError(f"--device {name}: training runs on cpu or cuda")
-    return device
+    return runtime_device(name)
 
 
 def load_frozen_target(target_dir: str, device: Any) -> tuple[Any, Any]:
