@@ -46,7 +46,7 @@ def resolve_pair(target_dir: str | Path | None = None, draft_dir: str | Path | N
     from dflash_trt.checkpoints.placement import runtime_device
     from dflash_trt.runtime.loading import LoadedPair, load_pair
 
-    runtime_device(device)  # before anything loads: a bad --device is one line
+    runtime_device(device, kinds=("cpu", "cuda", "meta"))  # before anything loads: a bad --device is one line
     manifest = None
     if engine_dir is not None:
         if target_dir or draft_dir or tiny:

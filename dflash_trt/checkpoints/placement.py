@@ -51,15 +51,16 @@ def device_of(device_map: dict[str, Any], name: str) -> Any:
     return found
 
 
-def runtime_device(name: str, flag: str = "--device") -> torch.device:
+def runtime_device(name: str, flag: str = "--device", kinds: tuple[str, ...] = ("cpu", "cuda")) -> torch.device:
     """A `--device` for the PyTorch runtime (cpu, cuda, cuda:N) as a torch device, checked before
     anything loads: a malformed name, a CUDA device where torch sees none (a CPU-only build, no
-    driver, CUDA_VISIBLE_DEVICES empty) or past the visible ones is one DFlashError line."""
+    driver, CUDA_VISIBLE_DEVICES empty) or past the visible ones is one DFlashError line. `kinds`:
+    the device types allowed (the Python API also takes "meta", shapes only, for tests)."""
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError, TypeError):
         raise DFlashError(f"{flag} {name!r}: give cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in kinds:
         raise DFlashError(f"{flag} {name}: the runtime runs on cpu or cuda[:N]")
     if device.type == "cuda":
         if not torch.cuda.is_available():
