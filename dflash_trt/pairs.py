@@ -43,8 +43,10 @@ def resolve_pair(target_dir: str | Path | None = None, draft_dir: str | Path | N
                  policy: str | None = None, pack: bool = True) -> ResolvedPair:
     """Load the pair to run (see the module docstring); DFlashError on conflicting sources. `pack`:
     oneDNN-packed linear layers for float32 on CPU (runtime/cpu_packing.py; benchmarks turn it off)."""
+    from dflash_trt.checkpoints.placement import runtime_device
     from dflash_trt.runtime.loading import LoadedPair, load_pair
 
+    runtime_device(device, kinds=("cpu", "cuda", "meta"))  # before anything loads: a bad --device is one line
     manifest = None
     if engine_dir is not None:
         if target_dir or draft_dir or tiny:

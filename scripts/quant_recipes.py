@@ -45,7 +45,7 @@ COMPUTE = {"dtype": None}  # --compute-dtype: weights rounded to --dtype, arithm
 
 
 def _load(tdir: Path, ddir: Path, dtype: torch.dtype):
-    from dflash_trt.engine.checkpoint_io import load_checkpoint
+    from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.runtime.draft_model import DFlashDraftModel
     from dflash_trt.runtime.loading import load_tokenizer
 
@@ -66,7 +66,7 @@ def _ids(tokenizer, vocab: int, split: str, n: int, max_len: int, offset: int = 
 
 def recipes_study(args: SimpleNamespace) -> list[dict]:
     from dflash_trt.engine import gate
-    from dflash_trt.engine.checkpoint_io import load_checkpoint
+    from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.quantize import quantize_and_export
     from dflash_trt.engine.recipes import resolve_recipe
 
@@ -131,7 +131,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 @torch.no_grad()
 def _fake_quant_weight(w: torch.Tensor, quant: str) -> torch.Tensor:
     """The weight as the exported checkpoint holds it (max calibration of weights is data-free)."""
-    from dflash_trt.engine.dequant import dequant_fp8, dequant_nvfp4
+    from dflash_trt.checkpoints.dequant import dequant_fp8, dequant_nvfp4
 
     w32 = w.float()
     if quant == "fp8":

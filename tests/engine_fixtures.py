@@ -62,7 +62,7 @@ def make_tiny_engine(root: Path, max_seq_len: int = 256, block_size: int = 8, se
     from dflash_trt.engine.llm_api import check_llm_api_options
     from dflash_trt.engine.manifest import MANIFEST_NAME, EngineManifest
     from dflash_trt.engine.verify import hash_tree
-    from dflash_trt.runtime.checkpoint import read_json
+    from dflash_trt.checkpoints.files import read_json
 
     engine = root / "engine"
     engine.mkdir(parents=True)

@@ -12,7 +12,8 @@ import torch
 from click.testing import CliRunner
 
 from dflash_trt.cli import main
-from dflash_trt.engine.checkpoint_io import device_of, empty_model
+from dflash_trt.checkpoints.placement import device_of
+from dflash_trt.checkpoints.streaming import empty_model
 from dflash_trt.engine.devices import plan_device_map, resolve_device, usable_bytes
 from dflash_trt.errors import DFlashError
 

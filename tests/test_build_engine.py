@@ -1,7 +1,7 @@
 """End to end on CPU: build engines (none / fp8 / nvfp4, and a tiny GptOss MoE at tp=2 ep=2),
 verify them, load them back into the reference runtime, and generate.
 
-"Reference" weights are rebuilt here independently of dflash_trt.engine.dequant: FP8 as
+"Reference" weights are rebuilt here independently of dflash_trt.checkpoints.dequant: FP8 as
 `float(W) * weight_scale`, NVFP4 through ModelOpt's own NVFP4QTensor.dequantize. The engine
 loaded with `load_engine` must generate exactly what the reference runtime generates on those
 weights, and (DFlash being lossless) exactly what plain greedy decoding of that target does.
@@ -43,7 +43,7 @@ def _build(out: Path, target: Path, draft: Path, **over) -> Path:
 
 
 def _reference_target(tdir: Path):
-    """The exported checkpoint as float weights, dequantized without dflash_trt.engine.dequant."""
+    """The exported checkpoint as float weights, dequantized without dflash_trt.checkpoints.dequant."""
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM

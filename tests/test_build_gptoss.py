@@ -1,7 +1,7 @@
 """`dflash-trt build` on gpt-oss as it ships: MXFP4 experts kept or cast losslessly to NVFP4.
 
 A tiny gpt-oss checkpoint in the released MXFP4 layout is written by the tests themselves
-(tests/gptoss_fixtures.py). The oracles are independent of dflash_trt.engine.dequant:
+(tests/gptoss_fixtures.py). The oracles are independent of dflash_trt.checkpoints.dequant:
 - transformers' own MXFP4 dequantization (`integrations/mxfp4.convert_moe_packed_tensors`, and
   `from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))` for the whole model);
 - ModelOpt's own `dequantize_mxfp4_to_bf16` and `quantize_mxfp4_to_nvfp4_lossless`
@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from dflash_trt.cli import main
-from dflash_trt.engine.dequant import dequant_mxfp4
+from dflash_trt.checkpoints.dequant import dequant_mxfp4
 from dflash_trt.engine.verify import verify_engine
 from dflash_trt.runtime.generate import autoregressive_generate
 from dflash_trt.sampling_params import SamplingParams
@@ -112,7 +112,7 @@ def test_quant_none_keeps_mxfp4_byte_for_byte_and_generates_the_source_tokens(gp
 def test_nvfp4_cast_is_bit_exact_on_the_experts_and_leaves_attention_in_bf16(gptoss, engines):
     from modelopt.torch.export import mxfp4_kmax, quantize_mxfp4_to_nvfp4_lossless
 
-    from dflash_trt.engine.dequant import dequant_nvfp4
+    from dflash_trt.checkpoints.dequant import dequant_nvfp4
 
     tdir, ddir = gptoss
     eng = engines["nvfp4"]

@@ -9,7 +9,7 @@ import pytest
 
 from dflash_trt.embedded import DRAFT_DIR, default_pair_dirs
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.checkpoint import read_json
+from dflash_trt.checkpoints.files import read_json
 from dflash_trt.runtime.validate import validate_pair
 
 MASK_TOKEN = "<repo_name>"  # documented choice: a StarCoder code-metadata special the instruct model never writes

@@ -216,3 +216,43 @@ def test_dflash_trt_client_speaks_openai_to_an_http_url(base, engine):
     assert all(o["tau"] >= 1 and o["total_accepted_draft_tokens"] <= o["total_draft_tokens"] for o in outs)
     r = CliRunner().invoke(main, ["client", "hi", "--url", "http://127.0.0.1:9", "--timeout", "5"])
     assert r.exit_code != 0 and "cannot reach an OpenAI-compatible server" in r.output and "Traceback" not in r.output
+
+
+def test_openai_chat_roles_and_limits_are_openais(base):
+    """What OpenAI answers 400 is a 400 here too (issue 36: role "wizard" got a 200). The roles
+    are the `openai` package's own (ChatCompletionRole, openai 3.57.0); tool results are refused
+    since this engine makes no tool calls; temperature <= 2 and up to 4 stop sequences are
+    OpenAI's documented ranges (completion_create_params.py)."""
+    from typing import get_args
+
+    from openai.types.chat import ChatCompletionRole
+
+    hi = {"role": "user", "content": "hi"}
+
+    def post(**body) -> httpx.Response:
+        doc = {"model": "dflash", "max_tokens": 2, "messages": [hi], **body}
+        return httpx.post(f"{base}/v1/chat/completions", json=doc, timeout=60)
+
+    for role in get_args(ChatCompletionRole):
+        r = post(messages=[{"role": role, "content": "be brief"}, hi])
+        if role in ("tool", "function"):
+            assert r.status_code == 400 and "no tool calling" in r.json()["error"]["message"], r.text
+        else:
+            assert r.status_code == 200, (role, r.text)
+    for role in ("wizard", "User"):
+        err = post(messages=[{"role": role, "content": "hi"}]).json()["error"]
+        assert (err["param"], err["code"], err["type"]) == ("messages[0].role", "invalid_value", "invalid_request_error")
+        assert err["message"].startswith(f"Invalid value: '{role}'. Supported values are: 'developer', 'system'")
+    cases = {
+        "temperature": {"temperature": 3},
+        "stop": {"stop": ["a", "b", "c", "d", "e"]},
+        "stream": {"stream": "yes"},
+        "stream_options.include_usage": {"stream": True, "stream_options": {"include_usage": "yes"}},
+        "user": {"user": {"id": 1}},
+        "messages[0].name": {"messages": [{**hi, "name": 5}]},
+        "messages[0].content": {"messages": [{"role": "user", "content": []}]},
+        "tool_choice": {"tool_choice": "auto"},
+    }
+    for param, body in cases.items():
+        r = post(**body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)

@@ -133,7 +133,7 @@ class PeerSettings(BaseModel):
     def speculative_tokens(self) -> int:
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
-        from dflash_trt.runtime.checkpoint import read_json
+        from dflash_trt.checkpoints.files import read_json
         from dflash_trt.runtime.draft_model import DFlashSettings
 
         return DFlashSettings.from_config_dict(read_json(self.draft / "config.json", what="drafter config"),

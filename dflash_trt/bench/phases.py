@@ -99,11 +99,9 @@ class PassTimer:
 
 def timer_for(target: Any, draft: Any = None, draft_head: Any = None) -> PassTimer | None:
     """A PassTimer over a pair's modules, or None where per-pass host times mean nothing (CUDA)."""
-    try:
-        device = next(target.parameters()).device
-    except (StopIteration, AttributeError):
-        return None
-    if device.type != "cpu":
+    from dflash_trt.checkpoints.placement import home_device
+
+    if not hasattr(target, "parameters") or home_device(target).type != "cpu":
         return None
     from dflash_trt.runtime.target import TargetAdapter
 

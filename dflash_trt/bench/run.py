@@ -223,6 +223,10 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
     from dflash_trt.bench.summary import build_rows
 
     say = say or (lambda _line: None)
+    if cfg.in_process:
+        from dflash_trt.checkpoints.placement import runtime_device
+
+        runtime_device(cfg.device)  # a GPU this machine lacks: one line, before anything loads
     if cfg.peer:
         from dflash_trt.bench.peer_vllm import require_peer
 

@@ -112,7 +112,7 @@ def known_arch_names() -> list[str]:
 
 def resolve_arch(target: str | Path) -> tuple[ArchSpec, dict[str, Any], Path | None]:
     """(ArchSpec, raw config, checkpoint dir or None) for a checkpoint directory or a known name."""
-    from dflash_trt.runtime.checkpoint import read_json
+    from dflash_trt.checkpoints.files import read_json
 
     p = Path(target)
     if p.is_dir():

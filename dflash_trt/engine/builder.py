@@ -34,7 +34,6 @@ from dflash_trt.engine.recipes import ResolvedRecipe, resolve_recipe
 from dflash_trt.engine.spec import BuildSpec
 from dflash_trt.errors import DFlashError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,15 +168,13 @@ def _resolve_dirs(spec: BuildSpec) -> tuple[str | None, str | None]:
 def _check_tokenizers(target_dir: Path, draft_dir: Path | None, vocab_size: int) -> None:
     from dflash_trt.runtime.loading import load_tokenizer
 
-    if not any((target_dir / f).is_file() for f in TOKENIZER_FILES):
-        return  # tiny random pairs have none; generation then folds bytes into the vocabulary
-    tok = load_tokenizer(target_dir)
+    tok = load_tokenizer(target_dir)  # unreadable files: DFlashError
     if tok is None:
-        raise DFlashError(f"{target_dir}: tokenizer files present but unreadable; re-export the checkpoint's tokenizer")
+        return  # tiny random pairs have none; generation then folds bytes into the vocabulary
     if len(tok) > vocab_size:
         raise DFlashError(f"{target_dir}: tokenizer has {len(tok)} tokens but the model's vocab_size is {vocab_size}; "
                           "ids past the embedding would crash, use the tokenizer of this checkpoint")
-    if draft_dir is not None and any((draft_dir / f).is_file() for f in TOKENIZER_FILES):
+    if draft_dir is not None:
         dtok = load_tokenizer(draft_dir)
         if dtok is not None and len(dtok) != len(tok):
             raise DFlashError(f"{draft_dir}: drafter tokenizer has {len(dtok)} tokens, the target's has {len(tok)}; "
@@ -186,7 +183,7 @@ def _check_tokenizers(target_dir: Path, draft_dir: Path | None, vocab_size: int)
 
 def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
     """All checks that need only configs; the memory plan. Raises DFlashError on the first problem."""
-    from dflash_trt.runtime.checkpoint import read_json
+    from dflash_trt.checkpoints.files import read_json
     from dflash_trt.runtime.validate import validate_pair
 
     target, draft = _resolve_dirs(spec)
@@ -237,13 +234,14 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
 
 
 def _source_format(tdir: Path) -> str | None:
-    """MXFP4 (gpt-oss as released) or None; a ModelOpt export is refused as a build input."""
-    from dflash_trt.engine.dequant import read_quant_algo
+    """MXFP4 (gpt-oss as released) or None; any other quantized checkpoint (a ModelOpt export,
+    transformers' FP8) is refused as a build input."""
+    from dflash_trt.checkpoints.dequant import read_quant_algo
 
     algo = read_quant_algo(tdir)
-    if algo in ("FP8", "NVFP4"):
-        raise DFlashError(f"{tdir} is already a ModelOpt {algo} export (hf_quant_config.json); `build` quantizes "
-                          "a 16-bit checkpoint (or gpt-oss's released MXFP4 one): pass the original checkpoint")
+    if algo is not None and algo != "MXFP4":
+        raise DFlashError(f"{tdir} is already quantized ({algo}); `build` quantizes a 16-bit checkpoint (or "
+                          "gpt-oss's released MXFP4 one): pass the original checkpoint")
     return algo
 
 
@@ -294,161 +292,283 @@ def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool) -> tup
     return calib, gate
 
 
+@dataclass
+class BuildModels:
+    """The models a quantized or gated build runs (calibration, the acceptance gate): the target
+    placed by `placement` (one device, or a device map over the GPUs), the drafter on the target's
+    home device, and the target's tokenizer (None for tiny random pairs)."""
+
+    target: Any
+    draft: Any
+    placement: dict[str, Any]
+    tokenizer: Any
+
+
+def load_models(p: Prepared, dtype: Any, device: BuildDevice) -> BuildModels:
+    """The target in `dtype` on `device` (spread over every visible GPU by a device map when it is
+    cuda) and the drafter where the target's inputs go."""
+    from dflash_trt.checkpoints.placement import home_device
+    from dflash_trt.checkpoints.streaming import load_checkpoint
+    from dflash_trt.engine.devices import device_map_for
+    from dflash_trt.runtime.draft_model import DFlashDraftModel
+    from dflash_trt.runtime.loading import load_tokenizer
+
+    assert p.target_dir is not None and p.draft_dir is not None
+    placement = device_map_for(p.target_dir, dtype, device)
+    target = load_checkpoint(p.target_dir, dtype, device_map=placement)
+    draft = DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=home_device(target))
+    tokenizer = load_tokenizer(p.target_dir)
+    return BuildModels(target, draft, placement, tokenizer)
+
+
+@dataclass
+class BuildRun:
+    """What every phase of one build reads: the prepared build, the temporary engine directory
+    it writes, the engine dtype and device, and how it reports."""
+
+    p: Prepared
+    tmp: Path
+    dtype: Any
+    device: BuildDevice
+    progress: bool
+    console: Any = None
+
+    def say(self, msg: str) -> None:  # plain text: paths and [low, high] intervals are not rich markup
+        if self.console is not None:
+            self.console.print(msg, markup=False, highlight=False)
+
+
 def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool = True,
                  console: Any = None, profile: Profile | None = None, device: BuildDevice | None = None) -> Path:
     """Write the engine directory for a prepared (validated, planned) build. Returns its path.
+
+    Phases (each timed in the profile): load -> tau_before -> quantize_export -> tau_after for a
+    quantized build, export for --quant none, then write, hash and the manifest, last.
 
     Host memory: a --quant none build streams the checkpoint shard by shard (no model loaded
     unless the gate is asked for). A quantized build holds ONE model at a time: the target in the
     engine dtype for the gate's "before" and calibration, then, after the export is written and
     that model freed, the exported checkpoint (dequantized, same dtype) for the gate's "after".
     """
-    import yaml
-
-    from dflash_trt.engine import gate as gate_mod
-    from dflash_trt.engine.checkpoint_io import convert_checkpoint, copy_aux_files, load_checkpoint
-    from dflash_trt.engine.devices import device_map_for, input_device, resolve_device
+    from dflash_trt.engine.devices import resolve_device
     from dflash_trt.engine.host_memory import release_freed_memory, return_large_frees_to_os
-    from dflash_trt.engine.llm_api import launch_scripts, llm_api_options, render_yaml
-    from dflash_trt.engine.manifest import MANIFEST_NAME, DraftInfo, EngineManifest, Limits, Mapping, Quantization, TargetInfo
-    from dflash_trt.engine.trtllm_versions import min_version, requirements
+    from dflash_trt.engine.manifest import MANIFEST_NAME
     from dflash_trt.engine.verify import hash_tree
-    from dflash_trt.fsutil import atomic_directory, write_json_atomic, write_text_atomic
-    from dflash_trt.runtime.draft_model import DFlashDraftModel
-    from dflash_trt.runtime.loading import DTYPES, load_tokenizer
+    from dflash_trt.fsutil import atomic_directory, write_json_atomic
+    from dflash_trt.runtime.loading import DTYPES
 
     spec, prof = p.spec, profile or Profile()
     return_large_frees_to_os()  # before any model: see dflash_trt.engine.host_memory
-    assert p.target_dir is not None and p.draft_dir is not None
-    if out.exists() and not overwrite:
-        raise DFlashError(f"{out} already exists; pass --force to replace it, or choose another --out")
-    from dflash_trt.fsutil import reserve_space, tree_bytes  # refuse now, not when the disk fills
-
-    reserve_space(out, tree_bytes(p.target_dir) * {"fp8": 0.55, "nvfp4": 0.3}.get(spec.quant, 1.0)
-                  + tree_bytes(p.draft_dir), "the engine")
-
-    def say(msg: str) -> None:  # plain text: paths and [low, high] intervals are not rich markup
-        if console is not None:
-            console.print(msg, markup=False, highlight=False)
-
-    dtype = DTYPES[p.dtype_name]
+    _refuse_early(p, out, overwrite)
     quantized = spec.quant != "none"
     gate_on = spec.gate.enabled if spec.gate.enabled is not None else quantized
     device = device or resolve_device(spec.device)
+    quantize_and_export = _import_quantizer(spec.quant) if quantized else None
     acceptance: dict[str, Any] | None = None
     quant_report: dict[str, Any] = {}
 
-    if quantized:  # before any model exists: see dflash_trt.engine.quantize on ModelOpt's first import
-        try:
-            from dflash_trt.engine.quantize import quantize_and_export
-        except ImportError as e:
-            raise DFlashError(f"--quant {spec.quant} needs nvidia-modelopt ({e}); pip install 'dflash-trt[quant]'")
-
     with sigterm_as_interrupt(), atomic_directory(out, overwrite=overwrite) as tmp:
-        target = draft = None
+        run = BuildRun(p, tmp, DTYPES[p.dtype_name], device, progress, console)
+        models: BuildModels | None = None
         if quantized or gate_on:
             with prof.phase("load"):
-                placement = device_map_for(p.target_dir, dtype, device)
-                home = input_device(placement)
-                say(f"loading target {p.target_dir} ({p.dtype_name}, {device.describe()}) and drafter {p.draft_dir}")
-                target = load_checkpoint(p.target_dir, dtype, device_map=placement)
-                draft = DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=str(home))
-                tokenizer = load_tokenizer(p.target_dir) if any((p.target_dir / f).is_file() for f in TOKENIZER_FILES) else None
-                calib_ids, gate_ids = _gate_and_calibration_ids(p, tokenizer, gate_on)
+                run.say(f"loading target {p.target_dir} ({p.dtype_name}, {device.describe()}) and drafter {p.draft_dir}")
+                models = load_models(p, run.dtype, device)
+                calib_ids, gate_ids = _gate_and_calibration_ids(p, models.tokenizer, gate_on)
             if gate_on:
                 with prof.phase("tau_before"):
-                    before = gate_mod.measure_tau(target, draft, gate_ids, spec.gate.max_new_tokens,
-                                                  "tau (unquantized)", progress, p.max_draft_len)
-                fit = gate_mod.check_fit(before, spec.gate.min_tau)
-                acceptance = {"before": before.summary(), "fit": fit}
-                lo, hi = before.interval()
-                say(f"unquantized tau {before.tau:.3f} [{lo:.3f}, {hi:.3f}] (95%, {before.n} prompts x "
-                    f"{spec.gate.max_new_tokens} tokens)")
+                    before = _gate_pass(run, models.target, models.draft, gate_ids, "tau (unquantized)")
+                acceptance = _before_verdict(run, before)
         if quantized:
-            assert p.recipe is not None
+            assert models is not None and quantize_and_export is not None
             with prof.phase("quantize_export"):
-                say(f"quantizing with ModelOpt: {spec.quant} weights, recipe {p.recipe.describe()}, KV cache "
-                    f"{spec.kv_cache_quant}, {len(calib_ids)} calibration prompts")
-                quant_report = quantize_and_export(
-                    target, spec.quant, spec.kv_cache_quant, p.recipe, calib_ids, tmp / "target", dtype, progress,
-                    mxfp4_source=p.target_dir if p.source_format == "MXFP4" else None)
-                copy_aux_files(p.target_dir, tmp / "target")
-                cast = quant_report.get("mxfp4_cast")
-                if cast:
-                    say(f"MXFP4 -> NVFP4 expert cast: {cast['lossless_blocks']}/{cast['mxfp4_blocks']} blocks "
-                        "bit-exact")
-            target = None
+                quant_report = _quantize_export(run, quantize_and_export, models.target, calib_ids)
+            models.target = None  # the export holds the quantized weights now: free the float model
             release_freed_memory()
             if gate_on:
                 with prof.phase("tau_after"):
-                    qtarget = load_checkpoint(tmp / "target", dtype, device_map=placement)
-                    after = gate_mod.measure_tau(qtarget, draft, gate_ids, spec.gate.max_new_tokens,
-                                                 f"tau ({spec.quant})", progress, p.max_draft_len)
-                    qtarget = None
-                    release_freed_memory()
-                acceptance = {**gate_mod.decide(before, after, spec.quant, spec.gate.max_tau_drop,
-                                                spec.gate.accept_tau_drop, spec.gate.min_tau),
-                              "fit": acceptance["fit"] if acceptance else None}
-                say(gate_mod.describe(acceptance, spec.quant))
+                    after = _gate_after_export(run, models, gate_ids)
+                acceptance = _after_verdict(run, before, after, acceptance)
         else:
-            target = draft = None
+            models = None
             release_freed_memory()
             with prof.phase("export"):
-                stats = convert_checkpoint(p.target_dir, tmp / "target", dtype, progress)
-                say(f"target written shard by shard: {stats['cast']} tensors in {p.dtype_name}, {stats['kept']} kept "
-                    "byte for byte" + (" (MXFP4 experts as shipped)" if p.source_format == "MXFP4" else ""))
-        draft = None
+                _convert_target(run)
+        models = None
         with prof.phase("write"):
-            (tmp / "draft").mkdir()
-            for f in sorted(p.draft_dir.iterdir()):  # the drafter ships byte for byte (not requantized)
-                if f.is_file() and f.suffix in (".json", ".safetensors", ".md", ".txt"):
-                    shutil.copy2(f, tmp / "draft" / f.name)
-            opts = llm_api_options(spec, is_moe=p.arch.is_moe, max_draft_len=p.max_draft_len,
-                                   max_num_tokens=p.max_num_tokens, mask_token_id=int(p.mask_token_id or 0),
-                                   target_layer_ids=p.target_layer_ids, dtype=p.dtype_name,
-                                   expert_format=p.expert_format)
-            min_trtllm = min_version(opts)  # the oldest release that has every key written
-            header = (f"TensorRT-LLM LLM-API options (>= {min_trtllm}, one-model DFlash), generated by "
-                      "dflash-trt build.\nRun from the engine directory: trtllm-serve ./target --config ./llm_api_options.yaml")
-            write_text_atomic(tmp / "llm_api_options.yaml", render_yaml(opts, header))
-            assert yaml.safe_load((tmp / "llm_api_options.yaml").read_text()) == opts
-            for rel, text in launch_scripts(spec, is_moe=p.arch.is_moe, max_draft_len=p.max_draft_len,
-                                            block_size=int(p.block_size or p.max_draft_len + 1)).items():
-                write_text_atomic(tmp / rel, text)
-                (tmp / rel).chmod(0o755)
+            opts = _write_draft_and_launch(run)
         with prof.phase("hash"):
             files = hash_tree(tmp)
-        manifest = EngineManifest(
-            name=default_name(p),
-            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            gpu=spec.gpu,
-            mapping=Mapping(tp=spec.tp, pp=spec.pp, ep=spec.ep, gpus_per_node=spec.gpus_per_node),
-            quantization=Quantization(weights=spec.quant, kv_cache=spec.kv_cache_quant,
-                                      recipe=p.recipe.name if p.recipe else None,
-                                      keep_layers=list(p.recipe.keep_layers) if p.recipe else [],
-                                      keep_modules=list(p.recipe.keep_modules) if p.recipe else [],
-                                      source_format=p.source_format, expert_format=p.expert_format,
-                                      dtype=p.dtype_name, report=quant_report or None),
-            limits=Limits(max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len,
-                          max_draft_len=p.max_draft_len, max_num_tokens=p.max_num_tokens),
-            target=TargetInfo(architecture=p.arch.architecture, num_layers=p.arch.num_layers,
-                              hidden_size=p.arch.hidden_size, vocab_size=p.arch.vocab_size),
-            draft=DraftInfo(block_size=int(p.block_size or 0), mask_token_id=int(p.mask_token_id or 0),
-                            target_layer_ids=p.target_layer_ids),
-            min_tensorrt_llm_version=min_trtllm,
-            tensorrt_llm_requirements=requirements(opts),
-            versions=versions(quantized),
-            # the resolved spec, re-runnable as is with `build --spec` (the Slurm build job does that)
-            spec={**spec.model_dump(), "target": str(p.target_dir), "draft": str(p.draft_dir), "out": str(out),
-                  "dtype": p.dtype_name},
-            files=files,
-            plan=p.plan.to_dict(),
-            acceptance=acceptance,
-            timings_s={k: round(v, 3) for k, v in prof.phases.items()},
-            build_device=device.describe(),
-        )
+        manifest = _manifest(run, out, opts, files, quant_report, acceptance, prof)
         write_json_atomic(tmp / MANIFEST_NAME, manifest.model_dump(mode="json"))
     return out
+
+
+def _refuse_early(p: Prepared, out: Path, overwrite: bool) -> None:
+    """An existing --out without --force, or a disk without room for the engine: refused now, not
+    when the disk fills."""
+    from dflash_trt.fsutil import reserve_space, tree_bytes
+
+    assert p.target_dir is not None and p.draft_dir is not None
+    if out.exists() and not overwrite:
+        raise DFlashError(f"{out} already exists; pass --force to replace it, or choose another --out")
+    reserve_space(out, tree_bytes(p.target_dir) * {"fp8": 0.55, "nvfp4": 0.3}.get(p.spec.quant, 1.0)
+                  + tree_bytes(p.draft_dir), "the engine")
+
+
+def _import_quantizer(quant: str) -> Any:
+    """ModelOpt's quantize-and-export, imported before any model exists (see
+    dflash_trt.engine.quantize on ModelOpt's first import)."""
+    try:
+        from dflash_trt.engine.quantize import quantize_and_export
+    except ImportError as e:
+        raise DFlashError(f"--quant {quant} needs nvidia-modelopt ({e}); pip install 'dflash-trt[quant]'")
+    return quantize_and_export
+
+
+def _gate_pass(run: BuildRun, target: Any, draft: Any, gate_ids: list[list[int]], label: str) -> Any:
+    """tau of `target` with the drafter over the gate's prompts (a gate.TauSample)."""
+    from dflash_trt.engine import gate as gate_mod
+
+    spec = run.p.spec
+    return gate_mod.measure_tau(target, draft, gate_ids, spec.gate.max_new_tokens, label, run.progress,
+                                run.p.max_draft_len)
+
+
+def _before_verdict(run: BuildRun, before: Any) -> dict[str, Any]:
+    """The unquantized tau, and whether the drafter fits this target at all."""
+    from dflash_trt.engine import gate as gate_mod
+
+    spec = run.p.spec
+    fit = gate_mod.check_fit(before, spec.gate.min_tau)
+    lo, hi = before.interval()
+    run.say(f"unquantized tau {before.tau:.3f} [{lo:.3f}, {hi:.3f}] (95%, {before.n} prompts x "
+            f"{spec.gate.max_new_tokens} tokens)")
+    return {"before": before.summary(), "fit": fit}
+
+
+def _quantize_export(run: BuildRun, quantize_and_export: Any, target: Any, calib_ids: list[list[int]]
+                     ) -> dict[str, Any]:
+    """Calibrate and quantize `target` with ModelOpt and export it to target/ (the tokenizer files
+    beside it); the quantization report."""
+    from dflash_trt.checkpoints.streaming import copy_aux_files
+
+    p, spec = run.p, run.p.spec
+    assert p.recipe is not None and p.target_dir is not None
+    run.say(f"quantizing with ModelOpt: {spec.quant} weights, recipe {p.recipe.describe()}, KV cache "
+            f"{spec.kv_cache_quant}, {len(calib_ids)} calibration prompts")
+    report = quantize_and_export(
+        target, spec.quant, spec.kv_cache_quant, p.recipe, calib_ids, run.tmp / "target", run.dtype, run.progress,
+        mxfp4_source=p.target_dir if p.source_format == "MXFP4" else None)
+    copy_aux_files(p.target_dir, run.tmp / "target")
+    cast = report.get("mxfp4_cast")
+    if cast:
+        run.say(f"MXFP4 -> NVFP4 expert cast: {cast['lossless_blocks']}/{cast['mxfp4_blocks']} blocks bit-exact")
+    return report
+
+
+def _gate_after_export(run: BuildRun, models: BuildModels, gate_ids: list[list[int]]) -> Any:
+    """tau of the EXPORTED weights (dequantized, placed as the float target was), freed after."""
+    from dflash_trt.checkpoints.streaming import load_checkpoint
+    from dflash_trt.engine.host_memory import release_freed_memory
+
+    qtarget = load_checkpoint(run.tmp / "target", run.dtype, device_map=models.placement)
+    after = _gate_pass(run, qtarget, models.draft, gate_ids, f"tau ({run.p.spec.quant})")
+    qtarget = None
+    release_freed_memory()
+    return after
+
+
+def _after_verdict(run: BuildRun, before: Any, after: Any, acceptance: dict[str, Any] | None) -> dict[str, Any]:
+    """The gate's decision on the drop from `before` to `after`."""
+    from dflash_trt.engine import gate as gate_mod
+
+    spec = run.p.spec
+    decided = {**gate_mod.decide(before, after, spec.quant, spec.gate.max_tau_drop, spec.gate.accept_tau_drop,
+                                 spec.gate.min_tau),
+               "fit": acceptance["fit"] if acceptance else None}
+    run.say(gate_mod.describe(decided, spec.quant))
+    return decided
+
+
+def _convert_target(run: BuildRun) -> None:
+    """--quant none: the checkpoint cast to the engine dtype shard by shard (MXFP4 experts kept)."""
+    from dflash_trt.checkpoints.streaming import convert_checkpoint
+
+    p = run.p
+    assert p.target_dir is not None
+    stats = convert_checkpoint(p.target_dir, run.tmp / "target", run.dtype, run.progress)
+    run.say(f"target written shard by shard: {stats['cast']} tensors in {p.dtype_name}, {stats['kept']} kept "
+            "byte for byte" + (" (MXFP4 experts as shipped)" if p.source_format == "MXFP4" else ""))
+
+
+def _write_draft_and_launch(run: BuildRun) -> dict[str, Any]:
+    """draft/ (byte for byte, not requantized), llm_api_options.yaml and the launch scripts; the
+    LLM-API options written."""
+    import yaml
+
+    from dflash_trt.engine.llm_api import launch_scripts, llm_api_options, render_yaml
+    from dflash_trt.engine.trtllm_versions import min_version
+    from dflash_trt.fsutil import write_text_atomic
+
+    p, spec, tmp = run.p, run.p.spec, run.tmp
+    assert p.draft_dir is not None
+    (tmp / "draft").mkdir()
+    for f in sorted(p.draft_dir.iterdir()):
+        if f.is_file() and f.suffix in (".json", ".safetensors", ".md", ".txt"):
+            shutil.copy2(f, tmp / "draft" / f.name)
+    opts = llm_api_options(spec, is_moe=p.arch.is_moe, max_draft_len=p.max_draft_len,
+                           max_num_tokens=p.max_num_tokens, mask_token_id=int(p.mask_token_id or 0),
+                           target_layer_ids=p.target_layer_ids, dtype=p.dtype_name,
+                           expert_format=p.expert_format)
+    min_trtllm = min_version(opts)  # the oldest release that has every key written
+    header = (f"TensorRT-LLM LLM-API options (>= {min_trtllm}, one-model DFlash), generated by "
+              "dflash-trt build.\nRun from the engine directory: trtllm-serve ./target --config ./llm_api_options.yaml")
+    write_text_atomic(tmp / "llm_api_options.yaml", render_yaml(opts, header))
+    assert yaml.safe_load((tmp / "llm_api_options.yaml").read_text()) == opts
+    for rel, text in launch_scripts(spec, is_moe=p.arch.is_moe, max_draft_len=p.max_draft_len,
+                                    block_size=int(p.block_size or p.max_draft_len + 1)).items():
+        write_text_atomic(tmp / rel, text)
+        (tmp / rel).chmod(0o755)
+    return opts
+
+
+def _manifest(run: BuildRun, out: Path, opts: dict[str, Any], files: Any, quant_report: dict[str, Any],
+              acceptance: dict[str, Any] | None, prof: Profile) -> Any:
+    """The engine's manifest: what was built, from what, how, and every file's sha256."""
+    from dflash_trt.engine.manifest import DraftInfo, EngineManifest, Limits, Mapping, Quantization, TargetInfo
+    from dflash_trt.engine.trtllm_versions import min_version, requirements
+
+    p, spec = run.p, run.p.spec
+    return EngineManifest(
+        name=default_name(p),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        gpu=spec.gpu,
+        mapping=Mapping(tp=spec.tp, pp=spec.pp, ep=spec.ep, gpus_per_node=spec.gpus_per_node),
+        quantization=Quantization(weights=spec.quant, kv_cache=spec.kv_cache_quant,
+                                  recipe=p.recipe.name if p.recipe else None,
+                                  keep_layers=list(p.recipe.keep_layers) if p.recipe else [],
+                                  keep_modules=list(p.recipe.keep_modules) if p.recipe else [],
+                                  source_format=p.source_format, expert_format=p.expert_format,
+                                  dtype=p.dtype_name, report=quant_report or None),
+        limits=Limits(max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len,
+                      max_draft_len=p.max_draft_len, max_num_tokens=p.max_num_tokens),
+        target=TargetInfo(architecture=p.arch.architecture, num_layers=p.arch.num_layers,
+                          hidden_size=p.arch.hidden_size, vocab_size=p.arch.vocab_size),
+        draft=DraftInfo(block_size=int(p.block_size or 0), mask_token_id=int(p.mask_token_id or 0),
+                        target_layer_ids=p.target_layer_ids),
+        min_tensorrt_llm_version=min_version(opts),
+        tensorrt_llm_requirements=requirements(opts),
+        versions=versions(spec.quant != "none"),
+        # the resolved spec, re-runnable as is with `build --spec` (the Slurm build job does that)
+        spec={**spec.model_dump(), "target": str(p.target_dir), "draft": str(p.draft_dir), "out": str(out),
+              "dtype": p.dtype_name},
+        files=files,
+        plan=p.plan.to_dict(),
+        acceptance=acceptance,
+        timings_s={k: round(v, 3) for k, v in prof.phases.items()},
+        build_device=run.device.describe(),
+    )
 
 
 def render_profile(prof: Profile, console: Any) -> None:

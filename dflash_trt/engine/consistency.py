@@ -51,7 +51,7 @@ def _differ(root: Path, field: str, stated: Any, source: str, actual: Any) -> No
 def check_consistency(root: Path, manifest: EngineManifest, opts: dict[str, Any]) -> None:
     """The manifest's draft / target / limits figures equal those of the (hashed) files."""
     from dflash_trt.engine.archs import arch_from_config
-    from dflash_trt.runtime.checkpoint import read_json
+    from dflash_trt.checkpoints.files import read_json
     from dflash_trt.runtime.draft_model import DFlashSettings
 
     draft_cfg_path = f"{manifest.draft.path}/config.json"

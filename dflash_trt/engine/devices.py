@@ -123,15 +123,7 @@ def device_map_for(model_dir: Any, dtype: Any, device: BuildDevice) -> dict[str,
         return {"": "cpu"}
     from pathlib import Path
 
-    from dflash_trt.engine.checkpoint_io import empty_model, model_config
+    from dflash_trt.checkpoints.streaming import empty_model, model_config
 
     meta = empty_model(model_config(Path(model_dir)), dtype)
     return plan_device_map(meta, device.gpu_free_bytes, dtype)
-
-
-def input_device(device_map: dict[str, Any]) -> Any:
-    """Where token ids go in: the device of the first placed module (the embedding's)."""
-    import torch
-
-    first = next(iter(device_map.values()))
-    return torch.device(f"cuda:{first}") if isinstance(first, int) else torch.device(first)

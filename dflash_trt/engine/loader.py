@@ -16,10 +16,10 @@ def load_engine(engine_dir: str | Path, dtype: str | torch.dtype = "float32", de
     `verify` re-checks every file's sha256 against the manifest first (a second or so for the
     embedded pair), so a tampered or half-copied engine fails with the bad file named.
     """
-    from dflash_trt.engine.checkpoint_io import load_checkpoint
+    from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.manifest import load_manifest
     from dflash_trt.engine.verify import verify_engine
-    from dflash_trt.runtime.checkpoint import read_json
+    from dflash_trt.checkpoints.files import read_json
     from dflash_trt.runtime.cpu_packing import pack_cpu_linears
     from dflash_trt.runtime.draft_model import DFlashDraftModel
     from dflash_trt.runtime.loading import load_tokenizer, parse_dtype
@@ -35,4 +35,4 @@ def load_engine(engine_dir: str | Path, dtype: str | torch.dtype = "float32", de
     if pack:
         pack_cpu_linears(target)
         pack_cpu_linears(draft)
-    return LoadedPair(target, draft, load_tokenizer(tdir) if (tdir / "tokenizer_config.json").is_file() else None)
+    return LoadedPair(target, draft, load_tokenizer(tdir))

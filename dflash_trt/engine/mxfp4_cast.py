@@ -56,7 +56,7 @@ def pin_expert_scales(model: Any, source_dir: Path) -> CastReport:
         mxfp4_to_nvfp4_per_block_amax,
     )
 
-    from dflash_trt.engine.checkpoint_io import CheckpointReader
+    from dflash_trt.checkpoints.streaming import CheckpointReader
 
     modules = dict(model.named_modules())
     report = CastReport(0, 0, 0)

@@ -76,7 +76,7 @@ class DraftShape:
         return self.num_layers * layer + self.num_context_layers * H * H + 2 * H  # + fc, hidden_norm, norm
 
 
-@dataclass
+@dataclass(kw_only=True)  # twenty-odd fields: built by name only
 class MemoryPlan:
     gpu: str
     tp: int
@@ -233,31 +233,38 @@ def plan_memory(arch: ArchSpec, spec: BuildSpec, draft: DraftShape, max_draft_le
     reserve = gpu.runtime_reserve_bytes + activations + logits
 
     weights = quantized + unq + draft_bytes
+    budget: float | None = None
+    toks: int | None = None
+    seqs: int | None = None
     if gpu.hbm_bytes is None:
-        return MemoryPlan(spec.gpu, tp, pp, ep, spec.quant, spec.kv_cache_quant, L_r, kvr, quantized, unq,
-                          draft_bytes, kv_per_token, kv_per_seq, reserve, None, None, None, None,
-                          "n/a: reference runtime on the host (dequantized weights, no HBM budget)", True,
-                          draft.estimated, notes, recipe_name, experts if arch.is_moe else None, expert_bytes,
-                          draft_kv_tok)
-    free = gpu.hbm_bytes - weights - reserve
-    budget = max(0.0, free) * spec.free_gpu_memory_fraction
-    seqs = int(budget // kv_per_seq) if kv_per_seq else 0
-    toks = int(budget // (kv_per_seq / S)) if kv_per_seq else 0
-    if free <= 0:
-        verdict, fits = (f"DOES NOT FIT: weights + reserve = {(weights + reserve) / GB:.1f} GB > "
-                         f"{gpu.hbm_bytes / GB:.0f} GB HBM; raise --tp/--pp or quantize"), False
-    elif seqs < spec.max_batch_size:
-        verdict, fits = (f"TIGHT: KV cache holds {seqs} sequences of {S} tokens < max_batch_size "
-                         f"{spec.max_batch_size}; lower --max-seq-len/--max-batch-size or add GPUs"), True
+        verdict, fits = "n/a: reference runtime on the host (dequantized weights, no HBM budget)", True
     else:
-        verdict, fits = f"fits: KV cache holds {seqs} sequences of {S} tokens (>= max_batch_size {spec.max_batch_size})", True
-    if draft.estimated:
-        notes.append(f"drafter size estimated: {draft.num_layers} Qwen3-style layers at the target's width (no drafter dir)")
-    if kvr * tp > arch.num_kv_heads:
-        notes.append(f"{arch.num_kv_heads} KV heads replicated over {tp} TP ranks (1 per rank)")
-    return MemoryPlan(spec.gpu, tp, pp, ep, spec.quant, spec.kv_cache_quant, L_r, kvr, quantized, unq, draft_bytes,
-                      kv_per_token, kv_per_seq, reserve, gpu.hbm_bytes, budget, toks, seqs, verdict, fits,
-                      draft.estimated, notes, recipe_name, experts if arch.is_moe else None, expert_bytes, draft_kv_tok)
+        free = gpu.hbm_bytes - weights - reserve
+        budget = max(0.0, free) * spec.free_gpu_memory_fraction
+        seqs = int(budget // kv_per_seq) if kv_per_seq else 0
+        toks = int(budget // (kv_per_seq / S)) if kv_per_seq else 0
+        if free <= 0:
+            verdict, fits = (f"DOES NOT FIT: weights + reserve = {(weights + reserve) / GB:.1f} GB > "
+                             f"{gpu.hbm_bytes / GB:.0f} GB HBM; raise --tp/--pp or quantize"), False
+        elif seqs < spec.max_batch_size:
+            verdict, fits = (f"TIGHT: KV cache holds {seqs} sequences of {S} tokens < max_batch_size "
+                             f"{spec.max_batch_size}; lower --max-seq-len/--max-batch-size or add GPUs"), True
+        else:
+            verdict, fits = (f"fits: KV cache holds {seqs} sequences of {S} tokens (>= max_batch_size "
+                             f"{spec.max_batch_size})"), True
+        if draft.estimated:
+            notes.append(f"drafter size estimated: {draft.num_layers} Qwen3-style layers at the target's width (no "
+                         "drafter dir)")
+        if kvr * tp > arch.num_kv_heads:
+            notes.append(f"{arch.num_kv_heads} KV heads replicated over {tp} TP ranks (1 per rank)")
+    return MemoryPlan(
+        gpu=spec.gpu, tp=tp, pp=pp, ep=ep, quant=spec.quant, kv_cache_quant=spec.kv_cache_quant,
+        layers_per_rank=L_r, kv_heads_per_rank=kvr, target_quantized_bytes=quantized, target_unquantized_bytes=unq,
+        draft_bytes=draft_bytes, kv_bytes_per_token=kv_per_token, kv_bytes_per_sequence=kv_per_seq,
+        reserve_bytes=reserve, hbm_bytes=gpu.hbm_bytes, kv_budget_bytes=budget, kv_tokens_fit=toks,
+        sequences_fit=seqs, verdict=verdict, fits=fits, draft_estimated=draft.estimated, notes=notes,
+        recipe=recipe_name, expert_format=experts if arch.is_moe else None, expert_bytes=expert_bytes,
+        draft_kv_bytes_per_token=draft_kv_tok)
 
 
 def render_plan(plan: MemoryPlan, arch: ArchSpec, console: Any = None) -> None:

@@ -19,7 +19,7 @@ this function's `model` argument, had it imported ModelOpt itself -- is never fr
 
 On a CPU: FP8 calibration works end to end; NVFP4 calibration and export work, but a forward of
 the fake-quantized NVFP4 model asserts "amax must be a CUDA tensor" -- nothing here runs one (the
-acceptance gate runs the EXPORTED weights through dflash_trt.engine.dequant instead).
+acceptance gate runs the EXPORTED weights through dflash_trt.checkpoints.dequant instead).
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import modelopt.torch.quantization as mtq
 from modelopt.torch.export import export_hf_checkpoint
 
+from dflash_trt.checkpoints.placement import home_device
+from dflash_trt.checkpoints.quiet import quiet_transformers
 from dflash_trt.engine.recipes import ResolvedRecipe, modelopt_config
 from dflash_trt.errors import DFlashError
 
@@ -60,7 +62,7 @@ def quantize_and_export(model: Any, quant: str, kv_cache_quant: str, recipe: Res
         model.config.architectures = [type(model).__name__]
     cast = mxfp4_source is not None and quant == "nvfp4"
     cfg = modelopt_config(quant, kv_cache_quant, recipe, static_expert_weights=cast)
-    device = model.get_input_embeddings().weight.device
+    device = home_device(model)
 
     def forward_loop(m: Any) -> None:
         with torch.no_grad():
@@ -80,26 +82,9 @@ def quantize_and_export(model: Any, quant: str, kv_cache_quant: str, recipe: Res
             report["mxfp4_cast"] = pin_expert_scales(model, mxfp4_source).to_dict()
         if before_export is not None:
             before_export(model)
-        with _transformers_quiet(progress):
+        with quiet_transformers(progress, prints_to=sys.stderr):
             export_hf_checkpoint(model, dtype=dtype, export_dir=export_dir, max_shard_size=EXPORT_SHARD_SIZE)
     return report
-
-
-@contextlib.contextmanager
-def _transformers_quiet(progress: bool) -> Iterator[None]:
-    """transformers' save_pretrained logs deprecations and draws a shard bar: honour --no-progress."""
-    from transformers.utils import logging as hf_logging
-
-    old = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    if not progress:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(old)
-        if not progress:
-            hf_logging.enable_progress_bar()
 
 
 def _count_quantized(model: Any) -> int:

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from dflash_trt.checkpoints.placement import home_device, model_devices
 from dflash_trt.errors import DFlashError, InvalidRequest
 from dflash_trt.metrics import GenerationStats
 from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache, additive_mask
@@ -65,6 +66,11 @@ MASK_ATTENTION = ("sdpa", "eager", GROUPED_SDPA)
 
 def unsupported_reason(target: Any, draft: DFlashDraftModel | None = None) -> str | None:
     """Why the batched runtime cannot run this pair (None: it can)."""
+    model = target.model if isinstance(target, TargetAdapter) else target
+    spread = model_devices(model)
+    if len(spread) > 1:  # its caches, masks and draft head live on one device; a device map's layers do not
+        return (f"the target is spread over {len(spread)} devices ({', '.join(map(str, spread))}); the batched "
+                "runtime runs a target on one device")
     cfg = TargetAdapter(target).config
     impl = getattr(cfg, "_attn_implementation", "sdpa") or "sdpa"
     if impl not in MASK_ATTENTION:
@@ -209,7 +215,7 @@ class BatchedRuntime:
                 raise DFlashError(f"capture_layer_ids must name target layers 0..{self.target.num_layers - 1}, "
                                   f"got {list(ids)}")
             self.layer_ids = ids
-        self.device = self.target.device
+        self.device = home_device(self.target.model)
         # positions 0..max_seq_len-1, + block padding of rows near their end, + the dump index
         capacity = max_seq_len + self.block_size + 1
         self.cache = BatchedKVCache(self.target.num_layers, max_batch, capacity)
@@ -220,7 +226,7 @@ class BatchedRuntime:
         self.static_shapes = cuda_graphs
         if cuda_graphs:
             self.width_multiple = max(width_multiple, GRAPH_WIDTH_MULTIPLE)
-        self.graphs: StepGraphs | None = StepGraphs() if cuda_graphs and self.device.type == "cuda" else None
+        self.graphs: StepGraphs | None = StepGraphs(self.device) if cuda_graphs and self.device.type == "cuda" else None
         self.features: torch.Tensor | None = None  # [slots, capacity, n*H] target features by position
         # the draft argmax over the drafter's frequent-token subset when it ships one (lossless:
         # verification keeps the full vocabulary); None: over the target's whole lm_head

@@ -39,15 +39,22 @@ class _Captured:
 
 @dataclass
 class StepGraphs:
-    """Captured graphs by shape key, on one CUDA device (see the module doc).
+    """Captured graphs by shape key, on the CUDA device `device`: the model's (see the module doc).
+
+    Every capture and replay runs under that device and on a stream of it, whatever the process's
+    current device: a model on cuda:1 captured on cuda:0's streams fails (or, worse, records work
+    on the wrong GPU). torch.cuda.graph's default capture stream is made once per process on
+    whichever device was current then, so each StepGraphs passes its own.
 
     `captured_now` is set when the last call captured a graph: that step's wall time includes the
     capture and says nothing about the pass's cost (the runtime leaves it out of its cost table)."""
 
+    device: torch.device
     max_graphs: int = 512  # a bound on memory: beyond it new shapes run eagerly
     graphs: dict[Hashable, _Captured] = field(default_factory=dict)
     captured_now: bool = False
     _pool: object = None
+    _stream: "torch.cuda.Stream | None" = None  # warm-up and capture stream, on `device`
 
     def __call__(self, key: Hashable, fn: Callable[..., Sequence[torch.Tensor]],
                  *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -55,29 +62,33 @@ class StepGraphs:
         if entry is None:
             out = tuple(fn(*inputs))  # the real result, and the warm-up
             if len(self.graphs) < self.max_graphs:
-                self.graphs[key] = self._capture(fn, inputs)
+                with torch.cuda.device(self.device):
+                    self.graphs[key] = self._capture(fn, inputs)
                 self.captured_now = True
             return out
-        for static, x in zip(entry.inputs, inputs):
-            static.copy_(x)
-        entry.graph.replay()
+        with torch.cuda.device(self.device):
+            for static, x in zip(entry.inputs, inputs):
+                static.copy_(x)
+            entry.graph.replay()
         return tuple(o.clone() for o in entry.outputs)
 
     def _capture(self, fn: Callable[..., Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor]) -> _Captured:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
         static = tuple(x.clone() for x in inputs)
         # warm up on a side stream first, as PyTorch's CUDA-graph docs require (lazy per-stream
         # state such as cuBLAS workspaces). It repeats the eager run on the same inputs, so its
         # K/V and feature writes rewrite the same values at the same indices.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side, main = self._stream, torch.cuda.current_stream(self.device)
+        side.wait_stream(main)
         with torch.cuda.stream(side):
             fn(*static)
-        torch.cuda.current_stream().wait_stream(side)
+        main.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self._pool):
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
             outputs = tuple(fn(*static))
         return _Captured(graph, static, outputs)
 

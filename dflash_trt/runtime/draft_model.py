@@ -232,8 +232,11 @@ class DFlashDraftModel(nn.Module):
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=cfg)
         # optional frequency-ranked draft vocabulary (int64 [N]; runtime/draft_vocab.py), from
-        # draft_vocab.json beside the checkpoint; None drafts over the target's whole vocabulary
-        self.draft_vocab: torch.Tensor | None = None
+        # draft_vocab.json beside the checkpoint; None drafts over the target's whole vocabulary.
+        # A buffer, so `.to(device)` moves it with the weights; not persistent: it ships as its
+        # own JSON file, never in model.safetensors
+        self.draft_vocab: torch.Tensor | None
+        self.register_buffer("draft_vocab", None, persistent=False)
         self.reset_parameters()
 
     # -- properties used by the decoding loop ----------------------------------------------
@@ -305,7 +308,7 @@ class DFlashDraftModel(nn.Module):
 
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
         from dflash_trt.fsutil import write_json_atomic
-        from dflash_trt.runtime.checkpoint import save_safetensors_atomic
+        from dflash_trt.checkpoints.files import save_safetensors_atomic
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -323,7 +326,7 @@ class DFlashDraftModel(nn.Module):
         allow_pickle: bool = False,
     ) -> "DFlashDraftModel":
         """Load a z-lab drafter directory. Reads config.json and safetensors only: no remote code."""
-        from dflash_trt.runtime.checkpoint import load_state_dict, read_json
+        from dflash_trt.checkpoints.files import load_state_dict, read_json
         from dflash_trt.runtime.draft_vocab import load_draft_vocab
 
         directory = Path(directory)

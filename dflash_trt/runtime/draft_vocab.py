@@ -81,7 +81,7 @@ def load_draft_vocab(draft_dir: str | Path, vocab_size: int | None) -> torch.Ten
     path = Path(draft_dir) / FILE
     if not path.is_file():
         return None
-    from dflash_trt.runtime.checkpoint import read_json
+    from dflash_trt.checkpoints.files import read_json
 
     ids = read_json(path, what="draft vocabulary").get("token_ids")
     bound = vocab_size if vocab_size is not None else float("inf")

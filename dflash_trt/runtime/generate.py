@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_trt.checkpoints.placement import home_device
 from dflash_trt.errors import DFlashError, InvalidRequest
 from dflash_trt.metrics import GenerationStats
 from dflash_trt.runtime.draft_model import DFlashDraftModel, DraftKVCache
@@ -118,7 +119,7 @@ def dflash_generate(
     K = reference_settings(draft, speculation).max_draft_len
     budget = params.resolve_max_tokens()
     stop = set(params.stop_token_ids)
-    dev = target.device
+    dev = home_device(target.model)
     gen = _generator(params.seed, dev)
     layer_ids = draft.target_layer_ids
     stats = GenerationStats(num_prompt_tokens=len(prompt))
@@ -178,7 +179,7 @@ def autoregressive_generate(
     prompt = _as_ids(input_ids)
     budget = params.resolve_max_tokens()
     stop = set(params.stop_token_ids)
-    dev = target.device
+    dev = home_device(target.model)
     gen = _generator(params.seed, dev)
     stats = GenerationStats(num_prompt_tokens=len(prompt))
     t0 = time.perf_counter()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,12 +9,15 @@ from typing import Any
 
 import torch
 
+from dflash_trt.checkpoints.files import PICKLE_SUFFIXES, read_json
+from dflash_trt.checkpoints.quiet import quiet_transformers
+from dflash_trt.checkpoints.streaming import check_safetensors, load_checkpoint
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.cpu_packing import pack_cpu_linears
-from dflash_trt.runtime.checkpoint import PICKLE_SUFFIXES, read_json
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.validate import validate_pair
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -70,7 +70,7 @@ def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, devic
     """A HF causal LM from a local directory; never executes code from it.
 
     A quantized checkpoint (gpt-oss's MXFP4 experts, a ModelOpt FP8/NVFP4 export) is dequantized
-    in plain torch, one tensor at a time (dflash_trt.engine.checkpoint_io), so the source of an
+    in plain torch, one tensor at a time (dflash_trt.checkpoints.streaming), so the source of an
     engine and the engine itself load through the same exact dequantization.
     """
     from transformers import AutoModelForCausalLM
@@ -78,9 +78,8 @@ def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, devic
     directory = Path(directory)
     cfg = read_json(directory / "config.json", what="target config")
     if cfg.get("quantization_config"):
-        from dflash_trt.engine.checkpoint_io import load_checkpoint
-
         return load_checkpoint(directory, dtype, device)
+    check_safetensors(directory)  # a truncated or lying file is one line here, as in `build`
     if not list(directory.glob("*.safetensors")):
         pickles = [p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES]
         if not pickles:
@@ -88,13 +87,13 @@ def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, devic
         if not allow_pickle:
             raise DFlashError(f"{directory}: only pickle weights ({pickles[0].name}); convert to safetensors or pass --allow-pickle")
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(
                 directory, dtype=dtype, trust_remote_code=False, use_safetensors=not allow_pickle or None,
                 local_files_only=True,
             )
     except pickle.UnpicklingError as e:  # --allow-pickle: the weights-only unpickler refused the file
-        from dflash_trt.runtime.checkpoint import pickle_refusal
+        from dflash_trt.checkpoints.files import pickle_refusal
 
         raise pickle_refusal(directory, e) from None
     except (OSError, ValueError, KeyError, RuntimeError) as e:
@@ -103,14 +102,21 @@ def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, devic
 
 
 def load_tokenizer(directory: str | Path):
+    """The checkpoint's tokenizer, or None when it ships none (tiny random pairs: generation then
+    folds bytes into the vocabulary). Tokenizer files that are there but cannot be read are a
+    DFlashError: falling back to bytes would answer a real model's prompts with garbage."""
     from transformers import AutoTokenizer
 
-    try:
-        with _quiet_transformers():
-            return AutoTokenizer.from_pretrained(Path(directory), trust_remote_code=False, local_files_only=True)
-    except (OSError, ValueError) as e:
-        logging.getLogger(__name__).info("no tokenizer in %s (%s)", directory, str(e).splitlines()[0])
+    directory = Path(directory)
+    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
         return None
+    try:
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(directory, trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 -- the tokenizers library raises plain Exception on a bad file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise DFlashError(f"{directory}: tokenizer files present but unreadable ({first}); re-export the "
+                          "checkpoint's tokenizer (tokenizer.json, tokenizer_config.json)") from None
 
 
 def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype: str | torch.dtype = "float32",
@@ -128,23 +134,10 @@ def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype: str | torch.
     except (OSError, ValueError, KeyError) as e:
         raise DFlashError(f"cannot read target config in {target_dir}: {str(e).splitlines()[0]}")
     validate_pair(draft_cfg, tcfg, where=str(draft_dir))
+    tokenizer = load_tokenizer(target_dir)  # an unreadable one fails before the weights load
     target = load_target(target_dir, dt, device, allow_pickle)
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=dt, device=device, allow_pickle=allow_pickle)
     if pack:
         pack_cpu_linears(target)
         pack_cpu_linears(draft)
-    return LoadedPair(target, draft, load_tokenizer(target_dir))
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """transformers prints load reports to stdout/stderr; keep the CLI output clean."""
-    from transformers.utils import logging as hf_logging
-
-    old = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        hf_logging.set_verbosity(old)
+    return LoadedPair(target, draft, tokenizer)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from dflash_trt.checkpoints.placement import home_device
 from dflash_trt.runtime.gqa_attention import use_grouped_attention
 from dflash_trt.runtime.lean_forward import lean_module, lean_unsupported
 
@@ -66,24 +67,17 @@ class TargetAdapter:
         return int(self.model.get_input_embeddings().weight.shape[0])
 
     @property
-    def device(self) -> torch.device:
-        """Where the loop's tensors live: the embedding's device. A target spread over several
-        GPUs (an accelerate device map, as `build --device cuda` loads it) returns every output
-        here, so the loop and the drafter see one device."""
-        return self.model.get_input_embeddings().weight.device
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.model.get_input_embeddings().weight.dtype
 
     # -- pieces the drafter borrows -------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         # [B, S] -> [B, S, H]; raw embedding rows (no model-specific scaling)
-        return self.model.get_input_embeddings()(ids)  # the embedding sits on self.device
+        return self.model.get_input_embeddings()(ids)  # the embedding sits on the home device
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         # [B, S, H] -> [B, S, V]; on a device map the lm_head may sit on the last GPU
-        return self.model.get_output_embeddings()(hidden).to(self.device)
+        return self.model.get_output_embeddings()(hidden).to(home_device(self.model))
 
     # -- forward with hidden-state capture ------------------------------------------------------
     def new_cache(self) -> DynamicCache:
@@ -119,7 +113,7 @@ class TargetAdapter:
             )
         finally:
             captured, state.captured, state.layer_ids = state.captured, {}, ()
-        home = self.device  # layers of a device-mapped target sit on different GPUs
+        home = home_device(self.model)  # layers of a device-mapped target sit on different GPUs
         feats = torch.cat([captured[i].to(home) for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
         return out.logits.to(home), feats
 

@@ -97,12 +97,13 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
     log.info("engine %s: dflash-trt pytorch backend (%s)", engine_dir,
              "requested" if settings.backend == "pytorch" else why)
 
+    from dflash_trt.checkpoints.placement import runtime_device
     from dflash_trt.engine.loader import load_engine
     from dflash_trt.runtime.target import TargetAdapter
     from dflash_trt.runtime.tokens import TextCodec
     from dflash_trt.serving.pytorch_backend import PyTorchBackend
 
-    _check_device(settings.device)
+    runtime_device(settings.device)  # before the engine's hashes and weights: one line on a bad device
     # the engine loader re-checks every file's sha256 and dequantizes FP8/NVFP4 targets
     pair = load_engine(engine_dir, dtype=settings.dtype, device=settings.device)
     if pair.tokenizer is None:
@@ -112,15 +113,6 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
         speculation=speculation, max_seq_len=limit, default_max_tokens=default, max_queue=settings.max_queue,
         max_batch=manifest.limits.max_batch_size, cuda_graphs=settings.cuda_graphs,
     )
-
-
-def _check_device(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise DFlashError(f"the pytorch backend was asked for device {device} but torch sees no CUDA device "
-                          f"(torch {torch.__version__}); run it on a GPU node or pass --device cpu (and --dtype "
-                          f"float32) to run the engine on the CPU")
 
 
 def _no_tokenizer(engine_dir: Path, manifest: object) -> str:

@@ -9,9 +9,10 @@ as the Triton endpoints. The model is the Triton model's name (``/v1/models`` li
   ``/v1/chat/completions``: ``messages`` through the target's chat template, assistant turn open.
 - Sampling: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature`` (default 1, as
   OpenAI), ``top_p``, ``seed``, ``stop``; one SamplingParams, validated once (a NaN or an
-  out-of-range value is a 400 naming the field). ``n`` must be 1. Features the engine does not
-  have (logprobs, penalties, tools, logit_bias, echo, suffix, best_of > 1, non-text content) are
-  refused with a 400 naming them; unknown fields are ignored, as vLLM does.
+  out-of-range value is a 400 naming the field; so are OpenAI's own limits: temperature <= 2, up to 4
+  stop sequences, its chat roles only). ``n`` must be 1. Features the engine does not have
+  (logprobs, penalties, tools and tool results, logit_bias, echo, suffix, best_of > 1, non-text
+  content) are refused with a 400 naming them; unknown fields are ignored, as vLLM does.
 - ``stream: true``: server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage``
   adds a final chunk with ``usage`` (and ``usage: null`` on the others).
 - Every response carries ``usage`` and a ``dflash`` object, the request's speculative statistics:
@@ -31,7 +32,7 @@ import uuid
 from typing import Any
 
 import grpc
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -41,6 +42,15 @@ from dflash_trt.serving.core import InferenceCore
 from dflash_trt.serving.host import InferError
 from dflash_trt.serving.http_common import Guarded, parse_json, read_body, sse
 from dflash_trt.serving.protocol import ChunkStats, GenerateRequest, GenerationFailed, ServerBusy
+
+# OpenAI's chat roles (openai 3.57.0, types/chat/chat_completion_role.py `ChatCompletionRole`); any
+# other is a 400 there. "tool" and "function" answer tool calls, which this engine never makes.
+OPENAI_ROLES = ("developer", "system", "user", "assistant", "tool", "function")
+TOOL_ROLES = ("tool", "function")
+# OpenAI's ranges (types/chat/completion_create_params.py): "temperature ... between 0 and 2",
+# "stop: Up to 4 sequences"; SamplingParams checks the rest of each value
+MAX_TEMPERATURE = 2.0
+MAX_STOP_SEQUENCES = 4
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
                500: "server_error", 501: "invalid_request_error", 503: "service_unavailable_error"}
@@ -87,14 +97,14 @@ class _Request(BaseModel):
     seed: Any = None
     stop: Any = None
     n: Any = 1
-    stream: bool = False
+    stream: StrictBool = False  # "yes" is a 400 at OpenAI, not a stream
     stream_options: dict[str, Any] | None = None
     presence_penalty: Any = 0
     frequency_penalty: Any = 0
     logprobs: Any = None
     top_logprobs: Any = None
     logit_bias: Any = None
-    user: Any = None
+    user: StrictStr | None = None
 
 
 class CompletionRequest(_Request):
@@ -133,8 +143,12 @@ def _refuse_unsupported(r: _Request) -> None:
             raise no("suffix", "leave it out")
         if r.best_of not in (None, 1):
             raise no("best_of", "send best_of=1 or leave it out")
+    include_usage = (r.stream_options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise OpenAIError(400, f"stream_options.include_usage={include_usage!r} must be true or false",
+                          param="stream_options.include_usage")
     if isinstance(r, ChatRequest):
-        for name in ("tools", "functions"):
+        for name in ("tools", "functions", "tool_choice"):
             if getattr(r, name):
                 raise no(name, "no tool calling; leave it out")
         fmt = r.response_format
@@ -143,19 +157,43 @@ def _refuse_unsupported(r: _Request) -> None:
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI chat messages with string content; text parts of list content are joined."""
+    """OpenAI chat messages with string content; text parts of list content are joined. Roles
+    OpenAI does not know, and tool results (this engine calls no tools), are a 400 as there."""
     if not isinstance(messages, list):
         raise OpenAIError(400, "messages must be a list of {role, content} objects", param="messages")
     out = []
     for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if isinstance(role, str) and role not in OPENAI_ROLES:
+            raise OpenAIError(400, f"Invalid value: {role!r}. Supported values are: "
+                                   f"{', '.join(repr(r) for r in OPENAI_ROLES)}", param=f"messages[{i}].role",
+                              code="invalid_value")
+        if role in TOOL_ROLES:
+            raise OpenAIError(400, f"messages[{i}].role={role!r}: no tool calling in dflash-trt, so no tool result "
+                                   "answers one; send it as a user message", param=f"messages[{i}].role")
+        if isinstance(m, dict) and not isinstance(m.get("name", ""), str):
+            raise OpenAIError(400, f"messages[{i}].name must be a string", param=f"messages[{i}].name")
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
+            if not content:
+                raise OpenAIError(400, f"messages[{i}].content is an empty list of parts; send text",
+                                  param=f"messages[{i}].content")
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise OpenAIError(400, f"messages[{i}].content: only text parts are supported by this text-only "
                                        f"engine", param="messages")
             content = "".join(p["text"] for p in content)
         out.append({**m, "content": content} if isinstance(m, dict) else m)
     return out  # GenerateRequest checks roles and contents (InvalidRequest -> 400)
+
+
+def _check_openai_ranges(params: Any) -> None:
+    """What OpenAI refuses beyond SamplingParams' own checks (other protocols allow it)."""
+    if params.temperature > MAX_TEMPERATURE:
+        raise OpenAIError(400, f"temperature={params.temperature} is above OpenAI's maximum of {MAX_TEMPERATURE:g}; "
+                               "send 0..2 (0 = greedy)", param="temperature")
+    if len(params.stop) > MAX_STOP_SEQUENCES:
+        raise OpenAIError(400, f"stop has {len(params.stop)} sequences; OpenAI allows up to {MAX_STOP_SEQUENCES}",
+                          param="stop")
 
 
 def _prompt(prompt: Any) -> str:
@@ -236,6 +274,7 @@ class OpenAIHTTP:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if r.temperature is None else r.temperature,
                                 top_p=1.0 if r.top_p is None else r.top_p, seed=r.seed,
                                 stop=() if r.stop is None else r.stop)
+        _check_openai_ranges(params)
         gen_request = (GenerateRequest(messages=_messages(r.messages), params=params) if chat else
                        GenerateRequest(prompt=_prompt(r.prompt), params=params, raw=True))
         model = served[r.model]
@@ -250,7 +289,7 @@ class OpenAIHTTP:
         timer.executing()
         ids = (f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}", int(time.time()), r.model)
         if r.stream:
-            include_usage = bool((r.stream_options or {}).get("include_usage", False))
+            include_usage = (r.stream_options or {}).get("include_usage", False)
             return Guarded(StreamingResponse(self._events(generation, timer, chat, ids, include_usage),
                                              media_type="text/event-stream"), generation.cancel, release)
         text, final = [], None

@@ -21,7 +21,7 @@ near-ties, which costs a little acceptance, never correctness.
 Rows (the answer-file format of dflash_trt/train/data.py), in the order answers finish:
 ``{"id", "category", "prompt_len", "ids"}`` with ids = prompt + answer, ending with the stop
 token when it was hit; a sampled answer's id is ``<prompt id>#s<j>``. With
-``capture_layer_ids`` a row also holds ``"feats"`` [T-1, n*H] (bfloat16): the target's features
+``capture_layer_ids`` a row also holds ``"feats"`` [T-1, n*H] (bfloat16, on the host): the target's features
 at those layers for every position it was FED, captured while generating, so no second target
 pass over the data is needed.
 """
@@ -166,7 +166,9 @@ def _answers_on_runtime(model: Any, encoded: list[tuple[Any, list[int]]], s: Ans
         while runtime.has_work():
             for seq in runtime.step():
                 p, j, ids = pending.pop(id(seq))
-                out.append(answer_row(p, j, ids, up_to_stop(seq.result.output_ids, eos), seq.features))
+                # rows keep their features on the host: ~25 MB an answer at hidden 4096
+                feats = seq.features.cpu() if seq.features is not None else None
+                out.append(answer_row(p, j, ids, up_to_stop(seq.result.output_ids, eos), feats))
                 seq.features = None
                 bar.update(1)
                 if on_batch is not None and len(out) % s.batch_size == 0:
@@ -182,7 +184,9 @@ def _answers_with_hf_generate(model: Any, encoded: list[tuple[Any, list[int]]], 
                               on_batch: OnBatch | None) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
-    device = next(model.parameters()).device
+    from dflash_trt.checkpoints.placement import home_device
+
+    device = home_device(model)
     if s.sampled:
         torch.manual_seed(s.seed)
     sampling = (dict(do_sample=True, temperature=s.temperature, top_p=1.0, top_k=0) if s.sampled
@@ -234,7 +238,7 @@ class _LayerCapture:
             h = output[0] if isinstance(output, (tuple, list)) else output
             if idx == min(self.layer_ids):  # the first of them to run opens a new forward
                 self.forwards.append({})
-            self.forwards[-1][idx] = h.to(torch.bfloat16)  # [b, new positions, H]
+            self.forwards[-1][idx] = h.to(device="cpu", dtype=torch.bfloat16)  # [b, new positions, H], on the host
         return record
 
     def clear(self) -> None:

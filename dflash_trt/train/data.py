@@ -43,7 +43,8 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def compute_features(target: Any, sequences: list[dict[str, Any]], layer_ids: list[int],
                      batch_size: int = 8, dtype: torch.dtype = torch.bfloat16, progress: bool = True,
                      ) -> list[torch.Tensor]:
-    """Context features [T, n*H] of every sequence (the frozen target runs once per sequence).
+    """Context features [T, n*H] of every sequence, on the host (the frozen target runs once per
+    sequence, on its own device).
 
     Right padding: with a causal target, pad tokens AFTER a sequence never change its positions'
     hidden states, so no attention mask is needed. Stored in bfloat16 to halve memory: SmolLM2 has
@@ -51,9 +52,11 @@ def compute_features(target: Any, sequences: list[dict[str, Any]], layer_ids: li
     """
     from tqdm import tqdm
 
+    from dflash_trt.checkpoints.placement import home_device
     from dflash_trt.runtime.target import TargetAdapter
 
     adapter = TargetAdapter(target)
+    dev = home_device(adapter.model)  # the ids go where the target's embedding is
     feats: list[torch.Tensor] = []
     for i in tqdm(range(0, len(sequences), batch_size), desc="target features", unit="batch", disable=not progress):
         chunk = sequences[i : i + batch_size]
@@ -61,11 +64,13 @@ def compute_features(target: Any, sequences: list[dict[str, Any]], layer_ids: li
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         for r, s in enumerate(chunk):
             ids[r, : len(s["ids"])] = torch.tensor(s["ids"])
-        pos = torch.arange(width)[None].expand(len(chunk), -1)
+        ids = ids.to(dev)
+        pos = torch.arange(width, device=dev)[None].expand(len(chunk), -1)
         _, f = adapter.forward(ids, pos, adapter.new_cache(), layer_ids, logits_to_keep=1)  # [b, width, n*H]
         if dtype == torch.float16 and f.abs().max() > 6e4:
             raise DFlashError("target features exceed the float16 range; store them as float32 (--feature-dtype float32)")
-        feats.extend(f[r, : len(s["ids"])].to(dtype).clone() for r, s in enumerate(chunk))
+        # kept on the host: every sequence's features together outgrow a GPU (batches move them back)
+        feats.extend(f[r, : len(s["ids"])].to(device="cpu", dtype=dtype, copy=True) for r, s in enumerate(chunk))
     return feats
 
 
@@ -74,9 +79,11 @@ def extend_answer_file(target_dir: str | Path, out_file: str | Path, settings: A
     """Answer every train prompt (of the first `max_prompts`) that `out_file` does not answer yet,
     with the settings its answers were made with, and save the file (partially at most once a
     minute), so an interrupted job is extended, not redone. Returns (rows kept, rows added)."""
+    from dflash_trt.checkpoints.placement import runtime_device
     from dflash_trt.runtime.loading import load_target, load_tokenizer, parse_dtype
     from dflash_trt.train.answers import generate_answers, train_prompts
 
+    runtime_device(device)  # a GPU job started where there is none: one line, before anything loads
     out_file = Path(out_file)
     t0 = time.time()
     meta = answer_meta(settings)

@@ -29,7 +29,7 @@ def read_answer_file(path: str | Path) -> tuple[list[dict[str, Any]], dict[str, 
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        from dflash_trt.runtime.checkpoint import refused_global
+        from dflash_trt.checkpoints.files import refused_global
 
         raise DFlashError(f"{path}: refused to load, the file holds objects an answer file never has "
                           f"({refused_global(e)}); it may run code when unpickled, {fix}") from None

@@ -28,21 +28,24 @@ def usable(seq: dict[str, Any]) -> bool:
     return len(seq["ids"]) - seq["prompt_len"] >= 2
 
 
-def training_sequences(cfg: TrainConfig, target: Any, tokenizer: Any, layer_ids: list[int],
+def training_sequences(cfg: TrainConfig, target: Any, tokenizer: Any, feature_layers: list[int] | None,
                        progress: bool = True) -> tuple[list[dict[str, Any]], int]:
-    """(the greedy answers then the extra data's sequences, how many came from --extra-data)."""
+    """(the greedy answers then the extra data's sequences, how many came from --extra-data).
+    `feature_layers`: the layers whose features the answers keep (cached mode); None (online
+    mode, every step makes its own) keeps none."""
     extra = [s for s in load_extra_data(cfg.extra_data) if usable(s)]
-    seqs = [s for s in load_or_generate_answers(cfg, target, tokenizer, layer_ids, progress) if usable(s)] + extra
+    seqs = [s for s in load_or_generate_answers(cfg, target, tokenizer, feature_layers, progress) if usable(s)] + extra
     if not seqs:
         raise DFlashError(f"no usable training sequences in {cfg.data_dir_path} (every response is shorter than "
                           f"2 tokens)")
     return seqs, len(extra)
 
 
-def load_or_generate_answers(cfg: TrainConfig, target: Any, tokenizer: Any, layer_ids: list[int],
+def load_or_generate_answers(cfg: TrainConfig, target: Any, tokenizer: Any, layer_ids: list[int] | None,
                              progress: bool = True) -> list[dict[str, Any]]:
     """The greedy answers to the first `cfg.max_prompts` train prompts, from responses.pt when it
-    exists (its features only if captured at `layer_ids`), else generated and saved there."""
+    exists (its features only if captured at `layer_ids`), else generated and saved there
+    (capturing the features at `layer_ids`; none when None)."""
     from dflash_trt.train.answers import AnswerSettings, generate_answers, train_prompts
     from dflash_trt.train.data import answer_meta, load_data, save_data
 
@@ -52,7 +55,7 @@ def load_or_generate_answers(cfg: TrainConfig, target: Any, tokenizer: Any, laye
         want = {p.id for p in prompts}
         stored, meta = load_data(path)
         seqs = [s for s in stored if s["id"] in want]
-        if meta.get("capture_layer_ids") != layer_ids:
+        if layer_ids is None or meta.get("capture_layer_ids") != layer_ids:
             for s in seqs:
                 s.pop("feats", None)
         log(f"reusing {len(seqs)} generated responses from {path}")
@@ -60,7 +63,7 @@ def load_or_generate_answers(cfg: TrainConfig, target: Any, tokenizer: Any, laye
     log(f"generating the target's greedy answers to {len(prompts)} train prompts (batch {cfg.gen_batch_size})")
     t0 = time.time()
     settings = AnswerSettings(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch_size,
-                              capture_layer_ids=tuple(layer_ids), progress=progress)
+                              capture_layer_ids=tuple(layer_ids) if layer_ids else None, progress=progress)
     seqs = generate_answers(target, tokenizer, prompts, settings)
     save_data(path, seqs, {**answer_meta(settings), "seconds": time.time() - t0})
     return seqs

@@ -59,7 +59,8 @@ def train_draft(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     layer_ids = feature_layer_ids(cfg, target.config)
     drafter_config(cfg, target.config, layer_ids)  # a bad layer id fails here, before the long data generation
 
-    seqs, n_extra = training_sequences(cfg, target, tokenizer, layer_ids, progress)
+    # online: the steps make the features, so the answers are generated without capturing any
+    seqs, n_extra = training_sequences(cfg, target, tokenizer, None if online else layer_ids, progress)
     seen = {t for s in seqs for t in s["ids"][s["prompt_len"]:]}
     mask_id = mask_token_for(cfg, tokenizer, int(target.config.vocab_size), seen)
     draft = new_drafter(cfg, drafter_config(cfg, target.config, layer_ids, mask_id), device)
@@ -73,17 +74,9 @@ def train_draft(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
 
 def training_device(name: str) -> Any:
     """`--device` as a torch device; DFlashError for a malformed name or a missing GPU."""
-    import torch
+    from dflash_trt.checkpoints.placement import runtime_device
 
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise DFlashError(f"--device {name!r}: give cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DFlashError(f"--device {name}: this torch build or machine has no CUDA GPU; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise DFlashError(f"--device {name}: training runs on cpu or cuda")
-    return device
+    return runtime_device(name)
 
 
 def load_frozen_target(target_dir: str, device: Any) -> tuple[Any, Any]:

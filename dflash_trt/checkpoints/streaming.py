@@ -7,7 +7,7 @@ written shard by shard, so a build's host memory stays near one copy of the mode
 `--quant none` engine never loads a model at all.
 
 - `load_checkpoint`: any checkpoint the reference runtime runs (float, ModelOpt FP8/NVFP4,
-  gpt-oss MXFP4) as a float HF model, each tensor dequantized (dflash_trt.engine.dequant) and
+  gpt-oss MXFP4) as a float HF model, each tensor dequantized (dflash_trt.checkpoints.dequant) and
   placed on its device as it is read: one device, or a device map spread over several GPUs.
 - `convert_checkpoint`: the engine's `target/` for `--quant none`: float tensors cast to the
   engine dtype, MXFP4 expert tensors (and every other integer tensor) byte for byte, shard for
@@ -26,6 +26,11 @@ from typing import Any
 
 import torch
 
+from dflash_trt.checkpoints.dequant import (IGNORED_SUFFIXES, SUPPORTED_ALGOS, dequantize_tensor, read_fp8_block,
+                                            read_quant_algo)
+from dflash_trt.checkpoints.files import read_json
+from dflash_trt.checkpoints.placement import device_of
+from dflash_trt.checkpoints.quiet import quiet_transformers
 from dflash_trt.errors import DFlashError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -97,19 +102,32 @@ class CheckpointReader:
         return [k for k, g in self.key_file.items() if g == f]
 
 
+def check_safetensors(directory: str | Path) -> None:
+    """Every *.safetensors file of `directory` checked against its own header (truncated, corrupt,
+    offsets or lengths past the end of the file): the one DFlashError line, before any loader --
+    this one or transformers' -- reads a tensor."""
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        _read_header(f)
+
+
 def _read_header(f: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
     """{key: (dtype, shape, absolute start, absolute end)} of one safetensors file."""
     bad = f"{f}: corrupt or truncated safetensors file"
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        raw = fh.read(8)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
-            raise DFlashError(f"{bad} (header length {n}); re-download or re-export it")
-        try:
-            header = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DFlashError(f"{bad} (header is not JSON: {e}); re-download or re-export it")
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+                raise DFlashError(f"{bad} (header length {n}); re-download or re-export it")
+            try:
+                header = json.loads(fh.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise DFlashError(f"{bad} (header is not JSON: {e}); re-download or re-export it")
+    except OSError as e:  # a directory named *.safetensors, no read permission, an I/O error
+        raise DFlashError(f"{f}: cannot read it ({e.strerror or e}); pass a readable safetensors file") from None
+    if not isinstance(header, dict):
+        raise DFlashError(f"{bad} (header is a JSON {type(header).__name__}, not an object); re-download or re-export it")
     entries = {}
     for key, info in header.items():
         if key == "__metadata__":
@@ -120,10 +138,12 @@ def _read_header(f: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
             start, end = (int(x) + 8 + n for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise DFlashError(f"{bad} (tensor {key}: {str(info)[:80]}); re-download or re-export it")
+        if min(shape, default=0) < 0:
+            raise DFlashError(f"{bad} (tensor {key} has shape {shape}); re-download or re-export it")
         numel = 1
         for d in shape:
             numel *= d
-        if end > size or end - start != numel * torch.empty((), dtype=dtype).element_size():
+        if start < 8 + n or end > size or end - start != numel * torch.empty((), dtype=dtype).element_size():
             raise DFlashError(f"{bad} (tensor {key} lies outside the file); re-download or re-export it")
         entries[key] = (dtype, shape, start, end)
     return entries
@@ -138,8 +158,6 @@ def model_config(directory: Path) -> Any:
     """The transformers config of a checkpoint, without its quantization_config (the loaded model
     is float: the weights are dequantized here, not by transformers' quantizers)."""
     from transformers import AutoConfig
-
-    from dflash_trt.runtime.checkpoint import read_json
 
     raw = read_json(directory / "config.json", what="target config")
     raw = {k: v for k, v in raw.items() if k not in ("quantization_config", "transformers_version")}
@@ -175,9 +193,7 @@ def empty_model(cfg: Any, dtype: torch.dtype) -> Any:
     """A causal LM of `cfg` whose parameters hold no memory yet."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_trt.runtime.loading import _quiet_transformers
-
-    with _quiet_transformers(), _empty_weights():
+    with quiet_transformers(), _empty_weights():
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
@@ -185,18 +201,6 @@ def _set_parameter(model: Any, name: str, value: torch.Tensor) -> None:
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
     module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
-
-
-def device_of(device_map: dict[str, Any], name: str) -> Any:
-    """The device a device map gives parameter `name` (longest matching module prefix)."""
-    best, found = -1, None
-    for prefix, dev in device_map.items():
-        if prefix == "" or name == prefix or name.startswith(prefix + "."):
-            if len(prefix) > best:
-                best, found = len(prefix), dev
-    if found is None:
-        raise DFlashError(f"device map places no module holding {name}; it must cover the whole model")
-    return found
 
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -208,13 +212,12 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
     then dispatched so activations follow the layers across GPUs). Peak host memory: the model
     itself when on the CPU, one tensor when on GPUs.
     """
-    from dflash_trt.engine.dequant import IGNORED_SUFFIXES, SUPPORTED_ALGOS, dequantize_tensor, read_quant_algo
-
     directory = Path(directory)
     algo = read_quant_algo(directory)
     if algo is not None and algo not in SUPPORTED_ALGOS:
         raise DFlashError(f"{directory}: quant_algo {algo} is not supported by the reference runtime "
                           f"(only {', '.join(SUPPORTED_ALGOS)}); rebuild with --quant fp8 or nvfp4")
+    fp8_block = read_fp8_block(directory)
     cfg = model_config(directory)
     model = empty_model(cfg, dtype)
     placement: dict[str, Any] = dict(device_map) if device_map else {"": device}
@@ -226,7 +229,8 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
         for name, param in list(model.named_parameters()):
             target_device = device_of(placement, name)
             try:
-                got = dequantize_tensor(name, tuple(param.shape), algo, ckpt.has, ckpt.get, param.dtype, target_device)
+                got = dequantize_tensor(name, tuple(param.shape), algo, ckpt.has, ckpt.get, param.dtype, target_device,
+                                        fp8_block)
             except KeyError as e:
                 raise DFlashError(f"{directory}: quantized tensor {name} has no scale {e}; the export is incomplete, "
                                   "rebuild")
@@ -260,7 +264,12 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
     if len(devices) > 1:
         from accelerate import dispatch_model
 
-        model = dispatch_model(model, device_map=placement)
+        # outputs come back to the home device (the embedding's), where the loops' tensors live;
+        # named as the map names it (accelerate compares it with the string "cpu"), it also keeps
+        # accelerate from taking a "cpu" entry of the map for CPU offload
+        embedding = model.get_input_embeddings().weight
+        home = device_of(placement, next(n for n, p in model.named_parameters() if p is embedding))
+        model = dispatch_model(model, device_map=placement, main_device=home)
     else:
         model = model.to(next(iter(placement.values())))  # buffers (rotary tables); parameters are there
     return model.eval()
@@ -293,8 +302,6 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype, pro
 
     from safetensors.torch import save_file
     from tqdm import tqdm
-
-    from dflash_trt.runtime.checkpoint import read_json
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,286 @@
+"""The runtime, training's feature capture and sampling on a device (tests/device_harness.py).
+
+The meta legs run each pass under strict_devices until the first value the host must read (the
+reference loop's first token, the batched runtime's one sync per step, a copy of features to the
+host): reaching that point proves every op before it kept its tensors on the model's device.
+The cuda legs (skipped here, with the reason) run the same paths for values on a GPU; the
+multi-GPU ones need two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from dflash_trt.checkpoints.placement import home_device, model_devices
+from dflash_trt.errors import DFlashError
+from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, unsupported_reason
+from dflash_trt.runtime.generate import dflash_generate
+from dflash_trt.runtime.sampling import sample, sample_checked
+from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.runtime.tiny import random_draft, tiny_target
+from dflash_trt.sampling_params import SamplingParams
+
+try:
+    from tests.device_harness import DEVICES, NO_GPU, needs_cuda, strict_devices
+except ImportError:  # tests/ is not a package
+    from device_harness import DEVICES, NO_GPU, needs_cuda, strict_devices
+
+HOST_READ = (RuntimeError, NotImplementedError)  # what a meta tensor raises when the host reads it
+HOST_READ_MATCH = "cannot be called on meta tensors|Cannot copy out of meta tensor"
+LAYERS = [0, 2]
+
+
+def _pair(device: str = "cpu", **draft_kw):
+    target = tiny_target("llama", seed=0, num_layers=3)
+    draft = random_draft(target.config, num_layers=1, block_size=4, seed=0, **draft_kw)
+    return target.to(device), draft.to(device)
+
+
+def _spread(target: torch.nn.Module) -> torch.nn.Module:
+    """The target over two devices as a device map leaves it: the embedding and layer 0 on the
+    CPU (home), the rest on meta."""
+    target.model.layers[1:].to("meta")
+    target.model.norm.to("meta")
+    target.lm_head.to("meta")
+    return target
+
+
+# -- where a model lives ----------------------------------------------------------------------------
+
+
+def test_home_device_is_the_input_embeddings():
+    target, draft = _pair()
+    assert home_device(target) == home_device(draft) == torch.device("cpu")
+    draft.to("meta")  # a model without an input embedding: its first parameter's
+    assert home_device(draft) == torch.device("meta")
+    spread = _spread(target)
+    assert home_device(spread) == torch.device("cpu") and model_devices(spread) == [torch.device("cpu"),
+                                                                                      torch.device("meta")]
+    spread.model.embed_tokens.to("meta")
+    assert home_device(spread) == torch.device("meta")
+
+
+def test_the_batched_runtime_refuses_a_target_spread_over_devices():
+    """issue 36: its per-layer caches are indexed from the home device and its draft head sits on
+    the lm_head's device; it runs a target on one device, the reference loop runs a spread one."""
+    target, draft = _pair()
+    assert unsupported_reason(target, draft) is None
+    _spread(target)
+    why = unsupported_reason(target, draft)
+    assert why == "the target is spread over 2 devices (cpu, meta); the batched runtime runs a target on one device"
+    with pytest.raises(DFlashError, match="^batched runtime: the target is spread over 2 devices"):
+        BatchedRuntime(target, draft)
+
+
+def test_draft_vocab_moves_with_the_drafter(tmp_path):
+    """issue 36: draft_vocab was a plain attribute, left on the CPU by `.to(device)`."""
+    from dflash_trt.runtime.draft_model import DFlashDraftModel
+    from dflash_trt.runtime.draft_vocab import save_draft_vocab
+
+    _, draft = _pair()
+    draft.save_pretrained(tmp_path / "d")
+    save_draft_vocab(tmp_path / "d", torch.arange(40), 1.0)
+    assert DFlashDraftModel.from_pretrained(tmp_path / "d", device="meta").draft_vocab.device.type == "meta"
+    loaded = DFlashDraftModel.from_pretrained(tmp_path / "d")
+    assert loaded.to("meta").draft_vocab.device.type == "meta"
+    cast = DFlashDraftModel.from_pretrained(tmp_path / "d").to(torch.bfloat16)  # ids stay int64 through a cast
+    assert cast.draft_vocab.dtype == torch.long and cast.draft_vocab.tolist() == list(range(40))
+    assert "draft_vocab" not in cast.state_dict()  # it ships as draft_vocab.json, never in the weights
+
+
+# -- the passes ----------------------------------------------------------------------------------
+
+
+def test_reference_loop_and_batched_runtime_run_on_the_models_device():
+    target, draft = _pair("meta")
+    with strict_devices(), pytest.raises(HOST_READ, match=HOST_READ_MATCH):
+        dflash_generate(draft, target, [1, 2, 3, 4])  # prefill, then the first token read
+    runtime = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64)
+    runtime.add(SequenceRequest([1, 2, 3], SamplingParams(max_tokens=4)))
+    runtime.add(SequenceRequest([5, 6], SamplingParams(max_tokens=4, temperature=0.8)))
+    with strict_devices(), pytest.raises(HOST_READ, match=HOST_READ_MATCH):
+        runtime.step()  # admit, prefill both rows, sample: then the step's one sync
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_target_adapter_keeps_logits_and_features_on_the_home_device(device):
+    target, _ = _pair(device)
+    adapter = TargetAdapter(target)
+    ids = torch.tensor([[1, 2, 3]], device=device)
+    with strict_devices():
+        logits, feats = adapter.forward(ids, torch.arange(3, device=device)[None], adapter.new_cache(), LAYERS)
+    assert logits.device.type == feats.device.type == device and feats.shape == (1, 3, 2 * 64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_stays_on_the_logits_device(device):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)).to(device)
+    gen = torch.Generator(device=device).manual_seed(0) if device != "meta" else None
+    with strict_devices():
+        outs = [sample(logits), sample(logits, 0.7, 0.9, gen), *sample_checked(logits, 0.7, 0.9, gen)]
+    assert all(o.device.type == device and o.shape == (3,) for o in outs)
+
+
+@needs_cuda
+def test_on_a_gpu_the_reference_loop_and_the_batched_runtime_give_the_cpu_tokens():
+    cpu_t, cpu_d = _pair()
+    want = dflash_generate(cpu_d, cpu_t, [1, 2, 3, 4], SamplingParams(max_tokens=12)).output_ids
+    gpu_t, gpu_d = _pair("cuda")
+    assert dflash_generate(gpu_d, gpu_t, [1, 2, 3, 4], SamplingParams(max_tokens=12)).output_ids == want
+    for graphs in (False, True):
+        runtime = BatchedRuntime(gpu_t, gpu_d, max_batch=2, max_seq_len=64, cuda_graphs=graphs)
+        seq = runtime.add(SequenceRequest([1, 2, 3, 4], SamplingParams(max_tokens=12)))
+        runtime.run()
+        assert seq.result.output_ids == want
+
+
+# -- CUDA graphs on the model's GPU ------------------------------------------------------------------
+
+
+class _CudaRecorder:
+    """Stands in for torch.cuda where no GPU is (the real one cannot run here): records which
+    device each stream belongs to and which device is current at every capture and replay. The
+    process's current device is cuda:0; the model (and so every graph) is on cuda:1."""
+
+    def __init__(self) -> None:
+        self.current = torch.device("cuda:0")
+        self.seen: list[tuple[str, torch.device]] = []
+        rec = self
+
+        class Stream:
+            def __init__(self, device=None) -> None:
+                self.device = torch.device(device) if device is not None else rec.current
+                rec.seen.append(("stream made", self.device))
+
+            def wait_stream(self, other) -> None:
+                pass
+
+        class CUDAGraph:
+            def replay(self) -> None:
+                rec.seen.append(("replay under", rec.current))
+
+        self.Stream, self.CUDAGraph = Stream, CUDAGraph
+
+    @contextlib.contextmanager
+    def device(self, d) -> Iterator[None]:
+        old, self.current = self.current, torch.device(d)
+        try:
+            yield
+        finally:
+            self.current = old
+
+    def current_stream(self, device=None):
+        return self.Stream(device)
+
+    @contextlib.contextmanager
+    def stream(self, s) -> Iterator[None]:
+        self.seen.append(("warm-up on", s.device))
+        yield
+
+    @contextlib.contextmanager
+    def graph(self, g, pool=None, stream=None) -> Iterator[None]:
+        # torch.cuda.graph's default capture stream is made once per process, on cuda:0 here
+        self.seen.append(("capture on", stream.device if stream is not None else torch.device("cuda:0")))
+        self.seen.append(("capture under", self.current))
+        yield
+
+    def synchronize(self, device=None) -> None:
+        self.seen.append(("synchronize", torch.device(device) if device is not None else self.current))
+
+    def graph_pool_handle(self) -> object:
+        return object()
+
+
+def test_cuda_graphs_capture_and_replay_on_the_models_gpu(monkeypatch):
+    """issue 36: StepGraphs captured on the current device's streams, with no device context: a
+    model on cuda:1 was captured on cuda:0's."""
+    from dflash_trt.runtime.cuda_graphs import StepGraphs
+
+    rec = _CudaRecorder()
+    for name in ("Stream", "CUDAGraph", "device", "current_stream", "stream", "graph", "synchronize",
+                 "graph_pool_handle"):
+        monkeypatch.setattr(torch.cuda, name, getattr(rec, name))
+    graphs = StepGraphs(torch.device("cuda:1"))
+    x = torch.ones(3)
+    first = graphs("k", lambda t: (t * 2,), x)  # eager result, then the capture
+    graphs("k", lambda t: (t * 2,), x)  # a replay
+    assert torch.equal(first[0], x * 2) and graphs.take_captured_flag()
+    assert {what for what, _ in rec.seen} >= {"stream made", "warm-up on", "capture on", "capture under",
+                                             "synchronize", "replay under"}
+    assert [(what, dev) for what, dev in rec.seen if dev != torch.device("cuda:1")] == []
+    assert rec.current == torch.device("cuda:0")  # the process's current device is left as it was
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs two GPUs ({NO_GPU})")
+def test_cuda_graphs_on_the_second_gpu_give_the_eager_tokens():
+    target, draft = _pair("cuda:1")
+    eager = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64)
+    graphed = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64, cuda_graphs=True)
+    outs = []
+    for runtime in (eager, graphed):
+        seq = runtime.add(SequenceRequest([1, 2, 3, 4], SamplingParams(max_tokens=16)))
+        runtime.run()
+        outs.append(seq.result.output_ids)
+    assert outs[0] == outs[1] and torch.cuda.current_device() == 0
+
+
+# -- training's features -------------------------------------------------------------------------
+
+
+def test_compute_features_feeds_the_target_on_its_device_and_keeps_features_on_the_host():
+    """issue 36: ids and positions were made on the CPU for a target on a GPU. On meta the pass runs
+    whole and the features' copy to the host is where it stops (a meta tensor has no data)."""
+    from dflash_trt.train.data import compute_features
+
+    target, _ = _pair("meta")
+    with strict_devices(), pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+        compute_features(target, [{"ids": [1, 2, 3, 4]}, {"ids": [5, 6]}], LAYERS, progress=False)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda)])
+def test_features_of_a_gpu_target_come_back_to_the_host(device):
+    from dflash_trt.prompts import Prompt
+    from dflash_trt.train.answers import AnswerSettings, generate_answers
+    from dflash_trt.train.data import compute_features
+
+    target, _ = _pair(device)
+    seqs = [{"ids": [1, 2, 3, 4]}, {"ids": [5, 6]}]
+    assert all(f.device.type == "cpu" for f in compute_features(target, seqs, LAYERS, progress=False))
+    prompts = [Prompt("p0", "chat", "train", "hi"), Prompt("p1", "chat", "train", "a longer one")]
+    for via in ("runtime", "hf"):
+        rows = generate_answers(target, None, prompts, AnswerSettings(max_new_tokens=4, batch_size=2,
+                                                                      capture_layer_ids=tuple(LAYERS), progress=False),
+                                via=via)
+        assert all(r["feats"].device.type == "cpu" for r in rows)
+
+
+def test_hf_generate_capture_copies_each_forwards_features_to_the_host():
+    """issue 36: every answer row kept its features on the GPU. The capture hook copies each
+    forward's layer outputs to the host as they are made (on meta: where it stops)."""
+    from dflash_trt.train.answers import _LayerCapture
+
+    target, _ = _pair("meta")
+    capture = _LayerCapture(target, tuple(LAYERS))
+    try:
+        with strict_devices(), pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+            target(input_ids=torch.tensor([[1, 2, 3]], device="meta"))
+    finally:
+        capture.remove()
+
+
+def test_online_training_generates_its_answers_without_features(tmp_path):
+    """issue 36: online mode captured every answer's features only to drop them."""
+    from dflash_trt.train.config import TrainConfig
+    from dflash_trt.train.dataset import training_sequences
+
+    target, _ = _pair()
+    cfg = TrainConfig(out=str(tmp_path / "draft"), max_prompts=2, max_new_tokens=3, gen_batch_size=2)
+    online, _ = training_sequences(cfg, target, None, None, progress=False)
+    assert online and all("feats" not in s for s in online)
+    cfg = TrainConfig(out=str(tmp_path / "draft2"), max_prompts=2, max_new_tokens=3, gen_batch_size=2)
+    cached, _ = training_sequences(cfg, target, None, LAYERS, progress=False)
+    assert all(s["feats"].shape[-1] == 2 * 64 for s in cached)
