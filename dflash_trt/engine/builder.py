@@ -308,6 +308,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     from dflash_trt.engine import gate as gate_mod
     from dflash_trt.engine.checkpoint_io import convert_checkpoint, copy_aux_files, load_checkpoint
     from dflash_trt.engine.devices import device_map_for, input_device, resolve_device
+    from dflash_trt.engine.hf_config_compat import rewrite_for_both_generations
     from dflash_trt.engine.host_memory import release_freed_memory, return_large_frees_to_os
     from dflash_trt.engine.llm_api import launch_scripts, llm_api_options, render_yaml
     from dflash_trt.engine.manifest import MANIFEST_NAME, DraftInfo, EngineManifest, Limits, Mapping, Quantization, TargetInfo
@@ -373,6 +374,8 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                     target, spec.quant, spec.kv_cache_quant, p.recipe, calib_ids, tmp / "target", dtype, progress,
                     mxfp4_source=p.target_dir if p.source_format == "MXFP4" else None)
                 copy_aux_files(p.target_dir, tmp / "target")
+                # ModelOpt's export writes config.json in transformers 5's form only
+                rewrite_for_both_generations(tmp / "target", source_dir=p.target_dir)
                 cast = quant_report.get("mxfp4_cast")
                 if cast:
                     say(f"MXFP4 -> NVFP4 expert cast: {cast['lossless_blocks']}/{cast['mxfp4_blocks']} blocks "
@@ -403,6 +406,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
             for f in sorted(p.draft_dir.iterdir()):  # the drafter ships byte for byte (not requantized)
                 if f.is_file() and f.suffix in (".json", ".safetensors", ".md", ".txt"):
                     shutil.copy2(f, tmp / "draft" / f.name)
+            rewrite_for_both_generations(tmp / "draft")  # only a transformers-5-only config changes
             opts = llm_api_options(spec, is_moe=p.arch.is_moe, max_draft_len=p.max_draft_len,
                                    max_num_tokens=p.max_num_tokens, mask_token_id=int(p.mask_token_id or 0),
                                    target_layer_ids=p.target_layer_ids, dtype=p.dtype_name,
