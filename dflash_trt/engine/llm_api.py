@@ -40,7 +40,8 @@ SECTION_KEYS: dict[str, frozenset[str]] = {
 }
 ENUMS: dict[tuple[str, str], frozenset[str]] = {
     ("speculative_config", "decoding_type"): frozenset({"DFlash"}),
-    ("speculative_config", "attention_backend"): frozenset({"VANILLA", "TRTLLM", "FA4"}),
+    # DFlashDecodingConfig / DFlashForCausalLM accept these two only (tests/upstream/tensorrt_llm_node.json)
+    ("speculative_config", "attention_backend"): frozenset({"VANILLA", "TRTLLM"}),
     ("kv_cache_config", "dtype"): frozenset({"auto", "fp8", "float16", "bfloat16", "nvfp4"}),
     ("moe_config", "backend"): frozenset({"AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "VANILLA", "TRITON"}),
 }
@@ -102,7 +103,12 @@ def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_toke
 def dflash_attention_backend(spec: Any) -> str:
     """DFlashDecodingConfig.attention_backend: the spec's choice, or the GPU's default ("auto")."""
     choice = spec.dflash_attention_backend
-    return GPUS[spec.gpu].dflash_attention_backend if choice == "auto" else choice
+    gpu = GPUS[spec.gpu]
+    if choice == "TRTLLM" and gpu.family != "blackwell":
+        # upstream's TRTLLM path checks is_sm_100f: SM100/SM103 only (dflash_attention.py)
+        raise DFlashError(f"dflash_attention_backend TRTLLM needs a Blackwell GPU (SM100/SM103) and this engine is "
+                          f"for {spec.gpu}; use auto or VANILLA (FlashAttention), or build for --gpu b200/b300")
+    return gpu.dflash_attention_backend if choice == "auto" else choice
 
 
 def render_yaml(opts: dict[str, Any], header: str) -> str:
