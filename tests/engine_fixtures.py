@@ -118,6 +118,27 @@ def shared_tiny_engine(tmp_path_factory) -> Path:
     return _ENGINES["tiny"]
 
 
+def shared_gpu_tiny_engine(tmp_path_factory, gpu: str = "h100", dtype: str = "bfloat16") -> Path:
+    """The tiny engine as a GPU build would record it (manifest gpu and dtype), for the paths that
+    hand an engine to TensorRT-LLM (never a CPU engine: engine/llm_api.tensorrt_llm_refusal). The
+    weights stay the tiny float32 ones: nothing here runs them on TensorRT-LLM."""
+    import json
+    import shutil
+
+    from dflash_trt.engine.manifest import MANIFEST_NAME
+
+    key = f"gpu-{gpu}-{dtype}"
+    if key not in _ENGINES:
+        engine = tmp_path_factory.mktemp(key) / "engine"
+        shutil.copytree(shared_tiny_engine(tmp_path_factory), engine)
+        data = json.loads((engine / MANIFEST_NAME).read_text())
+        data["gpu"] = gpu
+        data["quantization"]["dtype"] = dtype
+        (engine / MANIFEST_NAME).write_text(json.dumps(data, indent=2))
+        _ENGINES[key] = engine
+    return _ENGINES[key]
+
+
 def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
                      raw: bool = False) -> str:
     """The text the reference runtime gives for `prompt` (one user turn through the chat template;

@@ -212,3 +212,15 @@ def test_attention_backends_upstream_does_not_run_are_refused_in_one_line():
 def _opts_for_check() -> dict:
     s = resolve_spec(None, {"gpu": "b200"})
     return llm_api_options(s, is_moe=False, max_draft_len=7, max_num_tokens=8192, mask_token_id=1, target_layer_ids=[1])
+
+
+def test_a_cpu_engines_trtllm_serve_script_refuses_in_one_line(tmp_path):
+    """A CPU engine is float32; TensorRT-LLM's DFlash kernels take fp16/bf16 only (flash-attn README
+    @ 014c349 in tests/upstream/tensorrt_llm_node.json): its launch script says so and exits 2."""
+    scripts = launch_scripts(resolve_spec(None, {"gpu": "cpu"}), is_moe=False, max_draft_len=7, block_size=8)
+    script = tmp_path / "trtllm-serve.sh"
+    script.write_text(scripts["launch/trtllm-serve.sh"])
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: this engine is built for the CPU") and len(proc.stderr.splitlines()) == 1
+    assert "trtllm-serve" not in scripts["launch/trtllm-serve.sh"].split("exit 2")[0].split("echo")[0]

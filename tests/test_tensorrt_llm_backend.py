@@ -27,15 +27,15 @@ from types import SimpleNamespace
 import pytest
 
 from dflash_trt.engine.llm_api import SECTION_KEYS
-from dflash_trt.errors import InvalidRequest
+from dflash_trt.errors import DFlashError, InvalidRequest
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.serving.backends import BackendSettings, load_backend
 from dflash_trt.serving.protocol import GenerateRequest
 
 try:
-    from tests.engine_fixtures import shared_tiny_engine
+    from tests.engine_fixtures import shared_gpu_tiny_engine, shared_tiny_engine
 except ImportError:  # tests/ is not a package
-    from engine_fixtures import shared_tiny_engine
+    from engine_fixtures import shared_gpu_tiny_engine, shared_tiny_engine
 
 UPSTREAM = json.loads((Path(__file__).parent / "upstream" / "tensorrt_llm_llmapi.json").read_text())
 PIECES = ["Paris", " is", " the", " capital", "."]  # what the stand-in engine streams, one piece per step
@@ -120,7 +120,8 @@ def standin(monkeypatch):
 
 @pytest.fixture
 def engine(tmp_path_factory) -> Path:
-    return shared_tiny_engine(tmp_path_factory)
+    """A GPU engine (h100, bfloat16): TensorRT-LLM is never handed a CPU one."""
+    return shared_gpu_tiny_engine(tmp_path_factory)
 
 
 def test_standin_has_upstreams_signature():
@@ -180,5 +181,19 @@ def test_cancel_aborts_the_request_and_ends_it_cancelled(standin, engine):
         assert llm.requests[-1].aborted and len(rest) < len(PIECES)
         llm.pace_s, llm.finish_reason = 0.0, "timeout"  # upstream's timeout is reported as cancelled
         assert backend.submit(GenerateRequest("Hi")).text()[1].finish_reason == "cancelled"
+    finally:
+        backend.shutdown()
+
+
+def test_a_cpu_engine_is_never_handed_to_tensorrt_llm(standin, tmp_path_factory):
+    """A CPU engine is float32 and TensorRT-LLM's DFlash kernels take fp16/bf16 only (flash-attn's
+    README @ 014c349, tests/upstream/tensorrt_llm_node.json): even with TensorRT-LLM installed, auto
+    serves it on the pytorch backend and asking for tensorrt_llm is one line."""
+    cpu_engine = shared_tiny_engine(tmp_path_factory)
+    with pytest.raises(DFlashError, match="float16/bfloat16 on a GPU only"):
+        load_backend(cpu_engine, BackendSettings(backend="tensorrt_llm"))
+    backend = load_backend(cpu_engine, BackendSettings(backend="auto"))
+    try:
+        assert backend.backend == "pytorch" and not LLM.instances
     finally:
         backend.shutdown()

@@ -240,6 +240,12 @@ def launch(engine_dir: str | Path, backend: Backend = "trtllm", check_only: bool
     engine_dir = Path(engine_dir).resolve()
     # Errors every rank finds alike, raised before MPI starts (a plain one-line error per rank).
     manifest = load_manifest(engine_dir)
+    if backend == "trtllm":
+        from dflash_trt.engine.llm_api import tensorrt_llm_refusal
+
+        refusal = tensorrt_llm_refusal(manifest)
+        if refusal:
+            raise DFlashError(f"--backend trtllm: {refusal} (launch --backend pytorch)")
     if backend == "reference":
         check_port_plan(1, grpc_port, metrics_port, port_stride)
     elif not check_only and not server_cmd:
