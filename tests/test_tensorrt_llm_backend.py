@@ -87,6 +87,12 @@ class LLM:
     instances: list = []
 
     def __init__(self, model: str, speculative_config: object = None, **kwargs: object) -> None:
+        # As upstream's DecodingBaseConfig.speculative_model (and LLM's model): a local directory,
+        # resolved against the process's working directory, or else a hub id to download
+        # (tests/upstream/tensorrt_llm_node.json) -- which a node without the hub cannot.
+        for what, path in (("model", model), ("speculative_model", getattr(speculative_config, "speculative_model", None))):
+            if not Path(str(path)).is_dir():
+                raise OSError(f"{what} {path!r} is no directory under {Path.cwd()}: TensorRT-LLM would take it for a hub id")
         self.model, self.speculative_config, self.kwargs = model, speculative_config, kwargs
         self.requests: list[RequestOutput] = []
         self.pace_s, self.finish_reason, self.closed = 0.0, "stop", False
@@ -197,3 +203,30 @@ def test_a_cpu_engine_is_never_handed_to_tensorrt_llm(standin, tmp_path_factory)
         assert backend.backend == "pytorch" and not LLM.instances
     finally:
         backend.shutdown()
+
+
+
+def test_the_engine_loads_from_any_working_directory(standin, engine, tmp_path, monkeypatch):
+    """`serve ENGINE` and a Triton repository's model.yaml give TensorRT-LLM absolute paths, so the
+    drafter is found whatever directory the server was started in (the YAML's ./draft would not be)."""
+    from dflash_trt.engine.manifest import load_manifest
+    from dflash_trt.serving.repository import TritonRepoSettings, generate_repository
+
+    elsewhere = tmp_path / "submit-dir"
+    elsewhere.mkdir()
+    repo = generate_repository(engine, tmp_path / "repo", TritonRepoSettings(backend="tensorrt_llm"))
+    monkeypatch.chdir(elsewhere)
+    import yaml
+
+    assert not Path("draft").exists()
+    with pytest.raises(OSError, match="hub id"):  # the stand-in is strict: the YAML's own path fails here
+        LLM(model=str(engine / "target"), speculative_config=DFlashDecodingConfig(speculative_model="./draft"))
+    kwargs = {k: v for k, v in yaml.safe_load((repo / "dflash" / "1" / "model.yaml").read_text()).items()
+              if k != "triton_config"}
+    for backend in (load_backend(engine, BackendSettings(backend="tensorrt_llm")),
+                    load_backend(engine, BackendSettings(backend="tensorrt_llm"), llm_kwargs=kwargs)):
+        try:
+            assert LLM.instances[-1].speculative_config.speculative_model == str(engine.resolve() / "draft")
+        finally:
+            backend.shutdown()
+    assert load_manifest(engine).llm_api_options == "llm_api_options.yaml"
