@@ -6,8 +6,8 @@ builds its RoPE from the config object's `rope_theta` / `rope_scaling`
 recorded in tests/upstream/tensorrt_llm_node.json. transformers 5 writes `rope_parameters` only, so
 4.57 would silently fall back to its class defaults. This test builds real engines (`--quant none`
 for Llama, Llama with llama3 scaling, Qwen3 and gpt-oss with YaRN, and a ModelOpt FP8 export) from
-checkpoints saved by this environment's transformers 5, then reads each engine's target and drafter
-config.json with transformers 4.57's OWN config classes, installed from the package index (pure
+checkpoints (and tokenizers) saved by this environment's transformers 5, then reads each engine's
+target and drafter config.json, and the target's tokenizer, with transformers 4.57's OWN classes, installed from the package index (pure
 Python, --no-deps, with the huggingface_hub it requires) into the project's cache dir
 (${DFLASH_TRT_CACHE:-~/.cache/dflash-trt}/transformers-4.57.1) once and reused, and run in a child
 process. RoPE values are chosen away from every class default, so a fallback cannot pass.
@@ -43,16 +43,19 @@ CASES = {
                             "beta_slow": 2.0, "truncate": False, "original_max_position_embeddings": 256}),
 }
 
+PROMPT = "The capital of France is Paris."
 READER = """
-import json, sys
-from transformers import AutoConfig, __version__
+import json, os, sys
+from transformers import AutoConfig, AutoTokenizer, __version__
 out = {"version": __version__}
 for d in sys.argv[1:]:
     c = AutoConfig.from_pretrained(d)
     out[d] = {"model_type": c.model_type, "rope_theta": getattr(c, "rope_theta", None),
               "rope_scaling": getattr(c, "rope_scaling", None), "dtype": str(getattr(c, "torch_dtype", None))}
+    if os.path.isfile(os.path.join(d, "tokenizer_config.json")):  # as TensorRT-LLM loads the tokenizer
+        out[d]["ids"] = AutoTokenizer.from_pretrained(d).encode(%r)
 print(json.dumps(out))
-"""
+""" % PROMPT
 
 
 def _cache_dir() -> Path:
@@ -92,10 +95,16 @@ def _save_source(root: Path, arch: str, rope: dict) -> tuple[Path, Path]:
     """A tiny checkpoint saved by THIS transformers (5: rope_parameters only) and a drafter for it."""
     from dflash_trt.runtime.tiny import random_draft, tiny_target
 
-    model = tiny_target(arch, seed=0, hidden_size=64, intermediate_size=96, vocab_size=160)
+    try:
+        from tests.engine_fixtures import VOCAB_SIZE, save_tiny_tokenizer
+    except ImportError:  # tests/ is not a package
+        from engine_fixtures import VOCAB_SIZE, save_tiny_tokenizer
+
+    model = tiny_target(arch, seed=0, hidden_size=64, intermediate_size=96, vocab_size=VOCAB_SIZE)
     model.config.rope_parameters = dict(rope)
     tdir, ddir = root / "target", root / "draft"
     model.save_pretrained(tdir)
+    save_tiny_tokenizer(tdir)  # written by transformers 5: tokenizer_class TokenizersBackend
     random_draft(model.config, num_layers=1, block_size=8).save_pretrained(ddir)
     saved = json.loads((tdir / "config.json").read_text())
     assert "rope_theta" not in saved and saved["rope_parameters"]["rope_theta"] == rope["rope_theta"]
@@ -128,7 +137,7 @@ def engines(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
 
 
 def test_transformers_457_reads_every_engine_config_as_transformers_5_does(engines):
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     dirs = [engine / sub for engine, _, _ in engines.values() for sub in ("target", "draft")]
     old = read_with_457(dirs)
@@ -137,6 +146,8 @@ def test_transformers_457_reads_every_engine_config_as_transformers_5_does(engin
         got = old[engine / "target"]
         assert (got["rope_theta"], got["rope_scaling"]) == (theta, scaling), case
         assert got["dtype"] == "torch.bfloat16", case
+        # the tokenizer loads under 4.57 and encodes as transformers 5 does
+        assert got["ids"] == AutoTokenizer.from_pretrained(engine / "target").encode(PROMPT), case
         # transformers 5 reads the same file back to the parameters it was saved with
         new = AutoConfig.from_pretrained(engine / "target").rope_parameters
         assert {k: new[k] for k in rope} == rope, case
@@ -150,7 +161,11 @@ def test_a_config_in_transformers_5_form_alone_is_what_4_57_misreads(engines, tm
     """The control: the source checkpoints as transformers 5 saved them, without the added keys,
     read by 4.57 fall back to the class default (the silent bug this guards against)."""
     _, _, tdir = engines["llama"]
-    got = read_with_457([tdir])[tdir]
+    assert json.loads((tdir / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    probe = tmp_path / "config-only"
+    probe.mkdir()
+    shutil.copy(tdir / "config.json", probe / "config.json")
+    got = read_with_457([probe])[probe]
     assert got["rope_theta"] == 10000.0 != CASES["llama"][1]["rope_theta"]
 
 

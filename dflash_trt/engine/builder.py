@@ -374,8 +374,6 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                     target, spec.quant, spec.kv_cache_quant, p.recipe, calib_ids, tmp / "target", dtype, progress,
                     mxfp4_source=p.target_dir if p.source_format == "MXFP4" else None)
                 copy_aux_files(p.target_dir, tmp / "target")
-                # ModelOpt's export writes config.json in transformers 5's form only
-                rewrite_for_both_generations(tmp / "target", source_dir=p.target_dir)
                 cast = quant_report.get("mxfp4_cast")
                 if cast:
                     say(f"MXFP4 -> NVFP4 expert cast: {cast['lossless_blocks']}/{cast['mxfp4_blocks']} blocks "
@@ -400,6 +398,9 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                 stats = convert_checkpoint(p.target_dir, tmp / "target", dtype, progress)
                 say(f"target written shard by shard: {stats['cast']} tensors in {p.dtype_name}, {stats['kept']} kept "
                     "byte for byte" + (" (MXFP4 experts as shipped)" if p.source_format == "MXFP4" else ""))
+        # TensorRT-LLM reads config.json and the tokenizer with transformers 4.57: ModelOpt's export
+        # (and a source saved by transformers 5) spells them in transformers 5's form only
+        rewrite_for_both_generations(tmp / "target", source_dir=p.target_dir)
         draft = None
         with prof.phase("write"):
             (tmp / "draft").mkdir()

@@ -15,6 +15,10 @@ transformers 5 reads the result back unchanged: it takes `rope_scaling` as the p
 `rope_theta` beside it (modeling_rope_utils.RotaryEmbeddingConfigMixin.convert_rope_params_to_dict).
 Where the build copies a source checkpoint's config, the source's own `rope_theta` /
 `rope_scaling` are kept as they were; one that disagrees with `rope_parameters` is an error.
+
+tokenizer_config.json likewise: transformers 5 names its generic tokenizers-backed class
+`TokenizersBackend`, which 4.57's AutoTokenizer refuses ("does not exist or is not currently
+imported"); `PreTrainedTokenizerFast` is the same tokenizer.json to both generations.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ from typing import Any
 from dflash_trt.errors import DFlashError
 
 LEGACY_ROPE_KEYS = ("rope_theta", "rope_scaling")
+# tokenizer_class names transformers 5 writes that 4.57 lacks -> the class both load the same way
+TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def tokenizer_config_both_generations(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (tokenizer_config.json) with a tokenizer_class both transformers generations know."""
+    name = config.get("tokenizer_class")
+    return {**config, "tokenizer_class": TOKENIZER_CLASSES[name]} if name in TOKENIZER_CLASSES else config
 
 
 def _legacy_rope(rope_parameters: dict[str, Any]) -> dict[str, Any]:
@@ -87,16 +99,22 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def rewrite_for_both_generations(directory: Path, source_dir: Path | None = None) -> bool:
-    """Rewrite `directory`/config.json in place with :func:`both_generations` (True if it changed)."""
+    """Rewrite `directory`/config.json (:func:`both_generations`) and its tokenizer_config.json,
+    if any (:func:`tokenizer_config_both_generations`), in place. True if a file changed."""
     from dflash_trt.fsutil import write_text_atomic
 
     path = Path(directory) / "config.json"
-    config = _read(path)
     source = None
     if source_dir is not None and (Path(source_dir) / "config.json").is_file():
         source = _read(Path(source_dir) / "config.json")
-    fixed = both_generations(config, source, where=str(path))
-    if fixed == config:
-        return False
-    write_text_atomic(path, json.dumps(fixed, indent=2) + "\n")
-    return True
+    changed = False
+    for path, fix in ((path, lambda c: both_generations(c, source, where=str(path))),
+                      (Path(directory) / "tokenizer_config.json", tokenizer_config_both_generations)):
+        if not path.is_file():
+            continue
+        config = _read(path)
+        fixed = fix(config)
+        if fixed != config:
+            write_text_atomic(path, json.dumps(fixed, indent=2, ensure_ascii=False) + "\n")
+            changed = True
+    return changed
