@@ -260,3 +260,16 @@ def test_a_cpu_engine_repository_for_tensorrt_llm_is_refused(engine, tmp_path):
                                     "--backend", "tensorrt_llm"])
     assert res.exit_code == 2 and "float16/bfloat16 on a GPU only" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "repo").exists()
+
+
+def test_upstreams_newer_optional_input_is_declared_only_once_a_release_has_it(engine):
+    """sampling_param_logits_post_processor_name: read by the llmapi model's helpers.py @ 0df60f9ad779,
+    declared by no config.pbtxt read (0a71057313ec, c8c6df08bd0e; tests/upstream/tensorrt_llm_node.json):
+    the repository keeps the released contract (tests/upstream/tensorrtllm_backend_llmapi.json)."""
+    here = Path(__file__).parent / "upstream"
+    record = json.loads((here / "tensorrt_llm_node.json").read_text())["llmapi_logits_post_processor"]
+    released = json.loads((here / "tensorrtllm_backend_llmapi.json").read_text())["config_pbtxt"]
+    declared = {i.name for i in parse_config(render_config(engine, TritonRepoSettings())).input}
+    assert declared == {i["name"] for i in released["inputs"]}
+    assert record["in_a_released_config_pbtxt"] is False and record["input"] not in declared
+    assert released["commit"] in record["config_pbtxt_commits_read"]
