@@ -122,20 +122,15 @@ def shared_gpu_tiny_engine(tmp_path_factory, gpu: str = "h100", dtype: str = "bf
     """The tiny engine as a GPU build would record it (manifest gpu and dtype), for the paths that
     hand an engine to TensorRT-LLM (never a CPU engine: engine/llm_api.tensorrt_llm_refusal). The
     weights stay the tiny float32 ones: nothing here runs them on TensorRT-LLM."""
-    import json
-    import shutil
-
-    from dflash_trt.engine.manifest import MANIFEST_NAME
+    try:
+        from tests.deploy_engines import gpu_copy
+    except ImportError:  # tests/ is not a package
+        from deploy_engines import gpu_copy
 
     key = f"gpu-{gpu}-{dtype}"
     if key not in _ENGINES:
-        engine = tmp_path_factory.mktemp(key) / "engine"
-        shutil.copytree(shared_tiny_engine(tmp_path_factory), engine)
-        data = json.loads((engine / MANIFEST_NAME).read_text())
-        data["gpu"] = gpu
-        data["quantization"]["dtype"] = dtype
-        (engine / MANIFEST_NAME).write_text(json.dumps(data, indent=2))
-        _ENGINES[key] = engine
+        _ENGINES[key] = gpu_copy(shared_tiny_engine(tmp_path_factory), tmp_path_factory.mktemp(key) / "engine",
+                                 gpu, dtype)
     return _ENGINES[key]
 
 
