@@ -45,6 +45,19 @@ def with_mapping(engine: Path, tp: int, pp: int = 1, gpus_per_node: int = 8) -> 
     return engine
 
 
+def gpu_copy(engine: Path, dest: Path, gpu: str = "h100", dtype: str = "bfloat16") -> Path:
+    """A copy of `engine` whose manifest records a GPU build (`gpu`, `dtype`): the paths that hand an
+    engine to TensorRT-LLM refuse a CPU one (engine/llm_api.tensorrt_llm_refusal). Weights unchanged."""
+    import shutil
+
+    shutil.copytree(engine, dest)
+    manifest = load_manifest(dest)
+    quantization = manifest.quantization.model_copy(update={"dtype": dtype})
+    data = manifest.model_copy(update={"gpu": gpu, "quantization": quantization}).model_dump(mode="json")
+    (dest / MANIFEST_NAME).write_text(json.dumps(data, indent=2), encoding="utf-8")
+    return dest
+
+
 def served_engine(root: Path, tp: int = 1, pp: int = 1) -> Path:
     """A complete tiny engine the reference server loads (tests/engine_fixtures.py), mapping TP x PP."""
     from tests.engine_fixtures import make_tiny_engine

@@ -118,6 +118,22 @@ def shared_tiny_engine(tmp_path_factory) -> Path:
     return _ENGINES["tiny"]
 
 
+def shared_gpu_tiny_engine(tmp_path_factory, gpu: str = "h100", dtype: str = "bfloat16") -> Path:
+    """The tiny engine as a GPU build would record it (manifest gpu and dtype), for the paths that
+    hand an engine to TensorRT-LLM (never a CPU engine: engine/llm_api.tensorrt_llm_refusal). The
+    weights stay the tiny float32 ones: nothing here runs them on TensorRT-LLM."""
+    try:
+        from tests.deploy_engines import gpu_copy
+    except ImportError:  # tests/ is not a package
+        from deploy_engines import gpu_copy
+
+    key = f"gpu-{gpu}-{dtype}"
+    if key not in _ENGINES:
+        _ENGINES[key] = gpu_copy(shared_tiny_engine(tmp_path_factory), tmp_path_factory.mktemp(key) / "engine",
+                                 gpu, dtype)
+    return _ENGINES[key]
+
+
 def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
                      raw: bool = False) -> str:
     """The text the reference runtime gives for `prompt` (one user turn through the chat template;

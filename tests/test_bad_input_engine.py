@@ -117,7 +117,9 @@ def test_deploy_slurm_refuses_altered_weights(engine, tmp_path):
     r = CliRunner().invoke(main, ["deploy", "slurm", str(engine), "--out", str(tmp_path / "jobs")])
     assert_one_line_error(r, "model.safetensors is modified or corrupt")
     assert not (tmp_path / "jobs" / "serve.sbatch").exists()
-    ok = CliRunner().invoke(main, ["deploy", "slurm", str(engine), "--out", str(tmp_path / "jobs"), "--no-verify"])
+    # (a CPU engine: its jobs run the pytorch backend, TensorRT-LLM is never handed one)
+    ok = CliRunner().invoke(main, ["deploy", "slurm", str(engine), "--out", str(tmp_path / "jobs"), "--no-verify",
+                                   "--backend", "pytorch"])
     assert ok.exit_code == 0, ok.output  # the escape hatch: scripts from the manifest alone
 
 

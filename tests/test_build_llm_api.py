@@ -10,7 +10,7 @@ tensorrt_llm/llmapi/llm_args.py at NVIDIA/TensorRT-LLM commit 0004396720054fd8e2
 - CudaGraphConfig (decode): batch_sizes, max_batch_size, enable_padding;
 - MoeConfig.backend: AUTO | CUTLASS | CUTEDSL | TRTLLM | DEEPGEMM | DENSEGEMM | VANILLA | TRITON | MARLIN ...;
 - DFlashDecodingConfig: decoding_type "DFlash", mask_token_id, target_layer_ids,
-  attention_backend VANILLA | TRTLLM (| FA4 from 1.3.0rc27, its API reference), plus
+  attention_backend VANILLA | TRTLLM (FA4 refused: tests/upstream/tensorrt_llm_node.json), plus
   DecodingBaseConfig's max_draft_len, speculative_model;
 - TorchLlmArgs enable_attention_dp / stream_interval / num_postprocess_workers (top level, as in
   upstream's recipe qwen3.8-low-latency.yaml; sources in dflash_trt/engine/trtllm_fields.json).
@@ -45,7 +45,8 @@ UPSTREAM_SECTIONS = {
     "speculative_config": {"decoding_type", "max_draft_len", "speculative_model", "mask_token_id",
                            "target_layer_ids", "attention_backend"},
 }
-UPSTREAM_DFLASH_ATTENTION = {"VANILLA", "TRTLLM", "FA4"}
+UPSTREAM_DFLASH_ATTENTION = set(json.loads((Path(__file__).parent / "upstream" / "tensorrt_llm_node.json").read_text())
+                                ["DFlashDecodingConfig"]["attention_backend"])
 UPSTREAM_MOE_BACKENDS = {"AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA", "TRITON", "MARLIN"}
 
 
@@ -179,17 +180,47 @@ def test_throughput_knobs_reach_the_yaml_only_when_not_upstreams_default():
     opts = llm_api_options(base, is_moe=True, max_draft_len=15, max_num_tokens=8192, mask_token_id=1, target_layer_ids=[1])
     assert not {"enable_attention_dp", "stream_interval", "num_postprocess_workers"} & set(opts)
     tuned = resolve_spec(None, {"gpu": "b300", "tp": 8, "ep": 8, "enable_attention_dp": True, "stream_interval": 10,
-                                "num_postprocess_workers": 4, "dflash_attention_backend": "FA4"})
+                                "num_postprocess_workers": 4, "dflash_attention_backend": "TRTLLM"})
     opts = llm_api_options(tuned, is_moe=True, max_draft_len=15, max_num_tokens=8192, mask_token_id=1, target_layer_ids=[1])
     assert (opts["enable_attention_dp"], opts["stream_interval"], opts["num_postprocess_workers"]) == (True, 10, 4)
     assert opts["speculative_config"]["attention_backend"] in UPSTREAM_DFLASH_ATTENTION
-    assert opts["speculative_config"]["attention_backend"] == "FA4"
+    assert opts["speculative_config"]["attention_backend"] == "TRTLLM"
     _assert_upstream_shape(opts)
     check_llm_api_options(opts)
 
 
 @pytest.mark.parametrize("key, value", [("stream_interval", 0), ("num_postprocess_workers", -1),
-                                        ("dflash_attention_backend", "FLASHINFER")])
+                                        ("dflash_attention_backend", "FLASHINFER"), ("dflash_attention_backend", "FA4")])
 def test_bad_knob_values_are_one_line_errors(key, value):
     with pytest.raises(DFlashError, match=key):
         resolve_spec(None, {key: value})
+
+
+def test_attention_backends_upstream_does_not_run_are_refused_in_one_line():
+    """FA4 is in no stored DFlashDecodingConfig / DFlashForCausalLM (VANILLA and TRTLLM only), and
+    TRTLLM needs SM100/SM103 (dflash_attention.py): sources in tests/upstream/tensorrt_llm_node.json."""
+    assert UPSTREAM_DFLASH_ATTENTION == {"VANILLA", "TRTLLM"}
+    hopper = resolve_spec(None, {"gpu": "h100", "dflash_attention_backend": "TRTLLM"})
+    with pytest.raises(DFlashError, match="TRTLLM needs a Blackwell GPU"):
+        llm_api_options(hopper, is_moe=False, max_draft_len=7, max_num_tokens=8192, mask_token_id=1, target_layer_ids=[1])
+    written = _opts_for_check()
+    written["speculative_config"]["attention_backend"] = "FA4"
+    with pytest.raises(DFlashError, match=r"attention_backend='FA4' is not one of \['TRTLLM', 'VANILLA'\]"):
+        check_llm_api_options(written)
+
+
+def _opts_for_check() -> dict:
+    s = resolve_spec(None, {"gpu": "b200"})
+    return llm_api_options(s, is_moe=False, max_draft_len=7, max_num_tokens=8192, mask_token_id=1, target_layer_ids=[1])
+
+
+def test_a_cpu_engines_trtllm_serve_script_refuses_in_one_line(tmp_path):
+    """A CPU engine is float32; TensorRT-LLM's DFlash kernels take fp16/bf16 only (flash-attn README
+    @ 014c349 in tests/upstream/tensorrt_llm_node.json): its launch script says so and exits 2."""
+    scripts = launch_scripts(resolve_spec(None, {"gpu": "cpu"}), is_moe=False, max_draft_len=7, block_size=8)
+    script = tmp_path / "trtllm-serve.sh"
+    script.write_text(scripts["launch/trtllm-serve.sh"])
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: this engine is built for the CPU") and len(proc.stderr.splitlines()) == 1
+    assert "trtllm-serve" not in scripts["launch/trtllm-serve.sh"].split("exit 2")[0].split("echo")[0]

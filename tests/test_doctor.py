@@ -6,7 +6,12 @@ a CPU engine passes on the reference backend. The verdict logic is also checked 
 environments built from upstream's REAL DFlashDecodingConfig fields as published in the
 TensorRT-LLM API references (1.3.0rc27: .../1.3.0rc27/llm-api/reference/DFlashDecodingConfig.html;
 the pre-attention_backend field set of PR 12794; sources in dflash_trt/engine/trtllm_fields.json),
-since no TensorRT-LLM install can run here.
+since no TensorRT-LLM install can run here. What the engine's DFlash attention backend loads on the
+node, and the capability check that replaces the version number, follow upstream's code recorded in
+tests/upstream/tensorrt_llm_node.json: tensorrt_llm/_torch/speculative/dflash_attention.py @ 0352547de78e
+(VANILLA imports flash_attn.flash_attn_with_kvcache; TRTLLM needs FlashInfer and SM100/SM103),
+tensorrt_llm/llmapi/llm_args.py @ 0004396720054 (attention_backend VANILLA | TRTLLM), and the
+unknown first DFlash tag (PR 12794's merge could not be read here).
 """
 
 from __future__ import annotations
@@ -56,10 +61,21 @@ def gpu_engine(root: Path, gpu: str = "b300", quant: str = "nvfp4", tp: int = 8,
     return engine
 
 
-def env_with(version: str | None, fields: list[str] | None, gpus: list[GpuInfo]) -> Environment:
+# attention_backend's values in the installed class (tests/upstream/tensorrt_llm_node.json, llm_args.py @ 0004396)
+NODE = json.loads((Path(__file__).parent / "upstream" / "tensorrt_llm_node.json").read_text())
+UPSTREAM_ATTENTION = NODE["DFlashDecodingConfig"]["attention_backend"]
+
+
+def env_with(version: str | None, fields: list[str] | None, gpus: list[GpuInfo], flash_attn: str | None = "2.8.3",
+             flashinfer: str | None = "0.6.0", backends: list[str] | None = None) -> Environment:
+    if backends is None and fields and "attention_backend" in fields:
+        backends = sorted(UPSTREAM_ATTENTION)
     return Environment(python="3.12.3", torch="2.9.0", tensorrt_llm=version, dflash_fields=fields,
+                       dflash_attention_backends=backends,
                        llm_args_fields=TORCH_LLM_ARGS_FIELDS if version else None,
-                       tensorrt_llm_error=None if version else "not installed", gpus=gpus)
+                       tensorrt_llm_error=None if version else "not installed", gpus=gpus,
+                       flash_attn=flash_attn, flash_attn_error=None if flash_attn else "not installed",
+                       flashinfer=flashinfer)
 
 
 @pytest.mark.skipif(HAS_GPU_TOOLS, reason="checks what a GPU-less machine reports")
@@ -132,3 +148,53 @@ def test_parse_nvidia_smi_query_rows():
     gpus = parse_nvidia_smi("0, NVIDIA B200, 183359, 10.0\n1, NVIDIA H100 80GB HBM3, 81559, 9.0\n")
     assert [(g.index, g.memory_mib, g.compute_capability, g.fp4, g.fp8) for g in gpus] == [
         (0, 183359, (10, 0), True, True), (1, 81559, (9, 0), False, True)]
+
+
+@pytest.mark.parametrize("gpu, quant, env_kw, problem", [
+    # Hopper engine: DFlash attention VANILLA imports flash_attn.flash_attn_with_kvcache (dflash_attention.py)
+    ("h100", "fp8", {"flash_attn": None}, "DFlash attention is VANILLA, which imports flash_attn.flash_attn_with_kvcache"),
+    # Blackwell engine: TRTLLM needs FlashInfer ...
+    ("b300", "nvfp4", {"flashinfer": None}, "is TRTLLM, which needs FlashInfer and SM100/SM103 GPUs; flashinfer not installed"),
+    # ... and the installed class must take the value the engine writes
+    ("b300", "nvfp4", {"backends": ["VANILLA"]}, "attention_backend TRTLLM in the installed DFlashDecodingConfig"),
+])
+def test_the_attention_backend_the_engines_gpu_uses_is_checked(tmp_path, gpu, quant, env_kw, problem):
+    manifest, opts = load_engine(gpu_engine(tmp_path / "e", gpu=gpu, quant=quant))
+    gpus = [B200 if gpu == "b300" else H100] * 8
+    bad = [f.line() for f in engine_findings(env_with("1.3.0rc27", RC27_DFLASH_FIELDS, gpus, **env_kw),
+                                             manifest, opts, "auto") if not f.ok]
+    assert any(problem in line for line in bad), bad
+    assert all("; fix: " in line for line in bad)
+
+
+def test_a_vanilla_engine_on_a_blackwell_gpu_is_not_asked_for_flashinfer(tmp_path):
+    manifest, opts = load_engine(gpu_engine(tmp_path / "e", gpu="h100", quant="fp8"))
+    findings = engine_findings(env_with("1.3.0rc27", RC27_DFLASH_FIELDS, [H100] * 8, flashinfer=None), manifest, opts,
+                               "trtllm")
+    assert all(f.ok for f in findings), [f.line() for f in findings if not f.ok]
+
+
+def test_the_capability_decides_not_the_version_number(tmp_path):
+    """A release numbered below the recorded minimum whose installed DFlashDecodingConfig takes every
+    key the engine writes is servable (the first DFlash tag is unknown: tensorrt_llm_node.json)."""
+    assert NODE["DFlashDecodingConfig_origin"]["first_tag"] is None
+    manifest, opts = load_engine(gpu_engine(tmp_path / "e", gpu="h100", quant="fp8"))
+    findings = engine_findings(env_with("1.3.0rc14", PRE_16914_DFLASH_FIELDS, [H100] * 8), manifest, opts, "auto")
+    assert all(f.ok for f in findings), [f.line() for f in findings if not f.ok]
+    assert any("capability checked" in f.what for f in findings)
+    # without the class, the number is all there is
+    bad = [f.line() for f in engine_findings(env_with("1.3.0rc14", None, [H100] * 8), manifest, opts, "auto")
+           if not f.ok]
+    assert any("needs TensorRT-LLM >= 1.3.0rc16, installed 1.3.0rc14" in line for line in bad), bad
+
+
+def test_a_cpu_engine_is_never_handed_to_tensorrt_llm(tmp_path):
+    engine = served_engine(tmp_path)  # gpu cpu, float32
+    manifest, opts = load_engine(engine)
+    [finding] = engine_findings(env_with("1.3.0rc27", RC27_DFLASH_FIELDS, [H100] * 8), manifest, opts, "trtllm")
+    assert not finding.ok and "float16/bfloat16 on a GPU only" in finding.line()
+    res = CliRunner().invoke(main, ["doctor", str(engine), "--backend", "trtllm"])
+    assert res.exit_code == 1 and "float16/bfloat16 on a GPU only" in res.output and "Traceback" not in res.output
+    # the launcher refuses before MPI starts, on every rank alike
+    res = CliRunner().invoke(main, ["launch", str(engine), "--backend", "trtllm", "--check"])
+    assert res.exit_code == 2 and "float16/bfloat16 on a GPU only" in res.output and "Traceback" not in res.output

@@ -34,7 +34,7 @@ import pytest
 
 from dflash_trt.deploy.slurm import default_container_image
 from dflash_trt.sampling_params import SamplingParams
-from tests.deploy_engines import served_engine, with_mapping
+from tests.deploy_engines import gpu_copy, served_engine, with_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -253,6 +253,7 @@ def wait_for_state(cluster: Cluster, job: str, timeout_s: float) -> str:
 def test_trtllm_serve_job_stops_at_the_doctor_on_this_gpu_less_node(cluster, engine, tmp_path):
     """No TensorRT-LLM and no GPU here: the doctor (first step) fails the job with its reasons."""
     out = tmp_path / "jobs"
+    engine = gpu_copy(engine, tmp_path / "gpu-engine")  # TensorRT-LLM is never handed a CPU engine
     submitted = cluster.run(DFLASH, "deploy", "slurm", str(engine), "--out", str(out), "--backend", "trtllm",
                             "--gpus-per-node", "0", "--no-exclusive", "--job-name", "nogpu",
                             "--container-dflash-bin", DFLASH, "--submit").stdout
@@ -277,7 +278,7 @@ def test_build_job_output_survives_the_job(cluster, tiny_pair_dirs, tmp_path):
     out, rebuilt = tmp_path / "jobs", tmp_path / "store" / "rebuilt"
     rebuilt.parent.mkdir()
     cluster.run(DFLASH, "deploy", "slurm", str(engine), "--out", str(out), "--build-out", str(rebuilt),
-                "--job-name", "rebuild", "--container-dflash-bin", DFLASH)
+                "--job-name", "rebuild", "--container-dflash-bin", DFLASH, "--backend", "pytorch")  # a CPU engine
     job = cluster.run("sbatch", "--parsable", str(out / "build.sbatch")).stdout.strip().split(";")[0]
     log = out / "logs" / f"rebuild-build-{job}.out"
     assert wait_for_state(cluster, job, 300) == "COMPLETED", log.read_text() if log.exists() else "no log"
@@ -298,6 +299,7 @@ def test_srun_pmix_trtllm_world_size_mismatch_fails_fast(cluster, engine, tmp_pa
     """TP x PP = 1 but 2 ranks: every rank refuses with one line, the step fails in seconds."""
     assert "pmix" in cluster.run("srun", "--mpi=list").stdout + cluster.run("srun", "--mpi=list").stderr
     t0 = time.monotonic()
+    engine = gpu_copy(engine, tmp_path / "gpu-engine")  # TensorRT-LLM is never handed a CPU engine
     proc = cluster.run("srun", "--mpi=pmix", "-n", "2", "--label", DFLASH, "launch", str(engine),
                        "--backend", "trtllm", "--", "tritonserver", f"--model-repository={tmp_path}",
                        timeout=90, check=False)

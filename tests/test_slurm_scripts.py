@@ -180,7 +180,7 @@ def test_build_job_mounts_its_sources_and_a_persistent_output(tmp_path):
     data["gpu"] = "cpu"
     (engine / "dflash_trt.json").write_text(json.dumps(data))
     out = tmp_path / "persist" / "rebuilt"
-    scripts = generate(tmp_path, engine, "--build-out", str(out))
+    scripts = generate(tmp_path, engine, "--backend", "pytorch", "--build-out", str(out))
     build = scripts["build"]
     d = sbatch_directives(build)
     assert "--gpus-per-node" not in d and "--exclusive" not in d  # a CPU engine's build uses no GPU
@@ -256,3 +256,18 @@ def test_not_an_engine_directory(tmp_path):
     result = CliRunner().invoke(main, ["deploy", "slurm", str(tmp_path), "--out", str(tmp_path / "jobs")])
     assert result.exit_code != 0 and "dflash_trt.json missing" in result.output
     assert not (tmp_path / "jobs").exists()
+
+
+def test_a_cpu_engine_is_not_handed_to_tensorrt_llm(tmp_path):
+    """A CPU engine is float32; TensorRT-LLM's DFlash kernels take fp16/bf16 only
+    (tests/upstream/tensorrt_llm_node.json): --backend trtllm is one line, nothing is written."""
+    import json
+
+    engine = manifest_engine(tmp_path / "engine", 1, 1)
+    data = json.loads((engine / "dflash_trt.json").read_text())
+    data["gpu"] = "cpu"
+    (engine / "dflash_trt.json").write_text(json.dumps(data))
+    out = tmp_path / "jobs"
+    r = CliRunner().invoke(main, ["deploy", "slurm", str(engine), "--out", str(out), "--no-verify"])
+    assert r.exit_code == 2 and "float16/bfloat16 on a GPU only" in r.output and "--backend pytorch" in r.output
+    assert not (out / "serve.sbatch").exists() and "Traceback" not in r.output

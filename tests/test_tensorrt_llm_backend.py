@@ -27,15 +27,15 @@ from types import SimpleNamespace
 import pytest
 
 from dflash_trt.engine.llm_api import SECTION_KEYS
-from dflash_trt.errors import InvalidRequest
+from dflash_trt.errors import DFlashError, InvalidRequest
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.serving.backends import BackendSettings, load_backend
 from dflash_trt.serving.protocol import GenerateRequest
 
 try:
-    from tests.engine_fixtures import shared_tiny_engine
+    from tests.engine_fixtures import shared_gpu_tiny_engine, shared_tiny_engine
 except ImportError:  # tests/ is not a package
-    from engine_fixtures import shared_tiny_engine
+    from engine_fixtures import shared_gpu_tiny_engine, shared_tiny_engine
 
 UPSTREAM = json.loads((Path(__file__).parent / "upstream" / "tensorrt_llm_llmapi.json").read_text())
 PIECES = ["Paris", " is", " the", " capital", "."]  # what the stand-in engine streams, one piece per step
@@ -87,6 +87,12 @@ class LLM:
     instances: list = []
 
     def __init__(self, model: str, speculative_config: object = None, **kwargs: object) -> None:
+        # As upstream's DecodingBaseConfig.speculative_model (and LLM's model): a local directory,
+        # resolved against the process's working directory, or else a hub id to download
+        # (tests/upstream/tensorrt_llm_node.json) -- which a node without the hub cannot.
+        for what, path in (("model", model), ("speculative_model", getattr(speculative_config, "speculative_model", None))):
+            if not Path(str(path)).is_dir():
+                raise OSError(f"{what} {path!r} is no directory under {Path.cwd()}: TensorRT-LLM would take it for a hub id")
         self.model, self.speculative_config, self.kwargs = model, speculative_config, kwargs
         self.requests: list[RequestOutput] = []
         self.pace_s, self.finish_reason, self.closed = 0.0, "stop", False
@@ -120,7 +126,8 @@ def standin(monkeypatch):
 
 @pytest.fixture
 def engine(tmp_path_factory) -> Path:
-    return shared_tiny_engine(tmp_path_factory)
+    """A GPU engine (h100, bfloat16): TensorRT-LLM is never handed a CPU one."""
+    return shared_gpu_tiny_engine(tmp_path_factory)
 
 
 def test_standin_has_upstreams_signature():
@@ -182,3 +189,44 @@ def test_cancel_aborts_the_request_and_ends_it_cancelled(standin, engine):
         assert backend.submit(GenerateRequest("Hi")).text()[1].finish_reason == "cancelled"
     finally:
         backend.shutdown()
+
+
+def test_a_cpu_engine_is_never_handed_to_tensorrt_llm(standin, tmp_path_factory):
+    """A CPU engine is float32 and TensorRT-LLM's DFlash kernels take fp16/bf16 only (flash-attn's
+    README @ 014c349, tests/upstream/tensorrt_llm_node.json): even with TensorRT-LLM installed, auto
+    serves it on the pytorch backend and asking for tensorrt_llm is one line."""
+    cpu_engine = shared_tiny_engine(tmp_path_factory)
+    with pytest.raises(DFlashError, match="float16/bfloat16 on a GPU only"):
+        load_backend(cpu_engine, BackendSettings(backend="tensorrt_llm"))
+    backend = load_backend(cpu_engine, BackendSettings(backend="auto"))
+    try:
+        assert backend.backend == "pytorch" and not LLM.instances
+    finally:
+        backend.shutdown()
+
+
+
+def test_the_engine_loads_from_any_working_directory(standin, engine, tmp_path, monkeypatch):
+    """`serve ENGINE` and a Triton repository's model.yaml give TensorRT-LLM absolute paths, so the
+    drafter is found whatever directory the server was started in (the YAML's ./draft would not be)."""
+    from dflash_trt.engine.manifest import load_manifest
+    from dflash_trt.serving.repository import TritonRepoSettings, generate_repository
+
+    elsewhere = tmp_path / "submit-dir"
+    elsewhere.mkdir()
+    repo = generate_repository(engine, tmp_path / "repo", TritonRepoSettings(backend="tensorrt_llm"))
+    monkeypatch.chdir(elsewhere)
+    import yaml
+
+    assert not Path("draft").exists()
+    with pytest.raises(OSError, match="hub id"):  # the stand-in is strict: the YAML's own path fails here
+        LLM(model=str(engine / "target"), speculative_config=DFlashDecodingConfig(speculative_model="./draft"))
+    kwargs = {k: v for k, v in yaml.safe_load((repo / "dflash" / "1" / "model.yaml").read_text()).items()
+              if k != "triton_config"}
+    for backend in (load_backend(engine, BackendSettings(backend="tensorrt_llm")),
+                    load_backend(engine, BackendSettings(backend="tensorrt_llm"), llm_kwargs=kwargs)):
+        try:
+            assert LLM.instances[-1].speculative_config.speculative_model == str(engine.resolve() / "draft")
+        finally:
+            backend.shutdown()
+    assert load_manifest(engine).llm_api_options == "llm_api_options.yaml"

@@ -16,9 +16,9 @@ import pytest
 from click.testing import CliRunner
 
 try:
-    from tests.engine_fixtures import shared_tiny_engine
+    from tests.engine_fixtures import shared_gpu_tiny_engine, shared_tiny_engine
 except ImportError:  # tests/ is not a package
-    from engine_fixtures import shared_tiny_engine
+    from engine_fixtures import shared_gpu_tiny_engine, shared_tiny_engine
 
 from dflash_trt.cli import main
 from dflash_trt.engine.manifest import load_manifest
@@ -182,7 +182,7 @@ def test_model_py_refuses_a_config_that_lacks_what_it_reads(engine, tmp_path):
         TritonGrpcServer(repo, grpc_port=0, metrics_port=None).load_models()
 
 
-def test_tensorrt_llm_is_used_only_with_native_dflash(monkeypatch, engine):
+def test_tensorrt_llm_is_used_only_with_native_dflash(monkeypatch, engine, tmp_path_factory):
     """TensorRT-LLM cannot be installed here: a stand-in module without DFlashDecodingConfig (an
     older release) must be detected and refused when explicitly requested."""
     import sys
@@ -201,7 +201,7 @@ def test_tensorrt_llm_is_used_only_with_native_dflash(monkeypatch, engine):
     usable, why = tensorrt_llm_status()
     assert not usable and "1.2.1" in why and "DFlashDecodingConfig" in why
     with pytest.raises(DFlashError, match="backend tensorrt_llm requested"):
-        load_backend(engine, BackendSettings(backend="tensorrt_llm"))
+        load_backend(shared_gpu_tiny_engine(tmp_path_factory), BackendSettings(backend="tensorrt_llm"))
 
 
 from hypothesis import given, settings  # noqa: E402
@@ -230,3 +230,46 @@ def test_detokenizer_stream_equals_whole_decode(ids, cuts, stop):
     hits = [full.find(s) for s in stop if s in full]
     expected = full[: min(hits)] if hits else full
     assert "".join(pieces) == expected
+
+
+@pytest.mark.parametrize("gpu, dtype, want", [("h100", "bfloat16", ("cuda", "bfloat16")),
+                                              ("b300", "float16", ("cuda", "float16")),
+                                              ("cpu", "float32", ("cpu", "float32"))])
+def test_deploy_triton_takes_device_and_dtype_from_the_engines_gpu_not_this_machine(tmp_path_factory, tmp_path, gpu,
+                                                                                    dtype, want):
+    """This machine has no GPU; the repository is for the node the engine was built for."""
+    import torch
+
+    assert not torch.cuda.is_available()
+    engine = shared_tiny_engine(tmp_path_factory) if gpu == "cpu" else shared_gpu_tiny_engine(tmp_path_factory, gpu, dtype)
+    res = CliRunner().invoke(main, ["deploy", "triton", str(engine), "--out", str(tmp_path / "repo")])
+    assert res.exit_code == 0, res.output
+    params = {k: v.string_value for k, v in parse_config((tmp_path / "repo" / "dflash" / "config.pbtxt").read_text())
+              .parameters.items()}
+    assert (params["device"], params["dtype"]) == want
+    # flags still win
+    res = CliRunner().invoke(main, ["deploy", "triton", str(engine), "--out", str(tmp_path / "r2"), "--device", "cpu",
+                                    "--dtype", "float32", "--backend", "pytorch"])
+    params = {k: v.string_value for k, v in parse_config((tmp_path / "r2" / "dflash" / "config.pbtxt").read_text())
+              .parameters.items()}
+    assert res.exit_code == 0 and (params["device"], params["dtype"]) == ("cpu", "float32")
+
+
+def test_a_cpu_engine_repository_for_tensorrt_llm_is_refused(engine, tmp_path):
+    res = CliRunner().invoke(main, ["deploy", "triton", str(engine), "--out", str(tmp_path / "repo"),
+                                    "--backend", "tensorrt_llm"])
+    assert res.exit_code == 2 and "float16/bfloat16 on a GPU only" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "repo").exists()
+
+
+def test_upstreams_newer_optional_input_is_declared_only_once_a_release_has_it(engine):
+    """sampling_param_logits_post_processor_name: read by the llmapi model's helpers.py @ 0df60f9ad779,
+    declared by no config.pbtxt read (0a71057313ec, c8c6df08bd0e; tests/upstream/tensorrt_llm_node.json):
+    the repository keeps the released contract (tests/upstream/tensorrtllm_backend_llmapi.json)."""
+    here = Path(__file__).parent / "upstream"
+    record = json.loads((here / "tensorrt_llm_node.json").read_text())["llmapi_logits_post_processor"]
+    released = json.loads((here / "tensorrtllm_backend_llmapi.json").read_text())["config_pbtxt"]
+    declared = {i.name for i in parse_config(render_config(engine, TritonRepoSettings())).input}
+    assert declared == {i["name"] for i in released["inputs"]}
+    assert record["in_a_released_config_pbtxt"] is False and record["input"] not in declared
+    assert released["commit"] in record["config_pbtxt_commits_read"]

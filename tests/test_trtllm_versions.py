@@ -65,7 +65,7 @@ def test_hopper_engine_runs_on_the_first_dflash_release():
     assert min_version(opts) == DFLASH_FIRST
 
 
-@pytest.mark.parametrize("gpu, backend", [("b300", "auto"), ("h100", "FA4"), ("h100", "TRTLLM")])
+@pytest.mark.parametrize("gpu, backend", [("b300", "auto"), ("b200", "TRTLLM")])
 def test_an_engine_that_writes_attention_backend_needs_the_release_that_has_it(gpu, backend):
     opts = _opts(gpu=gpu, tp=8, ep=8, dflash_attention_backend=backend)
     written = opts["speculative_config"]["attention_backend"]

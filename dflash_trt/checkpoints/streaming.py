@@ -11,7 +11,8 @@ written shard by shard, so a build's host memory stays near one copy of the mode
   placed on its device as it is read: one device, or a device map spread over several GPUs.
 - `convert_checkpoint`: the engine's `target/` for `--quant none`: float tensors cast to the
   engine dtype, MXFP4 expert tensors (and every other integer tensor) byte for byte, shard for
-  shard; config.json keeps its quantization_config.
+  shard; config.json keeps its quantization_config and gains the RoPE keys transformers 4.57
+  reads (dflash_trt.checkpoints.hf_config_compat).
 - `copy_aux_files`: tokenizer, chat template and generation config, byte for byte.
 """
 
@@ -29,6 +30,7 @@ import torch
 from dflash_trt.checkpoints.dequant import (IGNORED_SUFFIXES, SUPPORTED_ALGOS, dequantize_tensor, read_fp8_block,
                                             read_quant_algo)
 from dflash_trt.checkpoints.files import read_json
+from dflash_trt.checkpoints.hf_config_compat import both_generations
 from dflash_trt.checkpoints.placement import device_of
 from dflash_trt.checkpoints.quiet import quiet_transformers
 from dflash_trt.errors import DFlashError
@@ -332,6 +334,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype, pro
     cfg["dtype"] = name
     if "torch_dtype" in cfg:  # written by transformers < 5
         cfg["torch_dtype"] = name
+    cfg = both_generations(cfg, where=str(src / "config.json"))  # TensorRT-LLM reads it with transformers 4.57
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     copy_aux_files(src, dst)
     return stats

@@ -161,7 +161,9 @@ def launch_cmd(engine: str, server_cmd: tuple[str, ...], backend: str, check_onl
     """Run ENGINE on this MPI rank (srun --mpi=pmix, mpiexec, or standalone).
 
     With --backend trtllm, the server command for rank 0 follows `--`, e.g.
-    `dflash-trt launch ENGINE -- tritonserver --model-repository=REPO`.
+    `dflash-trt launch ENGINE -- tritonserver --model-repository=REPO`. Every rank and that command
+    run in ENGINE (its llm_api_options.yaml names ./draft), from whatever directory they were started:
+    relative paths in the command are relative to ENGINE.
     """
     from dflash_trt.deploy.launch import launch
 

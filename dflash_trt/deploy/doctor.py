@@ -5,11 +5,16 @@ nodes too. It reports what is installed (Python, torch, tensorrt_llm and the fie
 DFlashDecodingConfig, tritonserver, GPUs with memory and FP4/FP8 capability, the NVLink topology)
 and, for an engine, every reason it cannot be served here, each with the fix:
 
-- TensorRT-LLM backend (GPU engines): tensorrt_llm importable, at least the manifest's
-  min_tensorrt_llm_version (the release that has every key its llm_api_options.yaml writes), every
-  written key a field of the INSTALLED DFlashDecodingConfig / TorchLlmArgs (pydantic extra=forbid:
-  one missing field and the file is refused), as many GPUs on this node as the engine has ranks
-  per node, FP4 tensor cores for an NVFP4 engine, FP8 for an FP8 one.
+- TensorRT-LLM backend (GPU engines): tensorrt_llm importable; the CAPABILITY, not a version
+  number: every written key a field of the INSTALLED DFlashDecodingConfig / TorchLlmArgs
+  (pydantic extra=forbid: one missing field and the file is refused) and the engine's
+  attention_backend among the installed class's values; the manifest's min_tensorrt_llm_version
+  is enforced only for what the capability cannot show (a value of another section, or no
+  DFlashDecodingConfig at all: upstream's first DFlash tag could not be read, see
+  tests/upstream/tensorrt_llm_node.json). Then what that attention backend loads: VANILLA imports
+  flash_attn.flash_attn_with_kvcache (the flash-attn package), TRTLLM needs FlashInfer and
+  SM100/SM103 GPUs. As many GPUs on this node as the engine has ranks per node, FP4 tensor cores
+  for an NVFP4 engine, FP8 for an FP8 one. A CPU engine (float32) is never TensorRT-LLM's.
 - reference backend (the project's PyTorch runtime; CPU engines): torch importable.
 
 Probing is read-only and bounded: nvidia-smi and the tensorrt_llm import run as child processes
@@ -33,6 +38,8 @@ PROBE_TIMEOUT_S = 300  # importing tensorrt_llm loads CUDA libraries and can tak
 FP4_MIN_CC = (10, 0)  # Blackwell: native NVFP4 tensor cores (sm_100, sm_103, sm_120)
 FP8_MIN_CC = (8, 9)  # Ada / Hopper and later
 CONTAINER_HINT = "run inside the dflash-trt container (deploy/container/README.md)"
+FLASH_ATTN_FIX = "pip install flash-attn --no-build-isolation (the dflash-trt container carries it)"
+TRTLLM_ATTENTION_CC = ((10, 0), (10, 3))  # upstream's is_sm_100f: SM100 / SM103
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,10 @@ class Environment:
     tensorrt_llm: str | None = None  # installed version
     tensorrt_llm_error: str | None = None  # why it cannot be imported
     dflash_fields: list[str] | None = None  # DFlashDecodingConfig.model_fields; None: class absent
+    dflash_attention_backends: list[str] | None = None  # its attention_backend Literal; None: no such field
+    flash_attn: str | None = None  # flash-attn version, when `from flash_attn import flash_attn_with_kvcache` works
+    flash_attn_error: str | None = None  # why it does not
+    flashinfer: str | None = None  # flashinfer version, when importable
     llm_args_fields: list[str] | None = None  # TorchLlmArgs.model_fields
     tritonserver: str | None = None  # path of the binary
     gpus: list[GpuInfo] = field(default_factory=list)
@@ -149,6 +160,10 @@ try:
     out["version"] = __import__("tensorrt_llm").__version__
     cls = getattr(llm_args, "DFlashDecodingConfig", None)
     out["dflash_fields"] = sorted(cls.model_fields) if cls is not None else None
+    field = cls.model_fields.get("attention_backend") if cls is not None else None
+    if field is not None:
+        import typing
+        out["dflash_attention_backends"] = sorted(str(a) for a in typing.get_args(field.annotation))
     out["llm_args_fields"] = sorted(llm_args.TorchLlmArgs.model_fields)
 except Exception as e:
     out["error"] = type(e).__name__ + ": " + (str(e).splitlines() or [""])[0]
@@ -176,7 +191,37 @@ def _probe_trtllm(env: Environment) -> None:
     env.tensorrt_llm_error = found.get("error")
     env.tensorrt_llm = found.get("version", env.tensorrt_llm)
     env.dflash_fields = found.get("dflash_fields")
+    env.dflash_attention_backends = found.get("dflash_attention_backends")
     env.llm_args_fields = found.get("llm_args_fields")
+
+
+# DFlash's VANILLA attention imports exactly this (tensorrt_llm/_torch/speculative/dflash_attention.py).
+_FLASH_ATTN_PROBE = """
+import json
+from flash_attn import flash_attn_with_kvcache
+import flash_attn
+print("DFLASH_TRT_PROBE " + json.dumps(getattr(flash_attn, "__version__", "?")))
+"""
+
+
+def _probe_attention_packages(env: Environment) -> None:
+    import importlib.util
+
+    env.flashinfer = _version("flashinfer-python") or _version("flashinfer")
+    if importlib.util.find_spec("flash_attn") is None:
+        env.flash_attn_error = "not installed"
+        return
+    try:  # a child: flash_attn loads its CUDA extension at import
+        proc = subprocess.run([sys.executable, "-c", _FLASH_ATTN_PROBE], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        env.flash_attn_error = f"import did not finish within {PROBE_TIMEOUT_S}s"
+        return
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("DFLASH_TRT_PROBE ")), None)
+    if line is None:
+        env.flash_attn_error = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    else:
+        env.flash_attn = json.loads(line.split(" ", 1)[1])
 
 
 def probe_environment() -> Environment:
@@ -188,6 +233,7 @@ def probe_environment() -> Environment:
         if env.torch_cuda == "None":
             env.torch_cuda = None
     _probe_trtllm(env)
+    _probe_attention_packages(env)
     env.tritonserver = shutil.which("tritonserver") or next(
         (str(p) for p in [Path("/opt/tritonserver/bin/tritonserver")] if p.is_file()), None)
     _probe_gpus(env)
@@ -209,11 +255,18 @@ def environment_findings(env: Environment) -> list[Finding]:
             found.append(Finding(False, f"tensorrt_llm {env.tensorrt_llm} has no DFlashDecodingConfig (no DFlash)",
                                  f"{CONTAINER_HINT}, or upgrade TensorRT-LLM"))
         else:
-            found.append(Finding(True, "DFlashDecodingConfig fields: " + ", ".join(env.dflash_fields)))
+            found.append(Finding(True, "DFlashDecodingConfig fields: " + ", ".join(env.dflash_fields)
+                                 + (f"; attention_backend {' | '.join(env.dflash_attention_backends)}"
+                                    if env.dflash_attention_backends else "")))
     else:
         found.append(Finding(False, f"tensorrt_llm: {env.tensorrt_llm_error or 'not installed'}"
                              + (f" (version {env.tensorrt_llm} installed)" if env.tensorrt_llm else ""),
                              CONTAINER_HINT + "; the reference backend needs none"))
+    found.append(Finding(env.flash_attn is not None,
+                         f"flash-attn {env.flash_attn} (flash_attn_with_kvcache: DFlash VANILLA attention)"
+                         if env.flash_attn else f"flash-attn: {env.flash_attn_error or 'not installed'} (DFlash VANILLA "
+                         "attention, the Hopper engines' backend, imports flash_attn.flash_attn_with_kvcache)",
+                         FLASH_ATTN_FIX))
     found.append(Finding(env.tritonserver is not None, f"tritonserver {env.tritonserver}" if env.tritonserver
                          else "tritonserver: not found on PATH or in /opt/tritonserver/bin",
                          CONTAINER_HINT + " (it copies /opt/tritonserver in), or serve with --server trtllm-serve"))
@@ -234,9 +287,27 @@ def _written_keys(opts: dict[str, Any]) -> tuple[list[str], list[str]]:
     return [k for k in opts if k != "speculative_config"], list(spec)
 
 
+def _confirmed_by_capability(env: Environment, key: str, attention_backend: str) -> bool:
+    """Whether the installed classes themselves show that `key` (a requirements() key) is accepted."""
+    name, _, value = key.partition("=")
+    section, _, sub = name.partition(".")
+    if section == "speculative_config" and env.dflash_fields is not None:
+        if not sub:
+            return env.llm_args_fields is not None and section in env.llm_args_fields
+        if sub == "decoding_type":
+            return True  # the class exists
+        if sub == "attention_backend" and value:
+            return env.dflash_attention_backends is not None and attention_backend in env.dflash_attention_backends
+        return not value and sub in env.dflash_fields
+    if not sub and not value and env.llm_args_fields is not None:
+        return name in env.llm_args_fields
+    return False  # another section's key or value: only the recorded first version tells
+
+
 def engine_findings(env: Environment, manifest: Any, opts: dict[str, Any], backend: Backend) -> list[Finding]:
     """Why this engine cannot be served here (empty: it can), plus what was checked."""
-    from dflash_trt.engine.trtllm_versions import requirements, unmet
+    from dflash_trt.engine.llm_api import tensorrt_llm_refusal
+    from dflash_trt.engine.trtllm_versions import requirements, unmet, upstream_default
 
     if backend == "auto":
         backend = "reference" if manifest.gpu == "cpu" else "trtllm"
@@ -244,32 +315,64 @@ def engine_findings(env: Environment, manifest: Any, opts: dict[str, Any], backe
     if backend == "reference":
         return [Finding(env.torch is not None, f"{name}: reference backend (PyTorch) needs torch",
                         "pip install 'dflash-trt[all]'")]
+    refusal = tensorrt_llm_refusal(manifest)
+    if refusal:
+        return [Finding(False, refusal, f"dflash-trt doctor {manifest.name} --backend reference")]
     found: list[Finding] = []
     need = manifest.min_tensorrt_llm_version
+    spec_opts = opts.get("speculative_config") or {}
+    attention = spec_opts.get("attention_backend") or upstream_default("speculative_config.attention_backend") or "VANILLA"
     if not env.tensorrt_llm or env.tensorrt_llm_error:
         found.append(Finding(False, f"{name} needs TensorRT-LLM >= {need}; tensorrt_llm "
                              f"{env.tensorrt_llm_error or 'not installed'}",
                              f"{CONTAINER_HINT}, or pip install 'tensorrt-llm>={need}' from NVIDIA's index; "
                              "or serve it with --backend reference"))
     else:
-        required = manifest.tensorrt_llm_requirements or requirements(opts)
-        required = {**required, "min_tensorrt_llm_version": need}
-        too_old = unmet(required, env.tensorrt_llm)
-        found.append(Finding(not too_old, f"{name} needs TensorRT-LLM >= {need}, installed {env.tensorrt_llm}"
-                             + (f" lacks {', '.join(k for k in too_old if k != 'min_tensorrt_llm_version')}"
-                                if too_old else ""),
-                             f"use an image with TensorRT-LLM >= {need} ({CONTAINER_HINT})"))
         top, spec_keys = _written_keys(opts)
         if env.dflash_fields is not None:
             missing = [k for k in spec_keys if k not in env.dflash_fields]
             found.append(Finding(not missing, f"{name}: speculative_config keys in the installed DFlashDecodingConfig"
                                  + (f"; missing {', '.join(missing)}" if missing else ""),
                                  f"TensorRT-LLM >= {need} has them; or rebuild without those settings"))
+            if env.dflash_attention_backends is not None:
+                ok = attention in env.dflash_attention_backends
+                found.append(Finding(ok, f"{name}: attention_backend {attention} in the installed DFlashDecodingConfig "
+                                     f"({' | '.join(env.dflash_attention_backends)})",
+                                     "rebuild with dflash_attention_backend: auto in the build spec"))
         if env.llm_args_fields is not None:
             missing = [k for k in top if k not in env.llm_args_fields]
             found.append(Finding(not missing, f"{name}: top-level keys in the installed TorchLlmArgs"
                                  + (f"; missing {', '.join(missing)}" if missing else ""),
                                  f"TensorRT-LLM >= {need} has them"))
+        # The capability decides; the recorded first version only for what it cannot show.
+        required = manifest.tensorrt_llm_requirements or requirements(opts)
+        too_old = {k: v for k, v in unmet(required, env.tensorrt_llm).items()
+                   if not _confirmed_by_capability(env, k, attention)}
+        if env.dflash_fields is None:
+            too_old["min_tensorrt_llm_version"] = need
+        found.append(Finding(not too_old, f"{name} needs TensorRT-LLM >= {need}, installed {env.tensorrt_llm}"
+                             + (f" lacks {', '.join(k for k in too_old if k != 'min_tensorrt_llm_version')}"
+                                if any(k != "min_tensorrt_llm_version" for k in too_old) else "")
+                             + ("" if too_old or env.dflash_fields is None else
+                                " (capability checked: the installed classes accept every key written)"),
+                             f"use an image with TensorRT-LLM >= {need} ({CONTAINER_HINT})"))
+    gpu_note = f"the {manifest.gpu} engine's DFlash attention"
+    if attention == "VANILLA":
+        found.append(Finding(env.flash_attn is not None,
+                             f"{name}: {gpu_note} is VANILLA, which imports flash_attn.flash_attn_with_kvcache"
+                             + (f" (flash-attn {env.flash_attn})" if env.flash_attn else
+                                f"; flash-attn {env.flash_attn_error or 'not installed'} (TensorRT-LLM raises 'DFlash "
+                                "VANILLA attention requires the flash-attn package.')"),
+                             FLASH_ATTN_FIX))
+    elif attention == "TRTLLM":
+        off = [g for g in env.gpus if g.compute_capability not in TRTLLM_ATTENTION_CC]
+        found.append(Finding(env.flashinfer is not None and not off,
+                             f"{name}: {gpu_note} is TRTLLM, which needs FlashInfer and SM100/SM103 GPUs"
+                             + ("" if env.flashinfer else "; flashinfer not installed")
+                             + (f"; {off[0].name} is sm_{''.join(map(str, off[0].compute_capability or ()))}"
+                                if off else ""),
+                             "run on B200/B300 nodes in the dflash-trt container, or rebuild with "
+                             "dflash_attention_backend: VANILLA in the build spec"))
     per_node = manifest.mapping.tasks_per_node
     found.append(Finding(len(env.gpus) >= per_node,
                          f"{name} runs {manifest.mapping.world_size} rank(s), {per_node} per node: "

@@ -8,7 +8,12 @@ Backends:
   own, that the world size equals TP x PP and that `tensorrt_llm` imports; a mismatch is the
   classic cause of hangs, so each rank refuses with one clear line and the job fails in seconds.
   Then TensorRT-LLM's leader/worker convention (as `trtllm-llmapi-launch`): rank 0 runs the
-  server command, the other ranks run TensorRT-LLM's MPI worker loop.
+  server command, the other ranks run TensorRT-LLM's MPI worker loop. Every rank, and the server
+  command, runs IN THE ENGINE DIRECTORY: llm_api_options.yaml names the drafter `./draft`, and
+  TensorRT-LLM resolves it against its working directory (a path that does not exist there is
+  taken for a hub id), so it works whatever directory srun / mpiexec started in. Relative paths
+  in the server command are therefore relative to the engine directory too, as in its launch/
+  scripts.
 - reference: the project's PyTorch server does not shard; ranks are independent replicas (like
   Triton's multi-instance mode), one endpoint per rank:
       grpc port    = --grpc-port    + rank * --port-stride
@@ -240,6 +245,12 @@ def launch(engine_dir: str | Path, backend: Backend = "trtllm", check_only: bool
     engine_dir = Path(engine_dir).resolve()
     # Errors every rank finds alike, raised before MPI starts (a plain one-line error per rank).
     manifest = load_manifest(engine_dir)
+    if backend == "trtllm":
+        from dflash_trt.engine.llm_api import tensorrt_llm_refusal
+
+        refusal = tensorrt_llm_refusal(manifest)
+        if refusal:
+            raise DFlashError(f"--backend trtllm: {refusal} (launch --backend pytorch)")
     if backend == "reference":
         check_port_plan(1, grpc_port, metrics_port, port_stride)
     elif not check_only and not server_cmd:
@@ -275,6 +286,7 @@ def launch(engine_dir: str | Path, backend: Backend = "trtllm", check_only: bool
     code = 0
     try:
         if backend == "trtllm":
+            os.chdir(engine_dir)  # ./draft and ./target resolve here, on every rank (module docstring)
             code = run_trtllm_roles(info, server_cmd or [])
         else:
             repo = Path(model_repository).resolve() if model_repository else None

@@ -198,8 +198,13 @@ def build_output(engine_dir: Path, manifest: EngineManifest, opts: SlurmOptions)
 
 def render_jobs(engine_dir: str | Path, opts: SlurmOptions) -> dict[str, str]:
     """{'serve': script, 'build': script, 'bench': script} for the engine (nothing written)."""
+    from dflash_trt.engine.llm_api import tensorrt_llm_refusal
+
     engine_dir = Path(engine_dir).resolve()
     manifest = load_manifest(engine_dir)
+    refusal = tensorrt_llm_refusal(manifest)
+    if opts.backend == "trtllm" and refusal:
+        raise DFlashError(f"--backend trtllm: {refusal} (deploy slurm --backend pytorch)")
     out = opts.out.resolve()
     mapping = manifest.mapping
     layout = plan_layout(mapping, opts)

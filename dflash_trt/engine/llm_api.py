@@ -40,10 +40,26 @@ SECTION_KEYS: dict[str, frozenset[str]] = {
 }
 ENUMS: dict[tuple[str, str], frozenset[str]] = {
     ("speculative_config", "decoding_type"): frozenset({"DFlash"}),
-    ("speculative_config", "attention_backend"): frozenset({"VANILLA", "TRTLLM", "FA4"}),
+    # DFlashDecodingConfig / DFlashForCausalLM accept these two only (tests/upstream/tensorrt_llm_node.json)
+    ("speculative_config", "attention_backend"): frozenset({"VANILLA", "TRTLLM"}),
     ("kv_cache_config", "dtype"): frozenset({"auto", "fp8", "float16", "bfloat16", "nvfp4"}),
     ("moe_config", "backend"): frozenset({"AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "VANILLA", "TRITON"}),
 }
+
+
+# flash_attn_with_kvcache (VANILLA) and TRTLLM-gen take fp16/bf16 only (tests/upstream/tensorrt_llm_node.json)
+TRTLLM_DTYPES = frozenset({"bfloat16", "float16"})
+
+
+def tensorrt_llm_refusal(manifest: Any) -> str | None:
+    """Why TensorRT-LLM cannot run this engine (None: it can). A CPU engine is float32 and for the
+    reference runtime: deploy, doctor, serve and the launchers refuse to hand it to TensorRT-LLM."""
+    dtype = manifest.quantization.dtype
+    if manifest.gpu != "cpu" and (dtype is None or dtype in TRTLLM_DTYPES):
+        return None
+    return (f"engine {manifest.name!r} is built for {manifest.gpu} in {dtype or 'float32'}, and TensorRT-LLM's DFlash "
+            "kernels run float16/bfloat16 on a GPU only: serve it with the pytorch backend, or rebuild it with "
+            "--gpu h100|h200|b200|b300")
 
 
 def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_tokens: int, mask_token_id: int,
@@ -102,7 +118,12 @@ def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_toke
 def dflash_attention_backend(spec: Any) -> str:
     """DFlashDecodingConfig.attention_backend: the spec's choice, or the GPU's default ("auto")."""
     choice = spec.dflash_attention_backend
-    return GPUS[spec.gpu].dflash_attention_backend if choice == "auto" else choice
+    gpu = GPUS[spec.gpu]
+    if choice == "TRTLLM" and gpu.family != "blackwell":
+        # upstream's TRTLLM path checks is_sm_100f: SM100/SM103 only (dflash_attention.py)
+        raise DFlashError(f"dflash_attention_backend TRTLLM needs a Blackwell GPU (SM100/SM103) and this engine is "
+                          f"for {spec.gpu}; use auto or VANILLA (FlashAttention), or build for --gpu b200/b300")
+    return gpu.dflash_attention_backend if choice == "auto" else choice
 
 
 def render_yaml(opts: dict[str, Any], header: str) -> str:
@@ -150,7 +171,11 @@ def launch_scripts(spec: Any, *, is_moe: bool, max_draft_len: int, block_size: i
     cd = "cd \"$(dirname \"$0\")/..\"\n"
     multi = spec.tp * spec.pp > spec.gpus_per_node
     trt = head + cd
-    if multi:
+    if spec.gpu == "cpu":
+        trt = head + ("echo \"error: this engine is built for the CPU (float32): TensorRT-LLM's DFlash kernels run "
+                      "float16/bfloat16 on a GPU only; serve it with dflash-trt serve, or rebuild with --gpu "
+                      "h100|h200|b200|b300\" >&2\nexit 2\n")
+    elif multi:
         trt += "# Multi-node: run under `srun --mpi=pmix` with one task per GPU (see dflash-trt deploy slurm).\n"
         trt += "exec trtllm-llmapi-launch trtllm-serve ./target --config ./llm_api_options.yaml --host 0.0.0.0 --port \"${PORT:-8000}\" \"$@\"\n"
     else:

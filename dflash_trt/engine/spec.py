@@ -85,7 +85,7 @@ class BuildSpec(_Strict):
     enable_attention_dp: bool = Field(False, description="attention data parallel across the TP ranks (MoE throughput)")
     stream_interval: int = Field(1, ge=1, description="tokens between streamed responses")
     num_postprocess_workers: int = Field(0, ge=0, description="detokenization worker processes of trtllm-serve")
-    dflash_attention_backend: Literal["auto", "VANILLA", "TRTLLM", "FA4"] = Field(
+    dflash_attention_backend: Literal["auto", "VANILLA", "TRTLLM"] = Field(
         "auto", description="DFlashDecodingConfig.attention_backend (auto: TRTLLM on Blackwell, VANILLA elsewhere)")
     draft_num_layers: int = Field(5, ge=1, description="drafter depth assumed by `plan` when no drafter dir")
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)

@@ -84,7 +84,14 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
     speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy)
     limit = manifest.limits.max_seq_len
     default = default_max_tokens_for(limit, settings.default_max_tokens)
+    from dflash_trt.engine.llm_api import tensorrt_llm_refusal
+
     usable, why = tensorrt_llm_status()
+    refusal = tensorrt_llm_refusal(manifest)
+    if settings.backend == "tensorrt_llm" and refusal:
+        raise DFlashError(refusal)
+    if refusal:  # auto: a CPU engine is never handed to TensorRT-LLM, installed or not
+        usable, why = False, f"a {manifest.gpu} engine ({manifest.quantization.dtype or 'float32'}) runs on the pytorch backend"
     if settings.backend == "tensorrt_llm" and not usable:
         raise DFlashError(f"backend tensorrt_llm requested but {why}; use --backend pytorch or a TensorRT-LLM >= "
                           f"{manifest.min_tensorrt_llm_version} container")

@@ -13,10 +13,12 @@ No value is templated by hand: each comes from the manifest (limits, engine name
 flag. The filled config is parsed strictly as `inference.ModelConfig` before anything is written,
 and the repository appears atomically (a failed run leaves nothing behind).
 
-Defaults follow the engine: a GPU engine (manifest ``gpu`` != cpu) is served by TensorRT-LLM
-(``backend tensorrt_llm``; the pytorch fallback would run on cuda in bfloat16), and never falls
-back to the CPU runtime unless ``--backend`` says so; a CPU engine by the pytorch backend on the
-CPU in float32. ``decoupled`` defaults to False, as upstream's model.yaml.
+Defaults follow the engine, not the machine that runs ``deploy`` (often a login node without a
+GPU): a GPU engine (manifest ``gpu`` != cpu) is served by TensorRT-LLM (``backend tensorrt_llm``;
+the pytorch fallback runs on cuda in the engine's bfloat16/float16), and never falls back to the
+CPU runtime unless ``--backend`` / ``--device`` say so; a CPU engine by the pytorch backend on the
+CPU in float32, and never by TensorRT-LLM (engine/llm_api.tensorrt_llm_refusal). ``decoupled``
+defaults to False, as upstream's model.yaml.
 """
 
 from __future__ import annotations
@@ -52,10 +54,19 @@ class TritonRepoSettings(BackendSettings):
 
     def for_engine(self, manifest: Any) -> "TritonRepoSettings":
         """These settings with backend, dtype and device resolved for `manifest`'s engine."""
+        from dflash_trt.engine.llm_api import tensorrt_llm_refusal
+
         gpu = manifest.gpu != "cpu"
+        refusal = tensorrt_llm_refusal(manifest)
+        if self.backend == "tensorrt_llm" and refusal:
+            raise DFlashError(f"--backend tensorrt_llm: {refusal}")
+        # The engine's GPU decides, never the machine that runs `deploy`: a GPU engine's pytorch
+        # fallback decodes on cuda in the engine's 16-bit dtype.
+        engine_dtype = manifest.quantization.dtype
+        gpu_dtype = engine_dtype if engine_dtype in ("bfloat16", "float16") else "bfloat16"
         return self.model_copy(update={
             "backend": self.backend or ("tensorrt_llm" if gpu else "pytorch"),
-            "dtype": self.dtype or ("bfloat16" if gpu else "float32"),
+            "dtype": self.dtype or (gpu_dtype if gpu else "float32"),
             "device": self.device or ("cuda" if gpu else "cpu"),
         })
 
