@@ -108,7 +108,7 @@ def _endpoint_sides(cfg: BenchConfig) -> tuple[list[Any], dict[str, Any]]:
 
 
 def _max_seq_len(cfg: BenchConfig, inputs: Any, prompts: list[BenchPrompt], block_size: int, candidates: int) -> int:
-    from dflash_trt.runtime.batched import calibration_tokens
+    from dflash_trt.runtime.policy_calibration import calibration_tokens
 
     longest = max(len(inputs.encode(p)) for p in prompts)
     calib = 16 + calibration_tokens(candidates, block_size) if cfg.calibrate else 0
