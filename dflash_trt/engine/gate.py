@@ -143,6 +143,12 @@ def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_to
     return sample
 
 
+# On a CPU the gate verifies its K drafts in chunks of this many positions, a prompt stopping at
+# its first rejection (runtime/target_passes.TargetPasses.verify_chunked): a CPU step is bound by
+# arithmetic, and at K = 15 one pass computes 16 positions a prompt where ~2 decide anything.
+CPU_VERIFY_CHUNK = 4
+
+
 def _batched_stats(target: Any, draft: Any, prompt_ids: list[list[int]], params: Any, speculation: Any,
                    on_done: Any) -> list[Any]:
     """Every prompt decoded together on the batched runtime with the fixed policy (K every step);
@@ -152,10 +158,13 @@ def _batched_stats(target: Any, draft: Any, prompt_ids: list[list[int]], params:
 
     from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest
     from dflash_trt.runtime.policy import FixedPolicy
+    from dflash_trt.runtime.target import TargetAdapter
 
     need = max(len(p) for p in prompt_ids) + params.resolve_max_tokens()
+    chunk = CPU_VERIFY_CHUNK if TargetAdapter(target).device.type == "cpu" else None
     runtime = BatchedRuntime(target, draft, max_batch=len(prompt_ids), max_seq_len=need, speculation=speculation,
-                             policy=FixedPolicy(speculation.max_draft_len), use_draft_vocab=False, cuda_graphs=False)
+                             policy=FixedPolicy(speculation.max_draft_len), use_draft_vocab=False, cuda_graphs=False,
+                             verify_chunk=chunk)
     with torch.inference_mode():
         seqs = [runtime.add(SequenceRequest(list(p), params)) for p in prompt_ids]
         while runtime.has_work():

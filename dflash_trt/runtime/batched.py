@@ -116,9 +116,12 @@ class BatchedRuntime:
                  max_seq_len: int = 2048, speculation: SpeculationSettings | None = None,
                  policy: SpeculationPolicy | None = None, use_draft_vocab: bool = True,
                  capture_layer_ids: Sequence[int] | None = None, cuda_graphs: bool | None = None,
-                 graph_batch_sizes: Sequence[int] | None = None) -> None:
+                 graph_batch_sizes: Sequence[int] | None = None, verify_chunk: int | None = None) -> None:
         """`speculation`: B, K and the policy (default: K = B-1, fixed). `policy`: a policy object
-        that overrides the one `speculation` names (benchmarks, calibrated or probing policies)."""
+        that overrides the one `speculation` names (benchmarks, calibrated or probing policies).
+        `verify_chunk`: eager greedy steps verify their drafts in chunks of this many positions, a row
+        stopping at its first rejection (TargetPasses.verify_chunked: for a compute-bound CPU and a
+        long fixed k, the acceptance gate's case); None: one pass."""
         self.target = TargetAdapter(target)
         self.draft = draft
         why = unsupported_reason(self.target.model, draft)
@@ -154,12 +157,15 @@ class BatchedRuntime:
         # positions 0..max_seq_len-1, + block padding of rows near their end, + the dump index
         capacity = max_seq_len + self.block_size + 1
         self.transfers = HostTransfers(self.device)
-        self.passes = TargetPasses(self.target, max_batch, capacity, layer_ids, self.transfers.upload)
+        self.passes = TargetPasses(self.target, max_batch, capacity, layer_ids, self.transfers)
         self.proposer = (DFlashProposer(draft, self.target, max_batch, capacity, use_draft_vocab)
                          if draft is not None else None)
         self.scheduler = Scheduler(max_batch, self.device)
         self.prefill_pad_limit = CPU_PREFILL_PAD_LIMIT if self.device.type == "cpu" else float("inf")
         self.static_shapes = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        if verify_chunk is not None and verify_chunk < 1:
+            raise DFlashError(f"verify_chunk must be >= 1 (positions a chunk verifies), got {verify_chunk}")
+        self.verify_chunk = verify_chunk
         self.shapes = StepShapes.make(max_batch, max_seq_len, self.block_size, capacity - 1, self.static_shapes,
                                       graph_batch_sizes)
         self.steps = 0
@@ -338,6 +344,15 @@ class BatchedRuntime:
         drafts = None
         # a cost sample: with static shapes, every pass replayed a captured shape; eagerly, no catch-up
         steady = static if self.graphs is not None else not catching_up
+        if k > 0 and greedy and not static and self.verify_chunk:
+            assert self.proposer is not None
+            hidden = self.proposer.hidden(table, self.passes.features, k, max(s.backlog for s in seqs),
+                                          self.shapes.draft_width(longest))  # [n, k, H]
+            for s in seqs:
+                s.draft_len = s.start
+            out = self.passes.verify_chunked(table, hidden, self.proposer.tokens, self.shapes.verify_width(longest, k),
+                                             self.verify_chunk)
+            return k, out, None, steady
         if k > 0:
             assert self.proposer is not None
             features = self.passes.features

@@ -53,6 +53,17 @@ class DFlashProposer:
         """Drafts [N, k] for the N rows of the step's row table [N, 4], reading their context from
         `features` [slots, capacity, n*H] in `context` columns (>= every row's backlog), with a mask
         `width` keys wide (>= every row's start + B)."""
+        return self.tokens(self.hidden(table, features, k, context, width))
+
+    def tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft slots' hidden states [..., H] -> their token ids [...]."""
+        if self.head is not None:
+            return self.head(hidden)
+        return self.target.lm_head(hidden).argmax(-1)
+
+    def hidden(self, table: torch.Tensor, features: torch.Tensor, k: int, context: int, width: int) -> torch.Tensor:
+        """The drafter's pass (see :meth:`propose`) up to the hidden states of the draft slots
+        [N, k, H] (index j: slot j+1), before the head."""
         dev, B = table.device, self.block_size
         N = table.shape[0]
         start, drafted, live = table[:, START], table[:, DRAFTED], table[:, LIVE]
@@ -74,10 +85,7 @@ class DFlashProposer:
         rows = torch.arange(N, device=dev)[:, None].expand_as(ctx_pos)
         ctx = features[rows, ctx_pos]  # [N, C, n_ctx*H]
         # [N, k, H]: the draft slots only; the whole block is still the drafter's input
-        hidden = self.draft(ctx, self.target.embed(block), draft_pos, self.cache, mask, outputs=slice(1, k + 1))
-        if self.head is not None:
-            return self.head(hidden)  # [N, k] token ids
-        return self.target.lm_head(hidden).argmax(-1)  # [N, k]
+        return self.draft(ctx, self.target.embed(block), draft_pos, self.cache, mask, outputs=slice(1, k + 1))
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.cache.kv.move_row(src, dst, length)

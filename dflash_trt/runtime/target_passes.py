@@ -16,11 +16,12 @@ host sends one small table per step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from dflash_trt.runtime.batched_cache import BatchedKVCache, additive_mask
+from dflash_trt.runtime.batched_cache import BatchedKVCache, additive_mask, slot_indices
+from dflash_trt.runtime.host_transfers import HostTransfers
 from dflash_trt.runtime.sampling import sample_rows
 from dflash_trt.runtime.scheduling import LIVE, PENDING, START, BatchedSequence, prefill_runs
 from dflash_trt.runtime.step_shapes import EAGER_WIDTH_MULTIPLE, round_up
@@ -38,26 +39,26 @@ class TargetPasses:
     """The target over `max_batch` slot caches of `capacity` positions (the last is the dump index)."""
 
     def __init__(self, target: TargetAdapter, max_batch: int, capacity: int, layer_ids: Sequence[int],
-                 upload) -> None:
+                 transfers: HostTransfers) -> None:
         self.target = target
         self.cache = BatchedKVCache(target.num_layers, max_batch, capacity)
         self.dump = capacity - 1
         self.layer_ids = tuple(layer_ids)
-        self.upload = upload  # HostTransfers.upload
+        self.transfers = transfers
         # [slots, capacity, n*H] target features by position, allocated once (a graph may write it)
         self.features: torch.Tensor | None = None
         if self.layer_ids:
             self.features = torch.zeros((max_batch, capacity, len(self.layer_ids) * target.hidden_size),
                                         dtype=target.dtype, device=target.device)
 
-    def forward(self, rows: slice, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
+    def forward(self, rows: slice | torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
                 mask: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        """Target pass over slots `rows`: ids/positions/write [n, S], additive mask [n, 1, S, W] ->
-        logits [n, S', V]. Captured features go to `features` at the write indices."""
+        """Target pass over slots `rows` (a slice, or slot indices): ids/positions/write [n, S], additive
+        mask [n, 1, S, W] -> logits [n, S', V]. Captured features go to `features` at the write indices."""
         self.cache.kv.prepare(rows, write, mask.shape[-1])
         logits, feats = self.target.forward(ids, positions, self.cache, self.layer_ids, logits_to_keep, mask)
         if feats is not None and self.features is not None:  # [n, S, n_ctx*H]
-            r = torch.arange(rows.start, rows.stop, device=write.device)[:, None].expand_as(write)
+            r = slot_indices(rows, write.device)[:, None].expand_as(write)
             self.features[r, write] = feats.to(self.features.dtype)
         return logits
 
@@ -90,7 +91,7 @@ class TargetPasses:
             ids.append([0] * pad + prompt)
             pos.append([0] * pad + list(range(len(prompt))))
             write.append([self.dump] * pad + list(range(len(prompt))))
-        ids_t, pos_t, write_t = self.upload([ids, pos, write]).unbind(0)  # [m, P] each, one upload
+        ids_t, pos_t, write_t = self.transfers.upload([ids, pos, write]).unbind(0)  # [m, P] each, one upload
         W = round_up(P, EAGER_WIDTH_MULTIPLE, self.dump)
         keys = torch.arange(W, device=ids_t.device)
         visible = (keys[None, None, None, :] <= pos_t[:, None, :, None]) & (write_t[:, None, :, None] != self.dump)
@@ -130,3 +131,50 @@ class TargetPasses:
         ids, logits = self.verify_logits(table, drafts, width)
         post, bad = sample_rows(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
         return torch.cat([post, accepted_lengths(ids, post)[:, None]], dim=1), bad
+
+    def verify_chunked(self, table: torch.Tensor, hidden: torch.Tensor, tokens: Callable[[torch.Tensor], torch.Tensor],
+                       width: int, chunk: int) -> torch.Tensor:
+        """Greedy verification as :meth:`verify_greedy`, in chunks of `chunk` positions: a row goes on
+        to its next chunk only while every draft so far was accepted, and its drafts are read from the
+        drafter's hidden states [n, k, H] (`tokens`: the draft head) only as far as it gets.
+
+        For a compute-bound CPU and a long fixed k: the gate verifies K = 15 drafts a step and accepts
+        ~1 (tau ~1.9 with the embedded pair), so one pass computes 16 positions a row where ~2 decide
+        anything; in chunks of 4 the target and both heads compute ~5. The same tokens and counts as
+        one pass: a position's logits depend only on the positions before it (causal attention over
+        the cache), and the positions a row never reaches could only have been rejected or unread (the
+        one-pass verify writes their K/V too; nothing ever reads it). Positions left unverified hold
+        0 in the posterior, past every row's accepted prefix and bonus. Each chunk after the first
+        waits for the last one's acceptance (a host sync, counted)."""
+        n, k = hidden.shape[0], hidden.shape[1]
+        dev = table.device
+        start = table[:, START]
+        ids = torch.zeros((n, k + 1), dtype=torch.long, device=dev)  # [n, k+1]: pending, then drafts as needed
+        ids[:, 0] = table[:, PENDING]
+        post = torch.zeros((n, k + 1), dtype=torch.long, device=dev)
+        accepted = torch.zeros(n, dtype=torch.long, device=dev)
+        rows = torch.arange(n, device=dev)  # rows still verifying: drafts 1..lo accepted
+        keys = torch.arange(width, device=dev)
+        lo = 0
+        while True:
+            hi = min(lo + chunk, k + 1)
+            if hi - 1 > lo:  # drafts of slots lo+1..hi-1 (slot lo: the pending token or a draft already accepted)
+                ids[rows, lo + 1 : hi] = tokens(hidden[rows, lo : hi - 1])
+            positions = start[rows, None] + torch.arange(lo, hi, device=dev)  # [m, c]
+            mask = additive_mask(keys[None, None, None, :] <= positions[:, None, :, None], self.target.dtype)
+            post[rows, lo:hi] = self.forward(rows, ids[rows, lo:hi], positions, positions, mask).argmax(-1)
+            got = (ids[rows, lo + 1 : hi] == post[rows, lo : hi - 1]).int().cumprod(dim=1).sum(dim=1)  # [m]
+            accepted[rows] = lo + got
+            if hi > k:
+                break
+            rows = rows[got == hi - 1 - lo]  # every draft of the chunk accepted: the next slot decides
+            if rows.numel():
+                ids[rows, hi] = tokens(hidden[rows, hi - 1 : hi])[:, 0]
+                rows = rows[ids[rows, hi] == post[rows, hi - 1]]
+                accepted[rows] = hi
+            self.transfers.syncs += 1  # the row count above is read on the host
+            if not rows.numel():
+                break
+            lo = hi
+        return torch.cat([post, accepted[:, None]], dim=1)
+
