@@ -45,6 +45,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,7 +69,8 @@ from dflash_trt.runtime.scheduling import (
     row_table,
     sampling_failure,
 )
-from dflash_trt.runtime.step_shapes import DRAFT, VERIFY, StepShapes
+from dflash_trt.runtime.graphed_passes import GraphedPasses
+from dflash_trt.runtime.step_shapes import StepShapes
 from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.target_passes import TargetPasses
 from dflash_trt.sampling_params import GREEDY, SamplingParams
@@ -93,6 +95,16 @@ def unsupported_reason(target: Any, draft: DFlashDraftModel | None = None) -> st
     if draft is not None and any(layer.self_attn.sliding_window for layer in draft.layers):
         return "the drafter has sliding-window layers (one mask per pass here)"
     return None
+
+
+@dataclass
+class Decoded:
+    """One step's draft + verify, on the device."""
+
+    k: int  # drafts verified per row
+    out: torch.Tensor  # [n, k+2]: the posterior [n, k+1] and the accepted count [n] side by side
+    bad: torch.Tensor | None  # [n]: rows whose sampling had no distribution (None: every row is greedy)
+    steady: bool  # its cost is a sample of steady decoding (every pass replayed / no drafter catch-up)
 
 
 class BatchedRuntime:
@@ -172,10 +184,12 @@ class BatchedRuntime:
         self.last_decision: Decision | None = None
         self.last_step_timed = False  # the last step's time was a cost sample (see step())
         self.eager_passes: Counter[str] = Counter()  # with static shapes: passes that ran eagerly, by reason
-        self.graphs: StaticPasses | None = None
+        self.graphs: StaticPasses | None = None  # the dispatch of static passes (counters, captured keys)
+        self.graphed: GraphedPasses | None = None
         if self.static_shapes:
             self.graphs = static_passes(self.device)
-            self._capture_static_passes()
+            self.graphed = GraphedPasses(self.graphs, self.shapes, self.passes, self.proposer, self.transfers.upload)
+            self.graphed.capture(self._draft_lengths())  # every shape, before any request
 
     # -- the pieces, by their old names (tests and tools read them) -------------------------------
     @property
@@ -244,12 +258,12 @@ class BatchedRuntime:
         first, first_bad = self.passes.prefill(new, self.prefill_pad_limit) if new else (None, None)  # [m]
         if new and self.static_shapes:
             self.eager_passes["prefill"] += 1
-        decode = self._decode(n_old) if n_old else None  # (k, [n, k+2] posterior + accepted, bad [n] | None)
+        decode = self._decode(n_old) if n_old else None
         # The ONE device-to-host synchronisation of the step.
-        parts = [decode[1]] if decode is not None else []
+        parts = [decode.out] if decode is not None else []
         if first is not None:
             parts.append(first)
-        parts += [b for b in (decode[2] if decode is not None else None, first_bad) if b is not None]
+        parts += [b for b in (decode.bad if decode is not None else None, first_bad) if b is not None]
         host = self.transfers.download(parts)
         i = 0
 
@@ -258,15 +272,15 @@ class BatchedRuntime:
             i += count
             return host[i - count : i]
 
-        rows_out = take(decode[1].numel()) if decode is not None else []
+        rows_out = take(decode.out.numel()) if decode is not None else []
         first_out = take(len(new)) if first is not None else []
-        bad_old = take(n_old) if decode is not None and decode[2] is not None else [0] * n_old
+        bad_old = take(n_old) if decode is not None and decode.bad is not None else [0] * n_old
         bad_new = take(len(new)) if first_bad is not None else [0] * len(new)
         finished: list[BatchedSequence] = []
         now = time.perf_counter()
         self.last_step_timed = False
         if decode is not None:
-            k, timed = decode[0], decode[3]
+            k = decode.k
             width = k + 2  # posterior k+1, then the accepted count
             for i_row, seq in enumerate(self.rows[:n_old]):
                 if bad_old[i_row]:
@@ -286,7 +300,7 @@ class BatchedRuntime:
             # either every pass replayed (static shapes) or, eagerly, no drafter catch-up (a
             # catch-up's cost says nothing about steady drafting, and a re-exploration probe after
             # a long plain streak would otherwise price drafting out)
-            if first is None and timed:
+            if first is None and decode.steady:
                 self.last_step_timed = True
                 self.policy.observe_step(n_old, k, now - t_step)
                 if self.last_decision is not None:
@@ -323,10 +337,8 @@ class BatchedRuntime:
             return Decision(len(seqs), K, reason="seeded sampling pins the reference schedule")
         return self.policy.choose(len(seqs), K)
 
-    def _decode(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor | None, bool]:
-        """Draft + verify for rows 0..n-1. Returns (k, [n, k+2]: posterior [n, k+1] and accepted
-        count [n] side by side, bad [n]: rows whose sampling had no distribution (None when all are
-        greedy), whether the step's cost is a sample of steady decoding)."""
+    def _decode(self, n: int) -> Decoded:
+        """Draft + verify for rows 0..n-1 (queued on the device; nothing read back yet)."""
         seqs = self.rows[:n]
         decision = self.last_decision = self._choose(seqs)
         k = decision.k
@@ -352,18 +364,14 @@ class BatchedRuntime:
                 s.draft_len = s.start
             out = self.passes.verify_chunked(table, hidden, self.proposer.tokens, self.shapes.verify_width(longest, k),
                                              self.verify_chunk)
-            return k, out, None, steady
+            return Decoded(k, out, None, steady)
         if k > 0:
             assert self.proposer is not None
             features = self.passes.features
             W = self.shapes.draft_width(longest)
             context = max(s.backlog for s in seqs)  # >= 1
             if static and context <= k + 1:  # steady drafting: one static context width per k
-
-                def draft(table: torch.Tensor) -> tuple[torch.Tensor]:
-                    return (self.proposer.propose(table, features, k, k + 1, W),)
-
-                drafts = self.graphs((DRAFT, N, k, W), draft, table)[0]  # [N, k]
+                drafts = self.graphed.draft(table, k, W)  # [N, k]
             else:
                 drafts = self.proposer.propose(table, features, k, context, W)
                 if static:
@@ -374,18 +382,13 @@ class BatchedRuntime:
         W = self.shapes.verify_width(longest, k)
         bad = None
         if static:
-            inputs = (table,) if drafts is None else (table, drafts)
-
-            def verify(table: torch.Tensor, drafts: torch.Tensor | None = None) -> tuple[torch.Tensor]:
-                return (self.passes.verify_greedy(table, drafts, W),)
-
-            out = self.graphs((VERIFY, N, k, W), verify, *inputs)[0][:n]
+            out = self.graphed.verify(table, drafts, k, W)[:n]
             steady = steady and self.graphs.counters.misses == misses
         elif greedy:
             out = self.passes.verify_greedy(table, drafts, W)
         else:
             out, bad = self.passes.verify_sampled(table, drafts, W, seqs)
-        return k, out, bad, steady
+        return Decoded(k, out, bad, steady)
 
     # -- static shapes -----------------------------------------------------------------------------
     def _draft_lengths(self) -> set[int]:
@@ -396,43 +399,6 @@ class BatchedRuntime:
         lengths = getattr(self.policy, "draft_lengths", None)
         K = self.max_draft_len
         return set(lengths(K)) if lengths is not None else set(range(K + 1))
-
-    def _capture_static_passes(self) -> None:
-        """Capture every (pass, rows, k, width) this configuration can replay, before any request."""
-        assert self.graphs is not None
-        keys = self.shapes.keys(self._draft_lengths())
-        if len(keys) > self.graphs.max_graphs:
-            raise DFlashError(f"CUDA graphs: {len(keys)} static shapes to capture (row buckets "
-                              f"{list(self.shapes.rows_buckets)} x widths {self.shapes.widths()} x draft lengths "
-                              f"{sorted(self._draft_lengths())}) exceed {self.graphs.max_graphs}; lower max_seq_len "
-                              "or max_batch, give fewer graph batch sizes, or turn CUDA graphs off")
-        tables = {n: self.transfers.upload(row_table([], n)) for n in self.shapes.rows_buckets}  # padding only
-        features = self.passes.features
-        with torch.inference_mode():
-            # one eager pass of each kind first, on the current stream: every cache is allocated
-            # before the first capture (a graph must never allocate what outlives it)
-            n_max, w_min = self.shapes.rows_buckets[-1], self.shapes.widths()[0]
-            k_max = max(self._draft_lengths())
-            drafts_max = torch.zeros((n_max, k_max), dtype=torch.long, device=self.device) if k_max else None
-            if self.proposer is not None and k_max:
-                self.proposer.propose(tables[n_max], features, k_max, k_max + 1, w_min)
-            self.passes.verify_greedy(tables[n_max], drafts_max, w_min)
-            for kind, n, k, w in keys:
-                if kind == DRAFT:
-
-                    def draft(table: torch.Tensor, k: int = k, w: int = w) -> tuple[torch.Tensor]:
-                        return (self.proposer.propose(table, features, k, k + 1, w),)
-
-                    self.graphs.capture((kind, n, k, w), draft, tables[n])
-                else:
-
-                    def verify(table: torch.Tensor, drafts: torch.Tensor | None = None, w: int = w
-                               ) -> tuple[torch.Tensor]:
-                        return (self.passes.verify_greedy(table, drafts, w),)
-
-                    drafts = torch.zeros((n, k), dtype=torch.long, device=self.device)
-                    self.graphs.capture((kind, n, k, w), verify, *((tables[n],) if k == 0 else (tables[n], drafts)))
-        self.graphs.frozen = True
 
     # -- finishing -------------------------------------------------------------------------------
     def _fail(self, seq: BatchedSequence, finished: list[BatchedSequence]) -> None:
