@@ -8,9 +8,10 @@ output is reported with
 
 - ``position``: the index of its first output token that differs from the reference's;
 - ``margin``: the target's top-1 minus top-2 logit at that position, given the prompt and the
-  reference's tokens before it (which the output shares). A near-tie (margin of a few bf16 ulps of
-  the logits) is rounding; a large margin means the runtime chose a token the target clearly did
-  not, a bug.
+  reference's tokens before it (which the output shares), in the model's own dtype. A near-tie is
+  rounding: bf16 logits near 16-32 are 0.125 apart, so 0 (an exact tie, seen on the embedded pair
+  on a CPU) or one or two of those steps; a large margin means the runtime chose a token the target
+  clearly did not, a bug.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def first_divergence(out: Sequence[int], ref: Sequence[int]) -> int | None:
 
 def logit_margins(target: Any, prompt_ids: Sequence[int], ref_ids: Sequence[int]) -> list[float]:
     """margin[j] = top-1 minus top-2 of the target's logits for output position j, teacher-forced
-    over prompt + ref (one pass): how decisively the target chose ref[j]. Float32 arithmetic on the
-    logits of the model as loaded."""
+    over prompt + ref (one pass): how decisively the target chose ref[j]. The logits of the model as
+    loaded (bf16 logits tie exactly more often than float32 ones), their difference in float32."""
     import torch
 
     from dflash_trt.runtime.target import TargetAdapter
