@@ -130,7 +130,7 @@ class Session:
                 if not self.fits(name, a.bench_need_s):
                     continue
                 out_dir = self.work / name
-                flag = ["--cuda-graphs"] if graphs == "graphs" else []
+                flag = ["--cuda-graphs"] if graphs == "graphs" else ["--no-cuda-graphs"]
                 rc, wall, _ = run(name, [*PY, "bench", "--runtime", "batched", "--device", a.device, "--dtype", dtype,
                                          *flag, "--target", str(target), "--draft", str(draft),
                                          "--num-prompts", str(a.bench_prompts), "--max-new-tokens", str(a.bench_tokens),

@@ -224,7 +224,7 @@ def test_a_row_without_a_distribution_fails_alone_and_its_batch_goes_on():
 
 
 def test_prefill_runs_bound_the_padding_of_each_pass():
-    from dflash_trt.runtime.batched import prefill_runs
+    from dflash_trt.runtime.scheduling import prefill_runs
 
     lengths = sorted([39, 46, 64, 39, 46, 64, 5, 200])
     runs = prefill_runs(lengths, 0.15)
@@ -242,7 +242,7 @@ def test_prefill_runs_bound_the_padding_of_each_pass():
 def test_newcomers_of_mixed_lengths_prefill_in_runs_and_decode_as_alone():
     """Six prompts of 1-13 tokens join at once on a CPU: they prefill in several passes, sorted
     by length into slots, and each decodes exactly as the reference loop decodes it alone."""
-    from dflash_trt.runtime.batched import prefill_runs
+    from dflash_trt.runtime.scheduling import prefill_runs
 
     target, draft = _pair("qwen3", seed=4)
     ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]
@@ -262,3 +262,43 @@ def test_newcomers_of_mixed_lengths_prefill_in_runs_and_decode_as_alone():
     rt.target.forward = forward
     rt.run()
     assert [s.result.output_ids for s in seqs] == ref
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 8])
+def test_verification_in_chunks_commits_what_one_pass_commits(chunk):
+    """verify_chunk: a row verifies its drafts a chunk at a time and stops at its first rejection.
+    Outputs and every per-step count (drafted, accepted) equal the reference loop's, for chunks
+    smaller than, dividing, and larger than K + 1; rows join, stop and queue meanwhile."""
+    target, draft = _pair("qwen3", block=6, seed=5)
+    plain = dflash_generate(draft, target, PROMPTS[2], SamplingParams(max_tokens=BUDGETS[2])).output_ids
+    stop = [plain[4]]
+    params = [SamplingParams(max_tokens=m, stop_token_ids=stop) for m in BUDGETS]
+    ref = [dflash_generate(draft, target, p, sp) for p, sp in zip(PROMPTS, params)]
+    rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, policy=FixedPolicy(draft.block_size - 1),
+                        verify_chunk=chunk)
+    results = batched_generate(draft, target, PROMPTS, params, arrivals=[0, 2, 1, 5, 0, 3], runtime=rt)
+    for got, want in zip(results, ref):
+        assert got.output_ids == want.output_ids
+        assert got.stats.acceptance_lengths == want.stats.acceptance_lengths
+        assert got.stats.total_draft_tokens == want.stats.total_draft_tokens
+
+
+def test_perfect_drafter_verified_in_chunks_goes_through_every_chunk():
+    """A drafter that is always right: every row passes every chunk (tau = B), so chunk boundaries,
+    the next slot's check and the last partial chunk all run."""
+    target = tiny_target("qwen3", seed=5, vocab_size=32, hidden_size=64).double()
+    B, steps = 6, 4
+    n_new = 1 + B * steps
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]
+    truth = [p + autoregressive_generate(target, p, SamplingParams(max_tokens=n_new + B)).output_ids for p in prompts]
+    draft = BatchedOracle(make_draft_config(target.config, num_layers=1, block_size=B),
+                          target.get_output_embeddings().weight.detach())
+    rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64, policy=FixedPolicy(B - 1), verify_chunk=4)
+    handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=n_new))) for p in prompts]
+    by_handle = {id(h): t for h, t in zip(handles, truth)}
+    while rt.has_work():
+        draft.row_sequences = [by_handle[id(s)] for s in rt.rows]
+        rt.step()
+    for h, t, p in zip(handles, truth, prompts):
+        assert h.result.output_ids == t[len(p): len(p) + n_new]
+        assert h.result.stats.acceptance_lengths == [B] * steps

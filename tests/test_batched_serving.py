@@ -96,12 +96,14 @@ def test_cuda_graphs_setting_serves_static_shapes_with_the_same_answers(tmp_path
     engine = shared_tiny_engine(tmp_path_factory)
     rt = load_backend(engine, BackendSettings(backend="pytorch", cuda_graphs=True))
     try:
-        assert rt.runtime.static_shapes and rt.runtime.graphs is None  # CPU: no capture
+        graphs = rt.runtime.graph_stats()  # CPU: the static passes run eagerly, no CUDA graph
+        assert rt.runtime.static_shapes and not graphs["cuda_graphs"] and graphs["captured"] > 0
         max_tokens = [9, 16, 5]
         gens = [rt.submit(GenerateRequest(p, params=SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS[:3], max_tokens)]
         with ThreadPoolExecutor(len(gens)) as pool:
             answers = [text for text, _ in pool.map(lambda g: g.text(), gens, timeout=100)]
         assert answers == [reference_answer(engine, p, m) for p, m in zip(PROMPTS[:3], max_tokens)]
+        assert rt.runtime.graph_stats()["misses"] == 0  # every shape was captured before serving
     finally:
         rt.shutdown(cancel_pending=True)
 

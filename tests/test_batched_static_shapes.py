@@ -4,10 +4,11 @@ With ``cuda_graphs=True`` the draft and verify passes of greedy batches run padd
 power of two on free slots that write only to the dump index, mask widths to multiples of 128,
 the drafter's context to the block. On a CUDA device each shape is then captured once and
 replayed (dflash_trt/runtime/cuda_graphs.py); there is no GPU here, so these tests run the padded
-passes eagerly on CPU and check them token for token, and check that every pass that would be
-captured traces as ONE graph (torch.compile fullgraph=True, eager backend): a host sync or a
-data-dependent Python branch inside a pass would make CUDA-graph capture fail, and fails here.
-The capture and replay calls themselves (torch.cuda.graph) only run on a GPU.
+passes eagerly on CPU through the same dispatch and check them token for token, and check that
+every pass captured at start-up traces as ONE graph (torch.compile fullgraph=True, eager backend):
+a host sync or a data-dependent Python branch inside a pass would make CUDA-graph capture fail,
+and fails here. The capture and replay calls themselves (torch.cuda.graph) only run on a GPU.
+tests/test_batched_graphs.py checks what start-up captures and what a step then does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from dflash_trt.runtime import dflash_generate
 from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
+from dflash_trt.runtime.cuda_graphs import StaticPasses
 from dflash_trt.runtime.draft_model import make_draft_config
 from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
 from dflash_trt.runtime.tiny import random_draft, tiny_target
@@ -66,8 +68,9 @@ def test_padded_rows_leave_a_perfect_drafter_perfect():
     truth = [p + dflash_generate(random_draft(target.config, block_size=B).double(), target, p, SamplingParams(max_tokens=n_new + B)).output_ids for p in prompts]
     draft = ShapeRecordingOracle(make_draft_config(target.config, num_layers=1, block_size=B),
                                  target.get_output_embeddings().weight.detach())
-    draft.shapes = []
+    draft.row_sequences, draft.shapes = [[0] * 64] * 4, []  # start-up captures every shape on padding rows
     rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, policy=FixedPolicy(B - 1), cuda_graphs=True)
+    draft.shapes = []
     handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=n_new))) for p in prompts]
     by_handle = {id(h): t for h, t in zip(handles, truth)}
     while rt.has_work():
@@ -82,36 +85,31 @@ def test_padded_rows_leave_a_perfect_drafter_perfect():
     assert set(draft.shapes[1:]) == {(4, 2 * B)}
 
 
-class TracingGraphs:
-    """Stands in for StepGraphs on CPU: every pass it would capture is traced by dynamo as one
-    graph (fullgraph=True raises on a graph break) and run; the keys are recorded."""
+class TracingPasses(StaticPasses):
+    """Static passes whose capture traces the pass with dynamo as ONE graph (fullgraph=True raises
+    on a graph break: a host sync or a data-dependent Python branch, either of which would make
+    CUDA-graph capture fail); steps then run them eagerly, as on a CPU."""
 
-    def __init__(self):
-        self.keys: list = []
-        self.captured_now = False
-
-    def __call__(self, key, fn, *inputs):
-        self.keys.append(key)
-        torch._dynamo.reset()  # one fresh trace per call: the closure's shapes differ between keys
-        return tuple(torch.compile(fn, fullgraph=True, backend="eager")(*inputs))
-
-    def take_captured_flag(self) -> bool:
-        return False
+    def _capture(self, key, fn, inputs):
+        torch._dynamo.reset()  # one fresh trace per key: the closure's shapes differ between keys
+        torch.compile(fn, fullgraph=True, backend="eager")(*inputs)
 
 
-@pytest.mark.integration  # dynamo traces every pass: ~20 s
-def test_every_graphed_pass_traces_as_one_graph_and_stays_lossless():
+@pytest.mark.integration  # dynamo traces every captured pass: ~20 s
+def test_every_captured_pass_traces_as_one_graph_and_stays_lossless(monkeypatch):
+    import dflash_trt.runtime.batched as batched
+
     target, draft = _pair("qwen3", seed=12)
     prompts, budgets = PROMPTS[:3], [6, 4, 7]
     ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(prompts, budgets)]
+    monkeypatch.setattr(batched, "static_passes", lambda device: TracingPasses())
     rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, policy=AdaptivePolicy(draft.block_size),
                         cuda_graphs=True)
-    rt.graphs = TracingGraphs()  # type: ignore[assignment]
+    assert {key[0] for key in rt.graphs.keys} == {"verify", "draft"}
+    assert {key[1] for key in rt.graphs.keys} == {1, 2, 4}  # rows: powers of two
     results = batched_generate(draft, target, prompts, [SamplingParams(max_tokens=m) for m in budgets], runtime=rt)
     assert [r.output_ids for r in results] == ref
-    kinds = {key[0] for key in rt.graphs.keys}
-    assert kinds == {"verify", "draft"}
-    assert all(key[1] in (1, 2, 4) for key in rt.graphs.keys)  # rows: powers of two
+    assert rt.graphs.counters.misses == 0 and rt.graphs.counters.replays > 0
 
 
 def test_sampled_rows_keep_the_eager_path():

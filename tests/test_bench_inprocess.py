@@ -112,7 +112,7 @@ def test_every_output_is_the_reference_greedy_decoding(run):
     assert result["identical_all"] is True
     for row in result["rows"]:
         assert row["identical"] == {"checked": NUM_PROMPTS, "identical": NUM_PROMPTS,
-                                    "against": "reference loop, plain greedy"}
+                                    "against": "reference loop, plain greedy", "departures": []}
     by_prompt: dict[str, list] = {}
     for r in result["requests"]:
         by_prompt.setdefault(r["prompt_id"], []).append(r["output_ids"])
@@ -276,3 +276,22 @@ def test_summary_of_server_counters_and_failed_requests():
     assert s["tau"] == pytest.approx(1 + 6 / 4) and s["acceptance_rate"] == pytest.approx(6 / 60)
     assert s["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
     assert s["acceptance_source"].startswith("server metrics")
+
+
+def test_static_shapes_are_captured_before_the_timed_runs_and_reported(tiny_pair_dirs, tmp_path):
+    """--cuda-graphs on a CPU: the batched runtime's static passes run eagerly through the graphs'
+    dispatch. Every shape is captured when a side's runtime is built (reported with its time), and
+    the timed runs, calibration included before them, capture and miss none."""
+    tdir, ddir = tiny_pair_dirs
+    result, output = _bench(tmp_path, "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "2",
+                            "--max-new-tokens", "8", "--concurrency", "1,2", "--runtime", "batched", "--cuda-graphs")
+    assert result["identical_all"] is True
+    for row in result["rows"]:
+        info = row["info"]
+        startup = info["startup"]["graphs"]
+        assert startup["captured"] > 0 and startup["cuda_graphs"] is False
+        run = info["graphs_in_run"]
+        assert run["captured"] == 0 and run["misses"] == 0 and run["replays"] > 0
+        assert run["eager_passes"]["prefill"] >= 1  # every request's prefill is eager
+        assert info["decode_step_s"]["p50"] > 0
+    assert "shapes set up at start-up" in output and "0 captured, 0 missed;" in output

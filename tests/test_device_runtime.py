@@ -194,21 +194,24 @@ class _CudaRecorder:
     def graph_pool_handle(self) -> object:
         return object()
 
+    def memory_reserved(self, device=None) -> int:
+        return 0
+
 
 def test_cuda_graphs_capture_and_replay_on_the_models_gpu(monkeypatch):
-    """issue 36: StepGraphs captured on the current device's streams, with no device context: a
+    """issue 36: graphs were captured on the current device's streams, with no device context: a
     model on cuda:1 was captured on cuda:0's."""
-    from dflash_trt.runtime.cuda_graphs import StepGraphs
+    from dflash_trt.runtime.cuda_graphs import static_passes
 
     rec = _CudaRecorder()
     for name in ("Stream", "CUDAGraph", "device", "current_stream", "stream", "graph", "synchronize",
-                 "graph_pool_handle"):
+                 "graph_pool_handle", "memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, getattr(rec, name))
-    graphs = StepGraphs(torch.device("cuda:1"))
+    graphs = static_passes(torch.device("cuda:1"))
     x = torch.ones(3)
-    first = graphs("k", lambda t: (t * 2,), x)  # eager result, then the capture
-    graphs("k", lambda t: (t * 2,), x)  # a replay
-    assert torch.equal(first[0], x * 2) and graphs.take_captured_flag()
+    graphs.capture("k", lambda t: (t * 2,), x)  # warm-up, then the capture (at start-up)
+    replayed = graphs("k", lambda t: (t * 2,), x)  # a replay: the recorder's graph computes nothing
+    assert graphs.counters.captured == 1 and graphs.counters.replays == 1 and len(replayed) == 1
     assert {what for what, _ in rec.seen} >= {"stream made", "warm-up on", "capture on", "capture under",
                                              "synchronize", "replay under"}
     assert [(what, dev) for what, dev in rec.seen if dev != torch.device("cuda:1")] == []

@@ -89,6 +89,32 @@ def test_dflash_equals_plain_greedy_on_eval_prompts_with_real_acceptance(pair):
     assert per_position == pytest.approx(BASELINE_POSITION_ACCEPTANCE, abs=POSITION_ATOL)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_batched_gate_gives_each_held_out_prompt_the_reference_loops_tau(pair_dirs):
+    """The gate as a build runs it: the target loaded by the build's loader (float32, unpacked), the
+    held-out prompts the gate decodes, K = 15. All prompts together on the batched runtime, each
+    prompt's committed tokens and steps equal the reference loop's (scripts/bench_gate.py: the whole
+    39 x 96 sample, timed)."""
+    import torch
+
+    from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
+    from dflash_trt.engine.checkpoint_io import load_checkpoint
+    from dflash_trt.engine.gate import measure_tau
+    from dflash_trt.runtime.draft_model import DFlashDraftModel
+    from dflash_trt.runtime.loading import load_tokenizer
+
+    tdir, ddir = pair_dirs
+    target = load_checkpoint(tdir, torch.float32)
+    draft = DFlashDraftModel.from_pretrained(ddir, dtype=torch.float32)
+    ids = encode_prompts(load_tokenizer(tdir), load_calibration_prompts(None, 5, split="eval"),
+                         target.config.vocab_size, 256)
+    ref = measure_tau(target, draft, ids, 48, "reference", progress=False, batched=False)
+    got = measure_tau(target, draft, ids, 48, "batched", progress=False, batched=True)
+    assert (got.committed, got.steps, got.accepted) == (ref.committed, ref.steps, ref.accepted)
+    assert ref.tau > 1.5  # the real drafter: prompts accept differently, the comparison means something
+
+
 @pytest.mark.parametrize("edit, match", [
     ({"hidden_size": 512}, "hidden_size=512"),
     ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 14, 30]}}, r"outside the target's layers 0\.\.29"),

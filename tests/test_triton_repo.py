@@ -68,6 +68,7 @@ def test_generated_config_parses_strictly_and_matches_model_py(engine, tmp_path)
     assert 1 <= int(params["default_max_tokens"]) <= manifest.limits.max_seq_len
     # K is recorded resolved: the engine's limits.max_draft_len unless lowered; serving's policy is adaptive
     assert int(params["max_draft_len"]) == manifest.limits.max_draft_len and params["policy"] == "adaptive"
+    assert params["cuda_graphs"] == "auto"  # on for a CUDA device, off on a CPU (model.py reads it as None)
 
     names = _model_py_names(repo / "dflash" / "1" / "model.py")
     assert set(names["INPUTS"]) == {i.name for i in cfg.input}

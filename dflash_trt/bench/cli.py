@@ -79,8 +79,10 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--calibrate/--no-calibrate", default=None,
               help="Batched, adaptive: measure each candidate k's step cost at every level before the sweep (its "
                    "time is reported apart) [default: calibrate].")
-@click.option("--cuda-graphs", is_flag=True, default=None,
-              help="Batched runtime: static-shape passes, replayed as CUDA graphs on a GPU (plain decoding too).")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+              help="Batched runtime: static-shape passes, every shape captured as a CUDA graph before the timed runs "
+                   "and replayed (plain decoding too); --cuda-graphs on a CPU runs the same passes eagerly "
+                   "[default: on for --device cuda, off on cpu].")
 @click.option("--check/--no-check", default=None,
               help="Greedy: compare every output with the reference loop's plain decoding (computed first when the "
                    "reference loop is not a side) [default: check].")

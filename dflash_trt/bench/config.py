@@ -64,7 +64,8 @@ class BenchConfig(BaseModel):
     concurrency: list[int] = Field(default_factory=lambda: [1])
     repeats: int = Field(1, ge=1)  # timed runs per (side, mode, C), alternating; the fastest counts
     calibrate: bool = True  # batched adaptive: measure every candidate k's step cost at each C first
-    cuda_graphs: bool = False  # batched runtime: static-shape passes, CUDA graphs on a GPU
+    # batched runtime: static-shape passes captured at start-up as CUDA graphs (None: on for CUDA, off on CPU)
+    cuda_graphs: bool | None = None
     check: bool = True  # greedy: every output against the reference loop's plain decoding
     # where
     device: str = "cpu"

@@ -25,6 +25,7 @@ from typing import Any
 from dflash_trt.bench.phases import PassTimer, StepTiming, summarize_steps, timer_for
 from dflash_trt.bench.prompts import BenchPrompt
 from dflash_trt.bench.runners import MODES, BenchRequest, OnDone, RequestRecord, RunResult, closed_loop_threads
+from dflash_trt.metrics import summarize
 
 
 @dataclass
@@ -38,6 +39,10 @@ class PairInputs:
         if prompt.id not in self._ids:
             self._ids[prompt.id] = self.pair.codec.encode_messages(prompt.chat_messages)
         return self._ids[prompt.id]
+
+    def ids_of(self, prompt_id: str) -> list[int]:
+        """The ids of a prompt encoded before (every prompt a run decoded)."""
+        return self._ids[prompt_id]
 
     def params(self, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> Any:
         from dflash_trt.sampling_params import SamplingParams
@@ -142,6 +147,16 @@ class ReferenceSide:
         pass
 
 
+def graphs_in_run(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the static passes did during one timed run: replays, shapes captured (must be 0: all
+    were captured at start-up), misses (a shape never captured, run eagerly: must be 0), eager
+    passes by reason (prefills, drafter catch-ups, sampled steps), host syncs and uploads."""
+    eager = {k: v - before["eager_passes"].get(k, 0) for k, v in after["eager_passes"].items()
+             if v - before["eager_passes"].get(k, 0)}
+    return {key: after[key] - before[key] for key in ("replays", "captured", "misses", "syncs", "uploads")} | {
+        "eager_passes": eager}
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -163,7 +178,7 @@ class BatchedSide:
     policy: str
     max_batch: int
     max_seq_len: int
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None  # None: on for a CUDA target
     calibrate_levels: Sequence[int] = ()  # adaptive: measure every candidate's step cost at these C first
     name: str = "batched"
     label: str = "ours, batched runtime"
@@ -171,9 +186,13 @@ class BatchedSide:
     modes: tuple[str, ...] = MODES
     calibration_s: float = 0.0
     _runtimes: dict[str, Any] = field(default_factory=dict)
+    _startup: dict[str, dict[str, Any]] = field(default_factory=dict)  # mode -> build time, captured graphs
 
     def runtime(self, mode: str) -> Any:
+        """The mode's runtime, built once: with static shapes every shape it will time is captured
+        here, before the warm-up and the timed runs."""
         if mode not in self._runtimes:
+            t = time.perf_counter()
             from dflash_trt.runtime.batched import BatchedRuntime
             from dflash_trt.runtime.policy import FixedPolicy, make_policy
 
@@ -187,6 +206,7 @@ class BatchedSide:
                 rt = BatchedRuntime(pair.target, pair.draft, max_batch=self.max_batch, max_seq_len=self.max_seq_len,
                                     speculation=spec, policy=policy, cuda_graphs=self.cuda_graphs)
             self._runtimes[mode] = rt
+            self._startup[mode] = {"build_s": round(time.perf_counter() - t, 3), "graphs": rt.graph_stats()}
         return self._runtimes[mode]
 
     def warmup(self) -> None:
@@ -227,6 +247,8 @@ class BatchedSide:
                                          self.inputs.params(req.max_new_tokens, req.temperature, req.seed), on_step))
             live[id(seq)] = (i, req, time.perf_counter() - t0, first)
 
+        graphs_before = rt.graph_stats()
+        decode_steps: list[float] = []  # steps without a prefill: the decoding pace the run saw
         with timer if timer is not None else _null():
             while pending and len(live) < concurrency:
                 submit()
@@ -237,6 +259,8 @@ class BatchedSide:
                 t = time.perf_counter()
                 finished = rt.step()
                 now = time.perf_counter()
+                if rows and not prefill:
+                    decode_steps.append(now - t)
                 if timer is not None:
                     decision = rt.last_decision
                     passes, _ = timer.take()
@@ -253,7 +277,10 @@ class BatchedSide:
                 while pending and len(live) < concurrency:
                     submit()
         records = [rec for _, rec in sorted(done, key=lambda x: x[0])]
-        info: dict[str, Any] = {"policy": self.policy}
+        info: dict[str, Any] = {"policy": self.policy, "startup": self._startup.get(mode),
+                                "decode_step_s": summarize(decode_steps) if decode_steps else None}
+        if graphs_before is not None:
+            info["graphs_in_run"] = graphs_in_run(graphs_before, rt.graph_stats())
         if steps:
             info["step_timing"] = summarize_steps(steps)
         if mode == "dflash":

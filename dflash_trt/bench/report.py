@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 SWEEP_COLUMNS = ("C", "side", "mode", "tau", "per-position acceptance", "TTFT p50 (ms)", "TPOT mean (ms)",
-                 "tok/s per user", "tok/s total", "DFlash/plain", "vs vLLM", "identical", "load")
+                 "step p50 (ms)", "tok/s per user", "tok/s total", "DFlash/plain", "vs vLLM", "identical", "load")
 
 
 @dataclass
@@ -35,9 +35,22 @@ def _f(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _identical_cell(ident: dict[str, Any] | None) -> str:
+    """'5/8 (from 12, margin <= 0.06)': identical / checked, then where the departing outputs first
+    depart and the largest target logit margin at their departures (bench/divergence.py)."""
+    if not ident:
+        return "-"
+    from dflash_trt.bench.divergence import describe
+
+    cell = f"{ident['identical']}/{ident['checked']}"
+    deps = describe(ident.get("departures") or [])
+    return f"{cell} ({deps})" if deps else cell
+
+
 def sweep_table(result: dict[str, Any]) -> Table:
     has_peer = any(r.get("peer") for r in result["rows"])
-    cols = tuple(c for c in SWEEP_COLUMNS if has_peer or c != "vs vLLM")
+    has_steps = any((r.get("info") or {}).get("decode_step_s") for r in result["rows"])
+    cols = tuple(c for c in SWEEP_COLUMNS if (has_peer or c != "vs vLLM") and (has_steps or c != "step p50 (ms)"))
     out = []
     for r in result["rows"]:
         d = r["mode"] == "dflash"
@@ -50,7 +63,9 @@ def sweep_table(result: dict[str, Any]) -> Table:
             "TTFT p50 (ms)": _ms(r["ttft_s"]["p50"]), "TPOT mean (ms)": _ms(r["tpot_s"]["mean"]),
             "tok/s per user": f"{r['tokens_per_s']['mean']:.1f}", "tok/s total": f"{r['total_tokens_per_s']:.1f}",
             "DFlash/plain": _x(r.get("dflash_over_plain")), "vs vLLM": _x(r.get("vs_peer")),
-            "identical": f"{ident['identical']}/{ident['checked']}" if ident else "-",
+            "identical": _identical_cell(ident),
+            # a decoding step without a prefill, median over the run (the batched runtime)
+            "step p50 (ms)": _ms(((r.get("info") or {}).get("decode_step_s") or {}).get("p50")),
             # the machine's 1-minute load average when the run started: how shared it was
             "load": _f(((r.get("info") or {}).get("loadavg") or [None])[0], 1),
         }
@@ -142,6 +157,31 @@ def goal_lines(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def graph_lines(result: dict[str, Any]) -> list[str]:
+    """The batched runtime's static shapes: what start-up captured (shapes, seconds, graph memory)
+    and what each timed run did (replays; shapes captured or missed: both must be 0; eager passes)."""
+    out: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    for r in result["rows"]:
+        g = ((r.get("info") or {}).get("startup") or {}).get("graphs")
+        if not g or (r["side"], r["mode"]) in seen:
+            continue
+        seen.add((r["side"], r["mode"]))
+        what = (f"CUDA graphs: {g['captured']} shapes captured at start-up in {g['capture_s']:.1f} s, "
+                f"{g['graph_bytes'] / 2**20:.0f} MiB" if g["cuda_graphs"] else
+                f"static shapes, run eagerly on this device: {g['captured']} shapes set up at start-up in "
+                f"{g['capture_s']:.1f} s")
+        out.append(f"{r['label']} {r['mode']}: {what} (rows {g['row_buckets']}, widths {g['widths']}, "
+                   f"k {g['draft_lengths']})")
+    for r in result["rows"]:
+        run = (r.get("info") or {}).get("graphs_in_run")
+        if run:
+            eager = ", ".join(f"{k} {v}" for k, v in run["eager_passes"].items()) or "none"
+            out.append(f"  C={r['concurrency']} {r['mode']}: {run['replays']} replays, {run['captured']} captured, "
+                       f"{run['misses']} missed; eager passes: {eager}; {run['syncs']} host syncs")
+    return out
+
+
 def note_lines(result: dict[str, Any]) -> list[str]:
     c = result["ceiling"]
     lines = goal_lines(result)
@@ -163,7 +203,10 @@ def note_lines(result: dict[str, Any]) -> list[str]:
     ident = result.get("identical_all")
     if ident is not None:
         lines.append("output ids identical to the reference loop's plain greedy decoding in every row"
-                     if ident else "NOT every output is identical: see the identical column")
+                     if ident else "NOT every output is identical: see the identical column (from P: the earliest "
+                     "output position where one departs; margin: the target's top-1 minus top-2 logit at the "
+                     "departures, their largest: a near-tie is rounding, a large margin a real loss)")
+    lines += graph_lines(result)
     env = result.get("environment") or {}
     if env.get("loadavg_start"):
         threads = f", torch threads {env['torch_threads']}" if env.get("torch_threads") else ""

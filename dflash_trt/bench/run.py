@@ -108,7 +108,7 @@ def _endpoint_sides(cfg: BenchConfig) -> tuple[list[Any], dict[str, Any]]:
 
 
 def _max_seq_len(cfg: BenchConfig, inputs: Any, prompts: list[BenchPrompt], block_size: int, candidates: int) -> int:
-    from dflash_trt.runtime.batched import calibration_tokens
+    from dflash_trt.runtime.policy_calibration import calibration_tokens
 
     longest = max(len(inputs.encode(p)) for p in prompts)
     calib = 16 + calibration_tokens(candidates, block_size) if cfg.calibrate else 0
@@ -209,6 +209,21 @@ def _oracle(inputs: Any, requests: list[BenchRequest], say: Any) -> dict[str, li
     return out
 
 
+def _margins_of(inputs: Any) -> Any:
+    """margins(prompt_id, reference ids) -> the target's logit margins along the reference output
+    (bench/divergence.py), one teacher-forced pass per prompt that needs them, cached."""
+    from dflash_trt.bench.divergence import logit_margins
+
+    cache: dict[str, list[float]] = {}
+
+    def margins(prompt_id: str, ref: list[int]) -> list[float]:
+        if prompt_id not in cache:
+            cache[prompt_id] = logit_margins(inputs.pair.target, inputs.ids_of(prompt_id), ref)
+        return cache[prompt_id]
+
+    return margins
+
+
 # ------------------------------------------------------------------------------------------------
 # the run
 # ------------------------------------------------------------------------------------------------
@@ -267,7 +282,8 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
         for side in sides:
             side.close()
 
-    rows = build_rows(results, sides, cfg.concurrency, cfg.per_category, oracle)
+    margins = _margins_of(inputs) if inputs is not None and cfg.temperature == 0 else None
+    rows = build_rows(results, sides, cfg.concurrency, cfg.per_category, oracle, margins)
     first = next((r for r in rows if r["mode"] == "dflash"), rows[0])
     plain_first = next((r for r in rows if r["side"] == first["side"] and r["mode"] == "plain"
                         and r["concurrency"] == first["concurrency"]), None)

@@ -10,13 +10,16 @@ the ratios between them, and the identity check.
   decoder of all sides at that C (what speculation must beat to be worth it).
 - ``identical``: at temperature 0 every output must equal the oracle's for the same prompt: the
   reference loop's plain greedy decoding (measured, or computed beforehand with --check); an
-  endpoint without ids compares its DFlash text with its plain server's.
+  endpoint without ids compares its DFlash text with its plain server's. Beside the count, each
+  output that departs: where, and the target's logit margin there (bench/divergence.py: rounding
+  flips near-ties in bfloat16; a large margin is a real loss).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from dflash_trt.bench.divergence import departures
 from dflash_trt.bench.runners import RequestRecord, RunResult
 from dflash_trt.metrics import GenerationStats, merge_stats, summarize
 
@@ -86,8 +89,11 @@ def _key(r: RequestRecord) -> Any:
 
 
 def build_rows(results: dict[tuple[str, str, int], RunResult], sides: list[Any], levels: list[int],
-               per_category: bool = False, oracle: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
-    """Every (side, mode, C) that ran, in table order (C, then side, DFlash before plain)."""
+               per_category: bool = False, oracle: dict[str, list[int]] | None = None,
+               margins: Any = None) -> list[dict[str, Any]]:
+    """Every (side, mode, C) that ran, in table order (C, then side, DFlash before plain).
+    `margins(prompt_id, reference_ids)`: the target's logit margins along a reference output
+    (bench/divergence.py), for the departures of outputs that differ from it."""
     rows: list[dict[str, Any]] = []
     for c in levels:
         for side in sides:
@@ -104,7 +110,7 @@ def build_rows(results: dict[tuple[str, str, int], RunResult], sides: list[Any],
                 row["info"] = run.info
                 rows.append(row)
     _ratios(rows)
-    _identity(rows, results, oracle)
+    _identity(rows, results, oracle, margins)
     return rows
 
 
@@ -132,7 +138,7 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def _identity(rows: list[dict[str, Any]], results: dict[tuple[str, str, int], RunResult],
-              oracle: dict[str, list[int]] | None) -> None:
+              oracle: dict[str, list[int]] | None, margins: Any = None) -> None:
     if oracle is None:  # the reference loop's plain greedy decoding, when it ran
         ref = [(c, run) for (side, mode, c), run in results.items() if side == "reference" and mode == "plain"]
         if ref:
@@ -142,6 +148,7 @@ def _identity(rows: list[dict[str, Any]], results: dict[tuple[str, str, int], Ru
         if oracle is not None and all(r.output_ids is not None for r in recs):
             want = {pid: ids for pid, ids in oracle.items()}
             against = "reference loop, plain greedy"
+            ids_want: dict[str, Any] | None = want
         else:  # an endpoint: its DFlash outputs against its plain server's, per prompt
             plain = results.get((row["side"], "plain", row["concurrency"]))
             if plain is None:
@@ -149,6 +156,13 @@ def _identity(rows: list[dict[str, Any]], results: dict[tuple[str, str, int], Ru
                 continue
             want = {r.prompt_id: _key(r) for r in plain.records if r.error is None}
             against = "the same side's plain decoding"
+            ids_want = want if all(r.output_ids is not None for r in plain.records) else None
         checked = [r for r in recs if r.prompt_id in want]
+        if not checked:
+            row["identical"] = None
+            continue
         row["identical"] = {"checked": len(checked), "identical": sum(_key(r) == want[r.prompt_id] for r in checked),
-                            "against": against} if checked else None
+                            "against": against}
+        if ids_want is not None and all(r.output_ids is not None for r in checked):
+            of = (lambda pid: margins(pid, ids_want[pid])) if margins is not None and oracle is not None else None
+            row["identical"]["departures"] = departures([(r.prompt_id, r.output_ids) for r in checked], ids_want, of)

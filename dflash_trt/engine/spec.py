@@ -31,8 +31,9 @@ class CalibrationSpec(_Strict):
 
 
 class GateSpec(_Strict):
-    """The acceptance gate: tau before vs after quantization with the reference runtime, decided
-    on 95% intervals (dflash_trt.engine.gate). With the defaults (all 39 held-out prompts x 96
+    """The acceptance gate: tau before vs after quantization (every prompt of the sample decoded
+    together on the batched runtime, each as the reference loop decodes it), decided on 95%
+    intervals (dflash_trt.engine.gate). With the defaults (all 39 held-out prompts x 96
     tokens) the embedded pair's drop is known to about +-5 points (docs/quantization.md)."""
 
     enabled: bool | None = Field(None, description="default: on for quantized builds; on a --quant none build "

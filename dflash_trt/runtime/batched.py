@@ -2,12 +2,13 @@
 
 One step over the n running rows (slots 0..n-1 of preallocated caches, see batched_cache.py):
 
-    admit   waiting requests into free slots; prefill them in left-padded target passes
-            (one per run of similar prompt lengths on a CPU)
+    admit   waiting requests into free slots (scheduling.py); prefill them in left-padded target
+            passes (one per run of similar prompt lengths on a CPU)           target_passes.py
     k       = policy.choose(n, K)                      0 = plain decoding (no draft pass)
+    table   ONE host-to-device copy: each row's start, drafter position, pending token
     draft   one drafter pass over [each row's unconsumed context ; anchor, MASK x (B-1)]
-            (the full trained block; slots 1..k are this step's drafts)
-    verify  one target pass over [pending, draft_1..k] per row      -> logits [n, k+1, V]
+            (the full trained block; slots 1..k are this step's drafts)     dflash_proposer.py
+    verify  one target pass over [pending, draft_1..k] per row      -> posterior [n, k+1]
     accept  a_i = longest prefix with draft == posterior (on device)
     sync    ONE device-to-host copy: posteriors, a_i, newcomers' first tokens
     commit  posterior[0..a_i] per row, capped at the tokens its budget has left; stop tokens,
@@ -23,7 +24,12 @@ everything past a row's committed length, and the next step overwrites it.
 
 B, K and the policy come from :class:`~dflash_trt.speculation.SpeculationSettings`; the default
 policy is fixed (k = K every step: deterministic, the reference loop's schedule). Serving opts
-into the adaptive policy (runtime/policy.py).
+into the adaptive policy (runtime/policy.py), calibrated by runtime/policy_calibration.py.
+
+With static shapes (CUDA graphs, on by default on a GPU) the draft and verify passes of greedy
+steps run in shapes from a fixed set (step_shapes.py), every one captured when the runtime is
+built (cuda_graphs.py) and replayed by the steps; the host's work between replays is building the
+row table and committing tokens.
 
 Per sequence the output equals the reference loop's (dflash_generate) token for token at
 temperature 0 (tests/test_batched_*.py), since every row sees exactly the K/V and context the
@@ -36,29 +42,42 @@ and attention implementations that reject a 4D mask (flash_attention_2).
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dflash_trt.checkpoints.placement import home_device, model_devices
 from dflash_trt.errors import DFlashError, InvalidRequest
-from dflash_trt.metrics import GenerationStats
-from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache, additive_mask
-from dflash_trt.runtime.cuda_graphs import StepGraphs
+from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache
+from dflash_trt.runtime.cuda_graphs import CudaGraphPasses, StaticPasses, static_passes
+from dflash_trt.runtime.dflash_proposer import DFlashProposer
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.draft_vocab import DraftVocabHead
+from dflash_trt.runtime.generate import GenerationResult, finish
 from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
-from dflash_trt.runtime.generate import GenerationResult, StepCallback, finish, truncate_at_stop
-from dflash_trt.runtime.policy import AdaptivePolicy, Decision, FixedPolicy, SpeculationPolicy, make_policy
-from dflash_trt.runtime.sampling import sample_checked
+from dflash_trt.runtime.host_transfers import HostTransfers
+from dflash_trt.runtime.policy import Decision, FixedPolicy, SpeculationPolicy, make_policy
+from dflash_trt.runtime.scheduling import (
+    CPU_PREFILL_PAD_LIMIT,
+    BatchedSequence,
+    Scheduler,
+    SequenceRequest,
+    commit,
+    row_table,
+    sampling_failure,
+)
+from dflash_trt.runtime.graphed_passes import GraphedPasses
+from dflash_trt.runtime.step_shapes import StepShapes
 from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.runtime.target_passes import TargetPasses
 from dflash_trt.sampling_params import GREEDY, SamplingParams
 from dflash_trt.speculation import SpeculationSettings
+
+__all__ = ["BatchedRuntime", "BatchedSequence", "SequenceRequest", "batched_generate", "unsupported_reason"]
 
 # HF attention implementations that take an explicit 4D mask
 MASK_ATTENTION = ("sdpa", "eager", GROUPED_SDPA)
@@ -85,82 +104,13 @@ def unsupported_reason(target: Any, draft: DFlashDraftModel | None = None) -> st
 
 
 @dataclass
-class SequenceRequest:
-    prompt_ids: list[int]
-    params: SamplingParams = GREEDY  # max_tokens None: 256; stop_token_ids end the sequence
-    on_step: StepCallback | None = None  # called with each step's new tokens; True stops the sequence
+class Decoded:
+    """One step's draft + verify, on the device."""
 
-
-@dataclass
-class BatchedSequence:
-    """Handle of one sequence in the runtime; `result` is set when it finishes."""
-
-    request: SequenceRequest
-    added_at: float = field(default_factory=time.perf_counter)
-    order: int = 0  # its place in the order of add() calls
-    result: GenerationResult | None = None
-    # runtime state
-    slot: int = -1
-    out: list[int] = field(default_factory=list)
-    start: int = 0  # positions in the target KV cache (committed tokens minus the pending one)
-    draft_len: int = 0  # context positions already in the draft KV cache
-    drafted_last: bool = False  # its previous step drafted: the drafter's backlog is that step's commits only
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    t0: float = 0.0  # admission time (ttft_s and total_time_s are measured from here)
-    generator: torch.Generator | None = None
-    stop: frozenset[int] = frozenset()
-    budget: int = 0  # tokens it may generate (its params' max_tokens, resolved)
-    error: str | None = None  # why this sequence failed alone (its batch went on); set when it finished
-    # with capture_layer_ids: the target's features [fed positions, n*H] (bfloat16), set at finish
-    features: torch.Tensor | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.result is not None
-
-    @property
-    def queue_s(self) -> float:
-        return (self.t0 - self.added_at) if self.t0 else time.perf_counter() - self.added_at
-
-    @property
-    def remaining(self) -> int:
-        return self.budget - len(self.out)
-
-
-def calibration_tokens(num_candidates: int, block_size: int, reps: int = 3) -> int:
-    """Tokens each dummy sequence of :meth:`BatchedRuntime.calibrate` may generate (its prompt
-    comes on top): prefill, one untimed pass, then `reps` rounds over the candidates and one
-    spare round (with CUDA graphs, samples of steps that captured a graph are retaken)."""
-    return 2 + (2 + reps) * num_candidates * block_size
-
-
-def _round_up(x: int, m: int, cap: int) -> int:
-    return min(cap, -(-x // m) * m)
-
-
-# A prefill pass pads every prompt to its longest one. On a CPU, where a padded token costs what a
-# real one does (the pass is compute-bound: the embedded pair's mixed-length prompts at C=16 padded
-# 29% of its tokens), newcomers are sorted by length and split into passes wherever padding would
-# pass this share of a pass's tokens. On a GPU one pass: its cost there is launches, not tokens.
-CPU_PREFILL_PAD_LIMIT = 0.15
-
-
-def prefill_runs(lengths: Sequence[int], pad_limit: float) -> list[int]:
-    """Sizes of consecutive runs of `lengths` (ascending), one prefill pass each: a run takes the
-    next prompt while its padding to that (longest) prompt stays <= `pad_limit` of its tokens."""
-    runs: list[int] = []
-    count = total = 0
-    for L in lengths:
-        if count and (count + 1) * L - (total + L) > pad_limit * (count + 1) * L:
-            runs.append(count)
-            count = total = 0
-        count, total = count + 1, total + L
-    return runs + [count] if count else runs
-
-
-# With static shapes, mask widths are rounded up to this: a few graphs per (rows, k) over a
-# max_seq_len, and attending to <= 127 masked keys more costs a GPU next to nothing
-GRAPH_WIDTH_MULTIPLE = 128
+    k: int  # drafts verified per row
+    out: torch.Tensor  # [n, k+2]: the posterior [n, k+1] and the accepted count [n] side by side
+    bad: torch.Tensor | None  # [n]: rows whose sampling had no distribution (None: every row is greedy)
+    steady: bool  # its cost is a sample of steady decoding (every pass replayed / no drafter catch-up)
 
 
 class BatchedRuntime:
@@ -170,20 +120,26 @@ class BatchedRuntime:
     Caches are allocated once for `max_batch` rows of `max_seq_len` positions (prompt + output).
     Not thread-safe: one thread calls add() and step() (the server's scheduler thread).
 
-    cuda_graphs: run the draft and verify passes of greedy batches in static shapes (rows padded
-    to a power of two <= max_batch on free slots that write only to the dump index, mask widths
-    to multiples of 128, the drafter's context to the block) and, on a CUDA device, replay each
-    shape as a captured CUDA graph (runtime/cuda_graphs.py). On a CPU the padded passes run
-    eagerly: what the tests check token for token. Prefills, steps with sampled rows, and a
-    drafter's catch-up over a long backlog stay eager.
+    cuda_graphs (None: on for a CUDA target, off elsewhere): run the draft and verify passes of
+    greedy batches in static shapes (runtime/step_shapes.py: rows padded to a bucket on free slots
+    that write only to the dump index, mask widths to 128 x a power of two, the drafter's context
+    to k+1), every one of them captured at construction, before any request, and replayed
+    (runtime/cuda_graphs.py); `graph_batch_sizes` overrides the row buckets (max_batch is always
+    one). On a CPU the same passes run eagerly through the same dispatch: what the tests check
+    token for token. Prefills, steps with sampled rows, and a drafter's catch-up over a backlog
+    longer than k+1 stay eager.
     """
 
     def __init__(self, target: Any, draft: DFlashDraftModel | None = None, max_batch: int = 8,
                  max_seq_len: int = 2048, speculation: SpeculationSettings | None = None,
-                 policy: SpeculationPolicy | None = None, width_multiple: int = 16, use_draft_vocab: bool = True,
-                 capture_layer_ids: Sequence[int] | None = None, cuda_graphs: bool = False) -> None:
+                 policy: SpeculationPolicy | None = None, use_draft_vocab: bool = True,
+                 capture_layer_ids: Sequence[int] | None = None, cuda_graphs: bool | None = None,
+                 graph_batch_sizes: Sequence[int] | None = None, verify_chunk: int | None = None) -> None:
         """`speculation`: B, K and the policy (default: K = B-1, fixed). `policy`: a policy object
-        that overrides the one `speculation` names (benchmarks, calibrated or probing policies)."""
+        that overrides the one `speculation` names (benchmarks, calibrated or probing policies).
+        `verify_chunk`: eager greedy steps verify their drafts in chunks of this many positions, a row
+        stopping at its first rejection (TargetPasses.verify_chunked: for a compute-bound CPU and a
+        long fixed k, the acceptance gate's case); None: one pass."""
         self.target = TargetAdapter(target)
         self.draft = draft
         why = unsupported_reason(self.target.model, draft)
@@ -202,49 +158,69 @@ class BatchedRuntime:
         self.policy: SpeculationPolicy = policy or (make_policy(self.speculation) if self.speculation is not None
                                                      else FixedPolicy(0))
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.layer_ids = tuple(draft.target_layer_ids) if draft is not None else ()
+        layer_ids = tuple(draft.target_layer_ids) if draft is not None else ()
         # capture_layer_ids: every finished sequence keeps the target's features at these layers
         # for every position it fed (train-draft's data: no second target pass over the answers)
         self.keep_features = capture_layer_ids is not None
         if capture_layer_ids is not None:
             ids = tuple(int(i) for i in capture_layer_ids)
-            if draft is not None and ids != self.layer_ids:
+            if draft is not None and ids != layer_ids:
                 raise DFlashError(f"capture_layer_ids {list(ids)} differ from the drafter's target_layer_ids "
-                                  f"{list(self.layer_ids)}; capture the drafter's layers or decode without it")
+                                  f"{list(layer_ids)}; capture the drafter's layers or decode without it")
             if not ids or min(ids) < 0 or max(ids) >= self.target.num_layers:
                 raise DFlashError(f"capture_layer_ids must name target layers 0..{self.target.num_layers - 1}, "
                                   f"got {list(ids)}")
-            self.layer_ids = ids
+            layer_ids = ids
         self.device = home_device(self.target.model)
         # positions 0..max_seq_len-1, + block padding of rows near their end, + the dump index
         capacity = max_seq_len + self.block_size + 1
-        self.cache = BatchedKVCache(self.target.num_layers, max_batch, capacity)
-        self.draft_cache = BatchedDraftCache(len(draft.layers), max_batch, capacity) if draft is not None else None
-        self.capacity, self.dump = capacity, capacity - 1
-        self.width_multiple = width_multiple  # mask widths rounded up: fewer distinct shapes
+        self.transfers = HostTransfers(self.device)
+        self.passes = TargetPasses(self.target, max_batch, capacity, layer_ids, self.transfers)
+        self.proposer = (DFlashProposer(draft, self.target, max_batch, capacity, use_draft_vocab)
+                         if draft is not None else None)
+        self.scheduler = Scheduler(max_batch, self.device)
         self.prefill_pad_limit = CPU_PREFILL_PAD_LIMIT if self.device.type == "cpu" else float("inf")
-        self.static_shapes = cuda_graphs
-        if cuda_graphs:
-            self.width_multiple = max(width_multiple, GRAPH_WIDTH_MULTIPLE)
-        self.graphs: StepGraphs | None = StepGraphs(self.device) if cuda_graphs and self.device.type == "cuda" else None
-        self.features: torch.Tensor | None = None  # [slots, capacity, n*H] target features by position
-        # the draft argmax over the drafter's frequent-token subset when it ships one (lossless:
-        # verification keeps the full vocabulary); None: over the target's whole lm_head
-        self.draft_head: DraftVocabHead | None = None
-        if draft is not None and use_draft_vocab and draft.draft_vocab is not None:
-            if int(draft.draft_vocab.max()) >= self.target.vocab_size:
-                raise DFlashError(f"the drafter's draft_vocab.json names token {int(draft.draft_vocab.max())}, beyond the "
-                                  f"target's vocabulary ({self.target.vocab_size}); regenerate it with "
-                                  f"`dflash-trt draft-vocab` or delete it")
-            head = self.target.model.get_output_embeddings()
-            self.draft_head = DraftVocabHead(head.weight, draft.draft_vocab)
-        self.rows: list[BatchedSequence] = []  # rows[i].slot == i
-        self.waiting: deque[BatchedSequence] = deque()
+        self.static_shapes = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        if verify_chunk is not None and verify_chunk < 1:
+            raise DFlashError(f"verify_chunk must be >= 1 (positions a chunk verifies), got {verify_chunk}")
+        self.verify_chunk = verify_chunk
+        self.shapes = StepShapes.make(max_batch, max_seq_len, self.block_size, capacity - 1, self.static_shapes,
+                                      graph_batch_sizes)
         self.steps = 0
-        self._added = 0  # add() calls so far: BatchedSequence.order
         self.last_decision: Decision | None = None
-        self._catching_up = False  # this step's draft pass also consumes a prompt or plain steps' commits
-        self.step_captured = False  # the last step captured a CUDA graph
+        self.last_step_timed = False  # the last step's time was a cost sample (see step())
+        self.eager_passes: Counter[str] = Counter()  # with static shapes: passes that ran eagerly, by reason
+        self.graphs: StaticPasses | None = None  # the dispatch of static passes (counters, captured keys)
+        self.graphed: GraphedPasses | None = None
+        if self.static_shapes:
+            self.graphs = static_passes(self.device)
+            self.graphed = GraphedPasses(self.graphs, self.shapes, self.passes, self.proposer, self.transfers.upload)
+            self.graphed.capture(self._draft_lengths())  # every shape, before any request
+
+    # -- the pieces, by their old names (tests and tools read them) -------------------------------
+    @property
+    def rows(self) -> list[BatchedSequence]:
+        return self.scheduler.rows
+
+    @property
+    def waiting(self) -> deque[BatchedSequence]:
+        return self.scheduler.waiting
+
+    @property
+    def cache(self) -> BatchedKVCache:
+        return self.passes.cache
+
+    @property
+    def draft_cache(self) -> BatchedDraftCache | None:
+        return self.proposer.cache if self.proposer is not None else None
+
+    @property
+    def draft_head(self) -> DraftVocabHead | None:
+        return self.proposer.head if self.proposer is not None else None
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        return self.passes.features
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, request: SequenceRequest) -> BatchedSequence:
@@ -258,13 +234,10 @@ class BatchedRuntime:
         vocab = self.target.vocab_size
         if min(p) < 0 or max(p) >= vocab:
             raise InvalidRequest(f"prompt token ids must lie in 0..{vocab - 1}; got {min(p)}..{max(p)}")
-        seq = BatchedSequence(request, budget=n, order=self._added)
-        self._added += 1
-        self.waiting.append(seq)
-        return seq
+        return self.scheduler.queue(request, n)
 
     def has_work(self) -> bool:
-        return bool(self.rows or self.waiting)
+        return self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
@@ -287,64 +260,68 @@ class BatchedRuntime:
         Returns the sequences that finished in this step, in the order they were added."""
         t_step = time.perf_counter()
         n_old = len(self.rows)
-        new = self._admit()
-        first, first_bad = self._prefill(new) if new else (None, None)  # [m] on device
-        decode = self._decode(n_old) if n_old else None  # (k, posterior [n, k+1], a [n], bad [n] | None)
-        # a step that captured a CUDA graph timed the capture too: no cost sample (here, calibrate())
-        self.step_captured = self.graphs is not None and self.graphs.take_captured_flag()
+        new = self.scheduler.admit()
+        first, first_bad = self.passes.prefill(new, self.prefill_pad_limit) if new else (None, None)  # [m]
+        if new and self.static_shapes:
+            self.eager_passes["prefill"] += 1
+        decode = self._decode(n_old) if n_old else None
         # The ONE device-to-host synchronisation of the step.
-        parts = []
-        if decode is not None:
-            parts += [decode[1].flatten(), decode[2]]
+        parts = [decode.out] if decode is not None else []
         if first is not None:
             parts.append(first)
-        bads = [b for b in (decode[3] if decode is not None else None, first_bad) if b is not None]
-        parts += [b.long() for b in bads]  # sampled rows only: which of them had no distribution
-        host = torch.cat(parts).tolist() if parts else []
-        bad_new = host[len(host) - len(new):] if first_bad is not None else [0] * len(new)
-        if first_bad is not None:
-            host = host[: len(host) - len(new)]
-        bad_old = host[len(host) - n_old:] if decode is not None and decode[3] is not None else [0] * n_old
-        if decode is not None and decode[3] is not None:
-            host = host[: len(host) - n_old]
+        parts += [b for b in (decode.bad if decode is not None else None, first_bad) if b is not None]
+        host = self.transfers.download(parts)
+        i = 0
+
+        def take(count: int) -> list[int]:
+            nonlocal i
+            i += count
+            return host[i - count : i]
+
+        rows_out = take(decode.out.numel()) if decode is not None else []
+        first_out = take(len(new)) if first is not None else []
+        bad_old = take(n_old) if decode is not None and decode.bad is not None else [0] * n_old
+        bad_new = take(len(new)) if first_bad is not None else [0] * len(new)
         finished: list[BatchedSequence] = []
         now = time.perf_counter()
+        self.last_step_timed = False
         if decode is not None:
-            k, post, _, _ = decode
-            width = post.shape[1]
-            flat, accepted = host[: n_old * width], host[n_old * width: n_old * width + n_old]
-            for i, seq in enumerate(self.rows[:n_old]):
-                if bad_old[i]:
+            k = decode.k
+            width = k + 2  # posterior k+1, then the accepted count
+            for i_row, seq in enumerate(self.rows[:n_old]):
+                if bad_old[i_row]:
                     self._fail(seq, finished)
                     continue
-                a = int(accepted[i])
+                row = rows_out[i_row * width : (i_row + 1) * width]
+                a = row[-1]
                 if k > 0:
                     self.policy.observe_acceptance(k, a)  # what verification saw, whatever is committed
                 left = seq.remaining  # >= 1: the commit is capped at the budget (the reference's rule)
-                tokens = [int(t) for t in flat[i * width: i * width + a + 1]][:left]
+                tokens = row[: a + 1][:left]
                 seq.stats.record_step(drafted=min(k, left - 1), accepted=len(tokens) - 1)
                 seq.start += a + 1  # block[0..a] stay in the cache; posterior[a] is the new pending
-                if self._commit(seq, tokens):
+                if commit(seq, tokens):
                     finished.append(seq)
-            # Untimed: steps with a prefill, and drafting steps that first catch the drafter up on a
-            # prompt or on plain steps' commits (their cost says nothing about steady drafting, and
-            # a re-exploration probe after a long plain streak would otherwise price drafting out)
-            if first is None and not self._catching_up and not self.step_captured:
-                self.policy.observe_step(n_old, self.last_decision.k if self.last_decision else 0, now - t_step)
+            # A step is a cost sample when it is what steady decoding runs: no prefill in it, and
+            # either every pass replayed (static shapes) or, eagerly, no drafter catch-up (a
+            # catch-up's cost says nothing about steady drafting, and a re-exploration probe after
+            # a long plain streak would otherwise price drafting out)
+            if first is None and decode.steady:
+                self.last_step_timed = True
+                self.policy.observe_step(n_old, k, now - t_step)
                 if self.last_decision is not None:
                     self.last_decision.measured_s = now - t_step
-        if first is not None:
-            for seq, tok, bad in zip(new, host[len(host) - len(new):], bad_new):
-                if bad:
-                    self._fail(seq, finished)
-                    continue
-                seq.stats.ttft_s = now - seq.t0
-                seq.start = len(seq.request.prompt_ids)
-                if self._commit(seq, [int(tok)]):
-                    finished.append(seq)
+        for seq, tok, bad in zip(new, first_out, bad_new):
+            if bad:
+                self._fail(seq, finished)
+                continue
+            seq.stats.ttft_s = now - seq.t0
+            seq.start = len(seq.request.prompt_ids)
+            if commit(seq, [tok]):
+                finished.append(seq)
         self._retire(finished)
         self.steps += 1
-        # in the order they were added, whatever their slots (slots follow prompt length, see _admit)
+        # in the order they were added, whatever their slots (slots follow prompt length, see admit)
         return sorted(finished, key=lambda s: s.order)
 
     def run(self, max_steps: int | None = None) -> None:
@@ -354,320 +331,134 @@ class BatchedRuntime:
             self.step()
             steps += 1
 
-    # -- internals -------------------------------------------------------------------------------
-    def _admit(self) -> list[BatchedSequence]:
-        new: list[BatchedSequence] = []
-        while self.waiting and len(self.rows) + len(new) < self.max_batch:
-            new.append(self.waiting.popleft())
-        new.sort(key=lambda s: len(s.request.prompt_ids))  # slots by length: prefill runs are contiguous
-        for seq in new:
-            req = seq.request
-            seq.slot, seq.t0 = len(self.rows), time.perf_counter()
-            seq.stats = GenerationStats(num_prompt_tokens=len(req.prompt_ids))
-            seq.stop = frozenset(req.params.stop_token_ids)
-            seed = req.params.seed
-            seq.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-            self.rows.append(seq)
-        return new
-
-    def _forward(self, rows: slice, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
-                 mask: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        """Target pass over `rows`: ids/positions/write [n, S], additive mask [n, 1, S, W] -> logits.
-        Captured features go to self.features at the write indices."""
-        self.cache.kv.prepare(rows, write, mask.shape[-1])
-        logits, feats = self.target.forward(ids, positions, self.cache, self.layer_ids, logits_to_keep, mask)
-        if feats is not None:  # [n, S, n_ctx*H]
-            if self.features is None:
-                self.features = torch.zeros((self.max_batch, self.capacity, feats.shape[-1]), dtype=feats.dtype,
-                                            device=feats.device)
-            r = torch.arange(rows.start, rows.stop, device=self.device)[:, None].expand_as(write)
-            self.features[r, write] = feats
-        return logits
-
-    def _sample_rows(self, logits: torch.Tensor, seqs: Sequence[BatchedSequence]
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # logits [n, S, V] -> tokens [n, S], bad [n] (None when every row is greedy). Greedy rows:
-        # one argmax. Seeded rows: one by one, each with its own generator, consumed exactly as the
-        # reference loop does (S draws a step). Unseeded sampled rows: one draw per (temperature,
-        # top_p) group from the global generator; per-row calls cost ~10 kernel launches each,
-        # which at hundreds of sampled rows on a GPU took longer than the target's forward.
-        tokens = logits.argmax(-1)
-        bad: torch.Tensor | None = None
-        groups: dict[tuple[float, float], list[int]] = {}
-        for i, seq in enumerate(seqs):
-            r = seq.request.params
-            if r.greedy:
-                continue
-            if bad is None:
-                bad = torch.zeros(len(seqs), dtype=torch.bool, device=logits.device)
-            if seq.generator is None:
-                groups.setdefault((r.temperature, r.top_p), []).append(i)
-                continue
-            tokens[i], ok = sample_checked(logits[i], r.temperature, r.top_p, seq.generator)
-            bad[i] = ~ok.all()
-        for (temperature, top_p), idx in groups.items():
-            rows = torch.tensor(idx, device=logits.device)
-            tokens[rows], ok = sample_checked(logits[rows], temperature, top_p)  # [m, S]
-            bad[rows] = ~ok.all(dim=-1)
-        return tokens, bad
-
-    def _prefill(self, new: list[BatchedSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The newcomers' prompts (contiguous slots, ascending length) in one left-padded pass per
-        run of similar lengths -> first tokens [m] and which rows had no distribution to sample
-        from ([m], None when all are greedy)."""
-        tokens, bads, i = [], [], 0
-        for n in prefill_runs([len(s.request.prompt_ids) for s in new], self.prefill_pad_limit):
-            t, b = self._prefill_pass(new[i : i + n])
-            tokens.append(t)
-            bads.append(b if b is not None else torch.zeros(n, dtype=torch.bool, device=self.device))
-            i += n
-        any_sampled = any(not s.request.params.greedy for s in new)
-        return torch.cat(tokens), torch.cat(bads) if any_sampled else None
-
-    def _prefill_pass(self, new: list[BatchedSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Left-padded prompts of `new` (contiguous slots) in one pass -> first tokens [m], bad [m] | None."""
-        dev, m = self.device, len(new)
-        lens = [len(s.request.prompt_ids) for s in new]
-        P = max(lens)
-        ids = torch.zeros((m, P), dtype=torch.long)
-        pos = torch.zeros((m, P), dtype=torch.long)
-        write = torch.full((m, P), self.dump, dtype=torch.long)
-        for i, (s, L) in enumerate(zip(new, lens)):
-            ids[i, P - L:] = torch.tensor(s.request.prompt_ids)
-            pos[i, P - L:] = torch.arange(L)
-            write[i, P - L:] = torch.arange(L)
-        ids, pos, write = ids.to(dev), pos.to(dev), write.to(dev)
-        W = _round_up(P, self.width_multiple, self.dump)
-        keys = torch.arange(W, device=dev)
-        visible = (keys[None, None, None, :] <= pos[:, None, :, None]) & (write[:, None, :, None] != self.dump)
-        visible = visible | (keys == 0)  # pad queries: see something (their output is discarded)
-        rows = slice(new[0].slot, new[-1].slot + 1)
-        logits = self._forward(rows, ids, pos, write, additive_mask(visible, self.target.dtype),
-                               logits_to_keep=1)  # [m, 1, V]
-        tokens, bad = self._sample_rows(logits, new)
-        return tokens[:, -1], bad
-
-    def _decode(self, n: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Draft + verify for rows 0..n-1. Returns (k, posterior [n, k+1], accepted [n], bad [n]:
-        rows whose sampling had no distribution, None when all are greedy)."""
-        dev, seqs = self.device, self.rows[:n]
+    # -- decoding ----------------------------------------------------------------------------------
+    def _choose(self, seqs: list[BatchedSequence]) -> Decision:
         K = self.max_draft_len
         if self.draft is None:
-            decision = Decision(n, 0, reason="plain")
-        elif any(s.request.params.seed is not None and not s.request.params.greedy for s in seqs):
+            return Decision(len(seqs), 0, reason="plain")
+        if any(s.request.params.seed is not None and not s.request.params.greedy for s in seqs):
             # A seeded sample is a function of the draft schedule (each step draws k+1 tokens from
             # the row's generator). Pinning the reference loop's schedule (k = K) makes a seed
             # reproduce the same text under any load, and the same text as dflash_generate.
-            decision = Decision(n, K, reason="seeded sampling pins the reference schedule")
-        else:
-            decision = self.policy.choose(n, K)
-        self.last_decision = decision
+            return Decision(len(seqs), K, reason="seeded sampling pins the reference schedule")
+        return self.policy.choose(len(seqs), K)
+
+    def _decode(self, n: int) -> Decoded:
+        """Draft + verify for rows 0..n-1 (queued on the device; nothing read back yet)."""
+        seqs = self.rows[:n]
+        decision = self.last_decision = self._choose(seqs)
         k = decision.k
-        self._catching_up = k > 0 and not all(s.drafted_last for s in seqs)
+        catching_up = k > 0 and not all(s.drafted_last for s in seqs)
         for s in seqs:
             s.drafted_last = k > 0
         greedy = all(s.request.params.greedy for s in seqs)
-        N = self._pass_rows(n) if greedy else n  # rows n..N-1: padding on free slots (static shapes)
-        pad = N - n
-        starts = torch.tensor([s.start for s in seqs] + [0] * pad, device=dev)  # [N]
-        arange = torch.arange(k + 1, device=dev)
-        positions = starts[:, None] + arange  # [N, k+1]
-        write = positions  # padding rows write only to the dump index
-        if pad:
-            write = torch.cat([positions[:n], torch.full((pad, k + 1), self.dump, device=dev)])
-        block = torch.tensor([[s.out[-1]] for s in seqs] + [[0]] * pad, device=dev)  # [N, 1] pending tokens
+        static = self.graphs is not None and greedy
+        if self.graphs is not None and not greedy:
+            self.eager_passes["sampled"] += 1
+        misses = self.graphs.counters.misses if self.graphs is not None else 0
+        N = self.shapes.rows(n) if static else n  # rows n..N-1: padding on free slots (static shapes)
+        longest = max(s.start for s in seqs)
+        table = self.transfers.upload(row_table(seqs, N))  # [N, 4]: the step's one upload
+        drafts = None
+        # a cost sample: with static shapes, every pass replayed a captured shape; eagerly, no catch-up
+        steady = static if self.graphs is not None else not catching_up
+        if k > 0 and greedy and not static and self.verify_chunk:
+            assert self.proposer is not None
+            hidden = self.proposer.hidden(table, self.passes.features, k, max(s.backlog for s in seqs),
+                                          self.shapes.draft_width(longest))  # [n, k, H]
+            for s in seqs:
+                s.draft_len = s.start
+            out = self.passes.verify_chunked(table, hidden, self.proposer.tokens, self.shapes.verify_width(longest, k),
+                                             self.verify_chunk)
+            return Decoded(k, out, None, steady)
         if k > 0:
-            block = torch.cat([block, self._draft(seqs, N, starts, block, k)], dim=1)  # [N, k+1]
-        W = self._width(max(s.start for s in seqs) + k + 1)
-        keys = torch.arange(W, device=dev)
-        visible = keys[None, None, None, :] <= positions[:, None, :, None]  # causal, per-row offset
-        mask = additive_mask(visible, self.target.dtype)  # [N, 1, k+1, W]
+            assert self.proposer is not None
+            features = self.passes.features
+            W = self.shapes.draft_width(longest)
+            context = max(s.backlog for s in seqs)  # >= 1
+            if static and context <= k + 1:  # steady drafting: one static context width per k
+                drafts = self.graphed.draft(table, k, W)  # [N, k]
+            else:
+                drafts = self.proposer.propose(table, features, k, context, W)
+                if static:
+                    self.eager_passes["draft catch-up"] += 1
+                    steady = False
+            for s in seqs:
+                s.draft_len = s.start
+        W = self.shapes.verify_width(longest, k)
         bad = None
-        if greedy:
-            post = self._verify_greedy(block, positions, write, mask)[:n]  # [n, k+1]
+        if static:
+            out = self.graphed.verify(table, drafts, k, W)[:n]
+            steady = steady and self.graphs.counters.misses == misses
+        elif greedy:
+            out = self.passes.verify_greedy(table, drafts, W)
         else:
-            logits = self._forward(slice(0, n), block, positions, write, mask)  # [n, k+1, V]
-            post, bad = self._sample_rows(logits, seqs)
-        # post[j] = the target's token after block[j]
-        if k > 0:
-            matches = block[:n, 1:] == post[:, :-1]  # [n, k]
-            accepted = matches.int().cumprod(dim=1).sum(dim=1)
-        else:
-            accepted = torch.zeros(n, dtype=torch.long, device=dev)
-        return k, post, accepted, bad
+            out, bad = self.passes.verify_sampled(table, drafts, W, seqs)
+        return Decoded(k, out, bad, steady)
 
-    def _pass_rows(self, n: int) -> int:
-        """Rows a pass runs with: n, or with static shapes the next power of two (<= max_batch)."""
-        return min(1 << (n - 1).bit_length(), self.max_batch) if self.static_shapes else n
+    # -- static shapes -----------------------------------------------------------------------------
+    def _draft_lengths(self) -> set[int]:
+        """Every k a step can verify: the policy's, and for a drafter K (seeded sampling pins it, but
+        sampled steps are eager) and the calibration's candidates (a subset of the policy's)."""
+        if self.proposer is None:
+            return {0}
+        lengths = getattr(self.policy, "draft_lengths", None)
+        K = self.max_draft_len
+        return set(lengths(K)) if lengths is not None else set(range(K + 1))
 
-    def _width(self, length: int) -> int:
-        """Mask width (keys a pass attends over) for the longest row's `length` positions."""
-        return _round_up(length, self.width_multiple, self.dump)
-
-    def _verify_greedy(self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
-        """Target pass over rows 0..N-1 -> the greedy posterior [N, S] (a graph per shape if enabled)."""
-        N = ids.shape[0]
-
-        def verify(ids, positions, write, mask):
-            return (self._forward(slice(0, N), ids, positions, write, mask).argmax(-1),)
-
-        if self.graphs is None:
-            return verify(ids, positions, write, mask)[0]
-        return self.graphs(("verify", N, ids.shape[1], mask.shape[-1]), verify, ids, positions, write, mask)[0]
-
-    def _draft(self, seqs: list[BatchedSequence], N: int, starts: torch.Tensor, pending: torch.Tensor,
-               k: int) -> torch.Tensor:
-        """One drafter pass over every row's unconsumed context and its full block [pending, MASK x
-        (B-1)] -> the first k drafts [N, k]. starts [N], pending [N, 1]; rows >= len(seqs) are
-        padding (their context and block go to the dump index)."""
-        assert self.draft is not None and self.draft_cache is not None and self.features is not None
-        dev, n, B = self.device, len(seqs), self.block_size
-        pad = N - n
-        backlog = [s.start - s.draft_len for s in seqs] + [0] * pad  # >= 1 for real rows
-        C = max(backlog)
-        # steady drafting consumes <= k+1 new positions a row: one static context width per k
-        graphed = self.static_shapes and C <= k + 1
-        if graphed:
-            C = k + 1
-        cols = torch.arange(C, device=dev)
-        ctx_pos = torch.tensor([s.draft_len for s in seqs] + [0] * pad, device=dev)[:, None] + cols  # [N, C]
-        ctx_ok = cols[None, :] < torch.tensor(backlog, device=dev)[:, None]  # [N, C]
-        ctx_pos = torch.where(ctx_ok, ctx_pos, (starts[:, None] - 1).clamp(min=0))  # padding reads a real row: finite
-        block = torch.full((N, B), self.draft.mask_token_id, device=dev)  # [N, B]
-        block[:, :1] = pending
-        block_pos = starts[:, None] + torch.arange(B, device=dev)  # [N, B]
-        block_write = block_pos if not pad else torch.cat([block_pos[:n], torch.full((pad, B), self.dump, device=dev)])
-        draft_pos = torch.cat([ctx_pos, block_pos], dim=1)  # [N, C+B]
-        write = torch.cat([torch.where(ctx_ok, ctx_pos, self.dump), block_write], dim=1)
-        W = self._width(max(s.start for s in seqs) + B)
-        visible = (torch.arange(W, device=dev)[None, :] < (starts + B)[:, None])[:, None, None, :]  # [N, 1, 1, W]
-        mask = additive_mask(visible, self.target.dtype)  # keys < start + B: context and the row's own block
-
-        def draft(ctx_pos, block, draft_pos, write, mask):  # a graph reads only its inputs and persistent buffers
-            self.draft_cache.kv.prepare(slice(0, N), write, W)
-            rows = torch.arange(N, device=ctx_pos.device)[:, None].expand_as(ctx_pos)
-            ctx = self.features[rows, ctx_pos]  # [N, C, n_ctx*H]
-            # [N, k, H]: the draft slots only (slot j predicts position start+j); the whole block is
-            # still the drafter's input, as in the reference loop
-            hidden = self.draft(ctx, self.target.embed(block), draft_pos, self.draft_cache, mask,
-                                outputs=slice(1, k + 1))
-            if self.draft_head is not None:
-                return (self.draft_head(hidden),)  # [N, k] token ids
-            return (self.target.lm_head(hidden).argmax(-1),)  # [N, k]
-
-        inputs = (ctx_pos, block, draft_pos, write, mask)
-        if graphed and self.graphs is not None:
-            drafts = self.graphs(("draft", N, k, W), draft, *inputs)[0]
-        else:
-            drafts = draft(*inputs)[0]
-        for s in seqs:
-            s.draft_len = s.start
-        return drafts
-
+    # -- finishing -------------------------------------------------------------------------------
     def _fail(self, seq: BatchedSequence, finished: list[BatchedSequence]) -> None:
         """`seq`'s sampling had no distribution this step: it ends alone, nothing committed."""
-        r = seq.request.params
-        seq.error = (f"sampling failed: temperature={r.temperature} top_p={r.top_p} gives no probability "
-                     f"distribution over the vocabulary (the tempered logits overflow); send a larger temperature "
-                     f"(or 0 for greedy decoding)")
+        seq.error = sampling_failure(seq.request.params)
         finished.append(seq)
-
-    def _commit(self, seq: BatchedSequence, new: list[int]) -> bool:
-        """Append a step's tokens (already capped at its budget) to `seq`; True when it is finished."""
-        new, stopped = truncate_at_stop(new, seq.stop)
-        seq.out.extend(new)
-        cb = seq.request.on_step
-        if cb is not None and cb(new):
-            stopped = True
-        return stopped or seq.remaining <= 0
 
     def _retire(self, finished: list[BatchedSequence]) -> None:
         """Finish sequences and compact: the last row moves into each freed slot."""
-        gone = {id(s) for s in finished}
         for s in finished:
             if not s.out:  # cancelled before its first token
                 s.result = GenerationResult(list(s.request.prompt_ids), [], s.stats)
             else:
                 s.result = finish(list(s.request.prompt_ids), s.out, s.stop, s.stats, s.t0)
-            if self.keep_features and self.features is not None and s.slot >= 0:
-                s.features = self.features[s.slot, : s.start].to(torch.bfloat16, copy=True)  # [fed, n*H]
-        keep = [s for s in self.rows if id(s) not in gone]
-        holes = sorted(s.slot for s in finished if s.slot < len(keep))
-        movers = sorted((s for s in keep if s.slot >= len(keep)), key=lambda s: s.slot)
-        for hole, s in zip(holes, movers):
-            self.cache.kv.move_row(s.slot, hole, s.start)
-            if self.draft_cache is not None:
-                self.draft_cache.kv.move_row(s.slot, hole, s.draft_len)
-            if self.features is not None:
-                self.features[hole, : s.start] = self.features[s.slot, : s.start]
-            s.slot = hole
-        self.rows = sorted(keep, key=lambda s: s.slot)
-        for s in finished:
-            s.slot = -1
+            if self.keep_features and self.passes.features is not None and s.slot >= 0:
+                s.features = self.passes.features[s.slot, : s.start].to(torch.bfloat16, copy=True)  # [fed, n*H]
 
-    @torch.inference_mode()
+        def move_row(s: BatchedSequence, hole: int) -> None:
+            self.passes.move_row(s.slot, hole, s.start)
+            if self.proposer is not None:
+                self.proposer.move_row(s.slot, hole, s.draft_len)
+
+        self.scheduler.compact(finished, move_row)
+
+    # -- calibration and figures -------------------------------------------------------------------
     def calibrate(self, batch_sizes: Sequence[int], prompt_len: int = 16, reps: int = 3,
                   progress: Any = None) -> None:
-        """Measure the step cost of every candidate k at each batch size (dummy prompts, greedy)
-        into the adaptive policy's cost table; online measurements refine it afterwards."""
-        policy = self.policy
-        if not isinstance(policy, AdaptivePolicy) or self.has_work():
-            raise DFlashError("calibrate() needs an idle runtime with the adaptive policy")
-        cands = list(policy.candidates or [0])
-        budget = calibration_tokens(len(cands), self.block_size, reps)
-        if prompt_len + budget > self.max_seq_len:
-            raise DFlashError(f"max_seq_len={self.max_seq_len} is too small to calibrate ({prompt_len + budget} needed)")
-        gen = torch.Generator().manual_seed(0)
-        try:
-            for n in batch_sizes:
-                n = min(n, self.max_batch)
-                seqs = [self.add(SequenceRequest(torch.randint(0, self.target.vocab_size, (prompt_len,), generator=gen)
-                                                 .tolist(), SamplingParams(max_tokens=budget))) for _ in range(n)]
-                self.policy = FixedPolicy(max(cands))
-                self.step()  # prefill
-                self.step()  # first decode pass also drafts the whole prompt's context: not timed
-                # Rounds over all candidates, not all reps of one k after another, and the median,
-                # not the minimum: k = 0 is re-measured online on every plain step (an average under
-                # whatever load the machine has), so a k > 0 entry kept at its luckiest sample would
-                # look cheaper than it is next to it, and the policy would speculate where it loses.
-                # With CUDA graphs a step that captured one is not a sample (it includes the
-                # capture); a spare round retakes it.
-                samples: dict[int, list[float]] = {k: [] for k in cands}
+        """The adaptive policy's step costs at these batch sizes (runtime/policy_calibration.py)."""
+        from dflash_trt.runtime.policy_calibration import calibrate
 
-                def timed_step(k: int, keep_captures: bool) -> None:
-                    self.policy = FixedPolicy(k)
-                    t = time.perf_counter()
-                    self.step()
-                    if keep_captures or not self.step_captured:
-                        samples[k].append(time.perf_counter() - t)
+        calibrate(self, batch_sizes, prompt_len, reps, progress)
 
-                for _ in range(reps + (1 if self.graphs is not None else 0)):
-                    for k in cands:
-                        if len(samples[k]) < reps:
-                            timed_step(k, keep_captures=False)
-                for k in cands:
-                    if not samples[k]:  # every round captured a new shape (widths grew): measure once more
-                        timed_step(k, keep_captures=True)
-                    cost = statistics.median(samples[k])
-                    policy.costs.set(n, k, cost)
-                    if progress is not None:
-                        progress(n, k, cost)
-                for s in seqs:
-                    self.cancel(s)
-        finally:
-            self.policy = policy
-            for s in list(self.rows):
-                self.cancel(s)
+    def graph_stats(self) -> dict[str, Any] | None:
+        """Static shapes: what start-up captured (shapes, seconds, graph memory; on a CPU the same
+        passes run eagerly, capture_s is their dry run) and what steps replayed since; None when off."""
+        if self.graphs is None:
+            return None
+        return {"cuda_graphs": isinstance(self.graphs, CudaGraphPasses), "row_buckets": list(self.shapes.rows_buckets),
+                "widths": self.shapes.widths(), "draft_lengths": sorted(self._draft_lengths()),
+                **self.graphs.counters.to_dict(), "eager_passes": dict(self.eager_passes),
+                **self.transfers.to_dict()}
 
     def stats(self) -> dict[str, Any]:
         """Runtime-level figures: the policy's state and inputs, batch occupancy."""
         summary = self.policy.summary() if hasattr(self.policy, "summary") else {"policy": type(self.policy).__name__}
-        return {"steps": self.steps, "running": len(self.rows), "waiting": len(self.waiting),
-                "max_batch": self.max_batch,
-                "speculation": self.speculation.to_dict() if self.speculation is not None else None,
-                "draft_vocab": self.draft_head.size if self.draft_head is not None else self.target.vocab_size,
-                **summary}
+        out = {"steps": self.steps, "running": len(self.rows), "waiting": len(self.waiting),
+               "max_batch": self.max_batch,
+               "speculation": self.speculation.to_dict() if self.speculation is not None else None,
+               "draft_vocab": self.draft_head.size if self.draft_head is not None else self.target.vocab_size,
+               **summary}
+        graphs = self.graph_stats()
+        if graphs is not None:
+            out["graphs"] = graphs
+        return out
 
 
 def batched_generate(
@@ -681,7 +472,7 @@ def batched_generate(
     policy: SpeculationPolicy | None = None,
     arrivals: Sequence[int] | None = None,
     runtime: BatchedRuntime | None = None,
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | None = None,
 ) -> list[GenerationResult]:
     """Decode `prompts` together; prompt i joins at step `arrivals[i]` (default: all at once).
     `params`: one SamplingParams for every prompt, or one per prompt. draft=None decodes without

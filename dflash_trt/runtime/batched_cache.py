@@ -30,6 +30,11 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(visible, zero, torch.finfo(dtype).min)
 
 
+def slot_indices(rows: slice | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The slots of a pass's rows as an index tensor [n]."""
+    return rows if isinstance(rows, torch.Tensor) else torch.arange(rows.start, rows.stop, device=device)
+
+
 class SlotKV:
     """K/V storage for `num_layers` layers: [slots, kv_heads, capacity, head_dim] each, lazily
     allocated on the first write (head counts and dtype come from the model's own K/V)."""
@@ -38,8 +43,9 @@ class SlotKV:
         self.num_layers, self.slots, self.capacity = num_layers, slots, capacity
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        # set by the caller before each forward
-        self.rows: slice = slice(0, 0)
+        # set by the caller before each forward: the slots of the pass's rows (a slice, or the slot
+        # indices of a subset: chunked verification)
+        self.rows: slice | torch.Tensor = slice(0, 0)
         self.write_index: torch.Tensor | None = None  # [n, S] long: where each new position goes
         self.width: int = 0  # positions returned to attention (mask width)
 
@@ -47,13 +53,14 @@ class SlotKV:
     def dump_index(self) -> int:
         return self.capacity - 1
 
-    def prepare(self, rows: slice, write_index: torch.Tensor, width: int) -> None:
+    def prepare(self, rows: slice | torch.Tensor, write_index: torch.Tensor, width: int) -> None:
         if width > self.dump_index:
             raise ValueError(f"cache width {width} exceeds capacity {self.capacity - 1}")
         self.rows, self.write_index, self.width = rows, write_index, width
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: [n, kv_heads, S, hd] for the rows self.rows; returns [n, kv_heads, width, hd] views
+        # k, v: [n, kv_heads, S, hd] for the rows self.rows; returns [n, kv_heads, width, hd] (views of
+        # a slice of slots; copies of a subset's)
         if self.keys[layer] is None:
             shape = (self.slots, k.shape[1], self.capacity, k.shape[3])
             self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
@@ -61,7 +68,7 @@ class SlotKV:
         kc, vc = self.keys[layer], self.values[layer]
         idx = self.write_index  # [n, S]
         assert idx is not None and idx.shape == (k.shape[0], k.shape[2]), "prepare() the cache before the forward"
-        rows = torch.arange(self.rows.start, self.rows.stop, device=k.device)[:, None].expand_as(idx)
+        rows = slot_indices(self.rows, k.device)[:, None].expand_as(idx)
         # advanced indices around a slice: the indexed shape is [n, S, kv_heads, hd]
         kc[rows, :, idx] = k.transpose(1, 2)
         vc[rows, :, idx] = v.transpose(1, 2)

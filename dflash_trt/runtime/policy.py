@@ -67,6 +67,10 @@ class SpeculationPolicy(Protocol):
 
     def observe_acceptance(self, drafted: int, accepted: int) -> None: ...
 
+    def draft_lengths(self, k_max: int) -> set[int]:
+        """Every k choose() may return (what the runtime captures CUDA graphs for)."""
+        ...
+
 
 @dataclass
 class FixedPolicy:
@@ -76,6 +80,9 @@ class FixedPolicy:
 
     def choose(self, batch: int, k_max: int) -> Decision:
         return Decision(batch, min(self.k, k_max), reason="fixed")
+
+    def draft_lengths(self, k_max: int) -> set[int]:
+        return {min(self.k, k_max)}
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
         pass
@@ -262,6 +269,9 @@ class AdaptivePolicy:
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + sum(self.position_acceptance()[:k])
+
+    def draft_lengths(self, k_max: int) -> set[int]:
+        return {min(k, k_max) for k in self.candidates or (0,)}
 
     # -- costs ----------------------------------------------------------------------------------
     def observe_step(self, batch: int, k: int, seconds: float) -> None:

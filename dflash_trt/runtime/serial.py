@@ -18,7 +18,7 @@ from typing import Any
 
 from dflash_trt.errors import InvalidRequest
 from dflash_trt.metrics import GenerationStats
-from dflash_trt.runtime.batched import BatchedSequence, SequenceRequest
+from dflash_trt.runtime.scheduling import BatchedSequence, SequenceRequest
 from dflash_trt.runtime.generate import GenerationResult, dflash_generate
 from dflash_trt.speculation import SpeculationSettings
 

@@ -60,9 +60,10 @@ class BackendSettings(BaseModel):
     max_draft_len: int | None = Field(None, ge=1)  # K; None: the engine's limits.max_draft_len
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # pytorch backend only
     device: str = "cpu"  # pytorch backend only: cpu | cuda | cuda:N
-    # pytorch backend on a GPU: greedy draft/verify passes replayed as CUDA graphs
-    # (runtime/cuda_graphs.py); no effect on a CPU
-    cuda_graphs: bool = False
+    # pytorch backend: greedy draft/verify passes captured as CUDA graphs at load, then replayed
+    # (runtime/cuda_graphs.py). None: on for a CUDA device, off on a CPU (True there runs the same
+    # static-shape passes eagerly)
+    cuda_graphs: bool | None = None
 
     @field_validator("backend", mode="before")
     @classmethod

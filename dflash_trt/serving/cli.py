@@ -48,8 +48,9 @@ def _repo_options(fn):
         click.option("--device", default=None,
                      help="Device for the pytorch backend (cpu, cuda, cuda:N) [default: the engine's: cuda for a GPU "
                           "engine, cpu for a CPU one; not this machine's]."),
-        click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,
-                     help="pytorch backend on a GPU: replay the greedy draft and verify passes as CUDA graphs."),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+                     help="pytorch backend: capture the greedy draft and verify passes as CUDA graphs at load and "
+                          "replay them [default: on for --device cuda, off on cpu]."),
         click.option("--decoupled/--no-decoupled", default=False, show_default=True,
                      help="Decoupled transaction policy (model.yaml triton_config, as tensorrtllm_backend's llmapi "
                           "model): only a decoupled model streams; only a model that is not decoupled answers "
@@ -69,7 +70,7 @@ def _repo_options(fn):
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @friendly_errors
 def triton(engine: str, out: str, model_name: str, backend: str, default_max_tokens: int | None, max_queue: int,
-           max_draft_len: int | None, policy: str, dtype: str | None, device: str | None, cuda_graphs: bool, decoupled: bool,
+           max_draft_len: int | None, policy: str, dtype: str | None, device: str | None, cuda_graphs: bool | None, decoupled: bool,
            engine_path: str | None, force: bool) -> None:
     """Write a Triton model repository for ENGINE in tensorrtllm_backend's llmapi shape (Python backend).
 
@@ -134,7 +135,7 @@ def _default_engine() -> Path:
 def serve(source: str | None, model_repository: str | None, grpc_address: str, grpc_port: int, metrics_port: int,
           allow_metrics: bool, load_models: tuple[str, ...], exit_timeout_secs: float, http_port: int | None,
           max_streams: int, ready_file: str | None, model_name: str, backend: str, default_max_tokens: int | None,
-          max_queue: int, max_draft_len: int | None, policy: str, dtype: str | None, device: str | None, cuda_graphs: bool,
+          max_queue: int, max_draft_len: int | None, policy: str, dtype: str | None, device: str | None, cuda_graphs: bool | None,
           decoupled: bool) -> None:
     """Serve a model repository (or an engine directory) over Triton's gRPC protocol (and HTTP), with metrics.
 

@@ -77,7 +77,7 @@ class PyTorchBackend:
     default_max_tokens: int
     max_queue: int = 64
     max_batch: int = 8  # rows decoded together (the engine's max_batch_size)
-    cuda_graphs: bool = False  # see BackendSettings.cuda_graphs
+    cuda_graphs: bool | None = None  # see BackendSettings.cuda_graphs
     backend: str = "pytorch"
     runtime: Any = field(init=False, default=None)  # BatchedRuntime, or SerialRuntime for unsupported pairs
     why_serial: str | None = field(init=False, default=None)

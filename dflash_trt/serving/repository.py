@@ -116,7 +116,7 @@ def render_config(engine_dir: Path, settings: TritonRepoSettings) -> str:
         "max_draft_len": speculation.max_draft_len,
         "dtype": settings.dtype,
         "device": settings.device,
-        "cuda_graphs": str(settings.cuda_graphs).lower(),
+        "cuda_graphs": {None: "auto", True: "true", False: "false"}[settings.cuda_graphs],
     }
     text = string.Template(template).substitute({k: _pbtxt_string(str(v)) for k, v in values.items()})
     parse_config(text, where="generated config.pbtxt")

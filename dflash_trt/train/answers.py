@@ -147,9 +147,11 @@ def _answers_on_runtime(model: Any, encoded: list[tuple[Any, list[int]]], s: Ans
     params = SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, stop_token_ids=(eos,))
     if s.sampled:
         torch.manual_seed(s.seed)  # every row draws from the global generators (CPU and every GPU)
+    # sampled answers run every step eagerly: no CUDA graphs to capture for them
     runtime = BatchedRuntime(model, None, max_batch=s.batch_size,
                              max_seq_len=max(len(ids) for _, ids in encoded) + s.max_new_tokens,
-                             capture_layer_ids=list(s.capture_layer_ids) if s.capture_layer_ids else None)
+                             capture_layer_ids=list(s.capture_layer_ids) if s.capture_layer_ids else None,
+                             cuda_graphs=False if s.sampled else None)
     queue = deque((p, j if s.sampled else None, ids) for p, ids in encoded for j in range(s.samples))
     total, pending, out, t0 = len(queue), {}, [], time.time()
 

@@ -93,7 +93,7 @@ class TritonPythonModel:
             backend=params["backend"], dtype=params["dtype"], device=params["device"],
             default_max_tokens=int(params["default_max_tokens"]), max_queue=int(params["max_queue"]),
             policy=params["policy"], max_draft_len=int(params["max_draft_len"]),
-            cuda_graphs=params["cuda_graphs"] == "true",
+            cuda_graphs={"true": True, "false": False}.get(params["cuda_graphs"]),  # "auto": on for CUDA
         )
         llm_kwargs = {k: v for k, v in _model_yaml().items() if k != "triton_config"}
         self.backend = load_backend(params["engine_dir"], settings, llm_kwargs=llm_kwargs)
