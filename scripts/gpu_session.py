@@ -2,8 +2,8 @@
 
     python scripts/gpu_session.py --work /tmp/gs --out "$OUT"            # scripts/gpu_session.sh wraps it
 
-1. builds: the tiny gpt-oss of tests/gptoss_fixtures.py (MXFP4 experts as shipped) with --quant none,
-   nvfp4, fp8, and the embedded pair's default fp8 (h100) and nvfp4 (b200) builds, all with
+1. tiny-builds, builds: the tiny gpt-oss of tests/gptoss_fixtures.py (MXFP4 experts as shipped) with
+   --quant none, nvfp4, fp8, then the embedded pair's default fp8 (h100) and nvfp4 (b200) builds, all with
    --device cuda and the acceptance gate on; `verify` on each engine. Per build: exit, wall time,
    gate pass time (tau_before + tau_after phases), peak GPU memory, peak host RSS, tau before/after.
 2. bench: the batched runtime, DFlash vs plain at C = 1, 8, 32, eager and CUDA graphs, bfloat16 and
@@ -91,21 +91,27 @@ class Session:
         return True
 
     # -- 1. builds ---------------------------------------------------------------------------------
-    def builds(self, target: Path, draft: Path) -> None:
+    def builds(self, stage: str, pair: tuple[Path, Path] | None) -> None:
+        """stage "tiny-builds": the tiny gpt-oss (no embedded target needed); "builds": the embedded pair's."""
         a = self.args
-        tiny_t, tiny_d = self.tiny_gptoss()
-        tiny = ["--target", str(tiny_t), "--draft", str(tiny_d), "--max-seq-len", "256", "--calib-size", "4",
-                "--calib-max-length", "32", "--gate-prompts", "3", "--gate-tokens", "8", "--min-tau", "1.0"]
-        embedded = ["--target", str(target), "--draft", str(draft)]
-        if a.quick:  # a dry run: a small gate sample instead of the default 39 x 96
-            embedded += ["--gate-prompts", "3", "--gate-tokens", "16", "--calib-size", "4", "--accept-tau-drop"]
-        plan = [("gptoss-none", tiny + ["--quant", "none", "--gpu", "b200"]),
-                ("gptoss-nvfp4", tiny + ["--quant", "nvfp4", "--gpu", "b200"]),
-                ("gptoss-fp8", tiny + ["--quant", "fp8", "--gpu", "h100"]),
-                ("embedded-fp8", embedded + ["--quant", "fp8", "--gpu", "h100"]),
-                ("embedded-nvfp4", embedded + ["--quant", "nvfp4", "--gpu", "b200"])]
+        if stage == "tiny-builds":
+            tiny_t, tiny_d = self.tiny_gptoss()
+            tiny = ["--target", str(tiny_t), "--draft", str(tiny_d), "--max-seq-len", "256", "--calib-size", "4",
+                    "--calib-max-length", "32", "--gate-prompts", "3", "--gate-tokens", "8", "--min-tau", "1.0"]
+            plan = [("gptoss-none", tiny + ["--quant", "none", "--gpu", "b200"]),
+                    ("gptoss-nvfp4", tiny + ["--quant", "nvfp4", "--gpu", "b200"]),
+                    ("gptoss-fp8", tiny + ["--quant", "fp8", "--gpu", "h100"])]
+            need = 20.0
+        else:
+            assert pair is not None
+            embedded = ["--target", str(pair[0]), "--draft", str(pair[1])]
+            if a.quick:  # a dry run: a small gate sample instead of the default 39 x 96
+                embedded += ["--gate-prompts", "3", "--gate-tokens", "16", "--calib-size", "4", "--accept-tau-drop"]
+            plan = [("embedded-fp8", embedded + ["--quant", "fp8", "--gpu", "h100"]),
+                    ("embedded-nvfp4", embedded + ["--quant", "nvfp4", "--gpu", "b200"])]
+            need = a.build_need_s
         for name, flags in plan:
-            if not self.fits(f"build {name}", 20 if name.startswith("gptoss") else a.build_need_s):
+            if not self.fits(f"build {name}", need):
                 continue
             engine = self.work / "engines" / name
             rc, wall, out = run(f"build-{name}", [*PY, "build", *flags, "--device", a.device, "--out", str(engine),
@@ -268,7 +274,8 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/gpu-session", help="scratch directory (engines, answers)")
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-session-out"), help="what to bring back: table, JSON, logs, drafter")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--stages", default="builds,bench,drafter", help="comma-separated subset of builds,bench,drafter")
+    ap.add_argument("--stages", default="tiny-builds,builds,bench,drafter",
+                    help="comma-separated: tiny-builds (needs no embedded target), builds, bench, drafter")
     ap.add_argument("--budget-s", type=float, default=470, help="no stage starts after this many seconds")
     ap.add_argument("--build-need-s", type=float, default=45, help="time an embedded build is expected to need")
     ap.add_argument("--build-timeout-s", type=float, default=150)
@@ -285,26 +292,31 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small gate samples (a dry run on a CPU)")
     args = ap.parse_args()
     s = Session(args)
-    rc, _, out = run("setup-default", [*PY, "setup-default"], s.logs, 300)
-    target = next((Path(line.split(":", 1)[1].strip()) for line in out.splitlines() if line.startswith("target:")), None)
-    draft = next((Path(line.split(":", 1)[1].split(" (")[0].strip()) for line in out.splitlines()
-                  if line.startswith("draft:")), None)
-    if rc != 0 or target is None or draft is None:
-        log("setup-default failed: see logs/setup-default.log")
-        s.finish()
-        return 2
     stages = args.stages.split(",")
+    unknown = set(stages) - {"tiny-builds", "builds", "bench", "drafter"}
+    if unknown:
+        ap.error(f"unknown stage(s) {sorted(unknown)}")
+    pair = None
     try:
+        if "tiny-builds" in stages:
+            s.builds("tiny-builds", None)
+        if set(stages) & {"builds", "bench", "drafter"}:  # the embedded pair
+            rc, _, out = run("setup-default", [*PY, "setup-default"], s.logs, 300)
+            found = {k: line.split(":", 1)[1].split(" (")[0].strip() for line in out.splitlines()
+                     for k in ("target", "draft") if line.startswith(k + ":")}
+            if rc != 0 or len(found) != 2:
+                log("setup-default failed: see logs/setup-default.log")
+                return 2
+            pair = (Path(found["target"]), Path(found["draft"]))
         if "builds" in stages:
-            s.builds(target, draft)
+            s.builds("builds", pair)
         if "bench" in stages:
-            s.bench(target, draft)
+            s.bench(*pair)
         if "drafter" in stages:
-            s.drafter(target, draft)
+            s.drafter(*pair)
     finally:
         s.finish()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
