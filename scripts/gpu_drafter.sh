@@ -9,7 +9,8 @@
 # GREEDY_DIR holds the greedy answers (responses.pt from `python -m dflash_trt.train.data`, or
 # train-draft's <out>.data); the features in it are not needed. Drafters land in $WORK/<name>.
 # Knobs (environment): PY, SAMPLES, TEMPERATURE, GEN_SECONDS, TRAIN_SECONDS, BATCH, LR, SEED,
-# INIT_FROM, VARIANTS ("name:layers:intermediate ..."), DEVICE (cuda), BATCH_PROMPTS (128).
+# INIT_FROM, VARIANTS ("name:layers:intermediate ..."), DEVICE (cuda), DTYPE (of the answer job: float32),
+# BATCH_PROMPTS (128).
 set -euo pipefail
 : "${TARGET:?set TARGET to the target checkpoint directory}"
 : "${GREEDY_DIR:?set GREEDY_DIR to the directory holding the greedy responses.pt}"
@@ -26,12 +27,14 @@ INIT_FROM=${INIT_FROM:-dflash_trt/assets/smollm2-135m-dflash}
 VARIANTS=${VARIANTS:-"A:2:768"}
 DEVICE=${DEVICE:-cuda}
 BATCH_PROMPTS=${BATCH_PROMPTS:-128}
+DTYPE=${DTYPE:-float32}
 mkdir -p "$WORK"
 [[ -f "$GREEDY_DIR/responses.pt" ]] || { echo "error: $GREEDY_DIR/responses.pt not found" >&2; exit 2; }
 
 echo "[gpu-drafter] sampling $SAMPLES answers per train prompt at T=$TEMPERATURE for ${GEN_SECONDS}s"
 "$PY" -m dflash_trt.train.sampled "$TARGET" "$WORK/sampled.pt" --samples "$SAMPLES" \
-    --temperature "$TEMPERATURE" --batch-prompts "$BATCH_PROMPTS" --device "$DEVICE" --seed "$SEED" --time-limit "$GEN_SECONDS"
+    --temperature "$TEMPERATURE" --batch-prompts "$BATCH_PROMPTS" --device "$DEVICE" --dtype "$DTYPE" --seed "$SEED" --time-limit "$GEN_SECONDS" \
+    --no-progress
 
 pids=()
 for v in $VARIANTS; do

@@ -9,9 +9,10 @@
 2. bench: the batched runtime, DFlash vs plain at C = 1, 8, 32, eager and CUDA graphs, bfloat16 and
    float32: plain TPOT at C=1, DFlash/plain per C, outputs equal to the reference loop's, and where
    the first one departs (bench.json's `first_divergence`, when the runtime reports it).
-3. drafter (--train-seconds > 0): the target's greedy and sampled answers to the train prompts on the
-   GPU, then `train-draft --device cuda --features online` from the embedded drafter; the drafter lands
-   in --out/drafter (z-lab format, bf16) for `dflash-trt bench --tau-only` on any machine.
+3. drafter (--train-seconds > 0): the target's greedy answers to the train prompts on the GPU, then
+   scripts/gpu_drafter.sh (sampled answers, `train-draft --device cuda --features online` from the
+   embedded drafter); the drafter lands in --out/drafter (z-lab format, bf16) for `dflash-trt bench
+   --tau-only` on any machine.
 
 Every stage runs under a deadline (--budget-s from the start): a stage that would start after it is
 skipped and says so, so whatever ran still reaches the table and --out. --device cpu runs the same flow
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -40,12 +42,14 @@ def log(msg: str) -> None:
     print(f"[gpu-session {time.monotonic() - T0:6.1f}s] {msg}", flush=True)
 
 
-def run(name: str, argv: list[str], logs: Path, timeout: float) -> tuple[int, float, str]:
+def run(name: str, argv: list[str], logs: Path, timeout: float,
+        env: dict[str, str] | None = None) -> tuple[int, float, str]:
     """(exit code, wall seconds, stdout) of one CLI call; stderr and stdout go to logs/NAME.log, a failure's
     last stderr line to ERRORS[name]."""
     t = time.monotonic()
     try:
-        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 1.0))
+        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 1.0),
+                           env={**os.environ, **(env or {})})
         rc, out, err = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = 124, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -152,34 +156,27 @@ class Session:
 
     # -- 3. drafter leg ----------------------------------------------------------------------------
     def drafter(self, target: Path, draft: Path) -> None:
+        """The target's greedy answers (train-draft's responses.pt), then scripts/gpu_drafter.sh: sampled
+        answers and online-feature training from the embedded drafter."""
         a = self.args
         if a.train_seconds <= 0 or not self.fits("drafter leg", a.train_seconds + a.answer_seconds + 60):
             return
         greedy = self.work / "greedy"
         greedy.mkdir(parents=True, exist_ok=True)
         half = a.answer_seconds / 2
-        # Greedy answers (train-draft's own data, responses.pt) and sampled ones (--extra-data), bf16 on the GPU.
         rc_g = run("answers-greedy", [*PY, "train-data", str(target), str(greedy / "responses.pt"), "--device",
                                       a.device, "--dtype", "bfloat16", "--batch-prompts", str(a.answer_batch), "--time-limit",
                                       str(half), "--no-progress"], self.logs, half + 120)[0]
-        sampled = self.work / "sampled.pt"
-        rc_s = run("answers-sampled", [*PY, "train-data", str(target), str(sampled), "--device", a.device, "--dtype",
-                                       "bfloat16", "--samples", "4", "--temperature", "0.7", "--batch-prompts",
-                                       str(max(1, a.answer_batch // 4)),
-                                       "--seed", "11", "--time-limit", str(half), "--no-progress"],
-                   self.logs, half + 120)[0]
-        out = self.out / "drafter"
-        budget = max(30.0, min(a.train_seconds, self.left() - 45))
-        extra = ["--extra-data", str(sampled)] if sampled.is_file() else []
-        rc, wall, stdout = run("train-draft", [*PY, "train-draft", "--target", str(target), "--out", str(out),
-                                               "--data-dir", str(greedy), *extra, "--device", a.device,
-                                               "--batch-sequences", "32", "--features", "online", "--num-layers", "2",
-                                               "--intermediate-size", "768", "--init-from", str(draft),
-                                               "--sampled-vocab", "4096", "--steps", "1000000", "--time-limit",
-                                               str(int(budget)), "--warmup-steps", "100", "--lr", "1e-3", "--seed", "7",
-                                               "--no-progress"], self.logs, budget + 90)
-        self.results["drafter"] = {"answers_greedy_exit": rc_g, "answers_sampled_exit": rc_s, "train_exit": rc,
-                                   "train_wall_s": round(wall, 1), "summary": stdout.strip().splitlines()[-1:]}
+        leg = self.work / "drafter-leg"
+        budget = max(30.0, min(a.train_seconds, self.left() - half - 45))
+        env = {"PY": sys.executable, "TARGET": str(target), "GREEDY_DIR": str(greedy), "WORK": str(leg),
+               "DEVICE": a.device, "DTYPE": "bfloat16", "SAMPLES": "4", "BATCH_PROMPTS": str(max(1, a.answer_batch // 4)),
+               "GEN_SECONDS": str(half), "TRAIN_SECONDS": str(int(budget)), "INIT_FROM": str(draft)}
+        rc, wall, stdout = run("gpu-drafter", ["bash", "scripts/gpu_drafter.sh"], self.logs, half + budget + 240, env)
+        if (leg / "A" / "model.safetensors").is_file():
+            shutil.copytree(leg / "A", self.out / "drafter", dirs_exist_ok=True)
+        self.results["drafter"] = {"answers_greedy_exit": rc_g, "gpu_drafter_exit": rc, "wall_s": round(wall, 1),
+                                   "summary": stdout.strip().splitlines()[-2:]}
 
     def finish(self) -> None:
         self.results["wall_s"] = round(time.monotonic() - T0, 1)
