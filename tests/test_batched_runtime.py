@@ -123,15 +123,14 @@ class BatchedOracle(DFlashDraftModel):
         return hidden if outputs is None else hidden[:, outputs]
 
 
-def test_perfect_drafter_reaches_tau_equal_block_size_in_a_batch():
+def _assert_perfect_drafter_reaches_tau_b(B: int, steps: int, prompts: list[list[int]], **runtime_kw) -> None:
+    """An oracle drafter (always the target's own next tokens) in a batch: every step commits B tokens."""
     target = tiny_target("qwen3", seed=5, vocab_size=32, hidden_size=64).double()
-    B, steps = 4, 5
     n_new = 1 + B * steps
-    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9, 8]]
     truth = [p + autoregressive_generate(target, p, SamplingParams(max_tokens=n_new + B)).output_ids for p in prompts]
     draft = BatchedOracle(make_draft_config(target.config, num_layers=1, block_size=B),
                           target.get_output_embeddings().weight.detach())
-    rt = BatchedRuntime(target, draft, max_batch=3, max_seq_len=64, policy=FixedPolicy(B - 1))
+    rt = BatchedRuntime(target, draft, max_batch=len(prompts), max_seq_len=64, policy=FixedPolicy(B - 1), **runtime_kw)
     handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=n_new))) for p in prompts]
     by_handle = {id(h): t for h, t in zip(handles, truth)}
     while rt.has_work():
@@ -141,6 +140,10 @@ def test_perfect_drafter_reaches_tau_equal_block_size_in_a_batch():
         assert h.result.output_ids == t[len(p): len(p) + n_new]
         assert h.result.stats.acceptance_lengths == [B] * steps
         assert h.result.stats.per_position_acceptance == [1.0] * (B - 1)
+
+
+def test_perfect_drafter_reaches_tau_equal_block_size_in_a_batch():
+    _assert_perfect_drafter_reaches_tau_b(4, 5, [[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9, 8]])
 
 
 def test_cancel_frees_the_slot_and_others_are_unaffected():
@@ -286,19 +289,4 @@ def test_verification_in_chunks_commits_what_one_pass_commits(chunk):
 def test_perfect_drafter_verified_in_chunks_goes_through_every_chunk():
     """A drafter that is always right: every row passes every chunk (tau = B), so chunk boundaries,
     the next slot's check and the last partial chunk all run."""
-    target = tiny_target("qwen3", seed=5, vocab_size=32, hidden_size=64).double()
-    B, steps = 6, 4
-    n_new = 1 + B * steps
-    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]
-    truth = [p + autoregressive_generate(target, p, SamplingParams(max_tokens=n_new + B)).output_ids for p in prompts]
-    draft = BatchedOracle(make_draft_config(target.config, num_layers=1, block_size=B),
-                          target.get_output_embeddings().weight.detach())
-    rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64, policy=FixedPolicy(B - 1), verify_chunk=4)
-    handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=n_new))) for p in prompts]
-    by_handle = {id(h): t for h, t in zip(handles, truth)}
-    while rt.has_work():
-        draft.row_sequences = [by_handle[id(s)] for s in rt.rows]
-        rt.step()
-    for h, t, p in zip(handles, truth, prompts):
-        assert h.result.output_ids == t[len(p): len(p) + n_new]
-        assert h.result.stats.acceptance_lengths == [B] * steps
+    _assert_perfect_drafter_reaches_tau_b(6, 4, [[3, 1, 4, 1, 5], [2, 7, 1, 8]], verify_chunk=4)

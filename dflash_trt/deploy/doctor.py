@@ -176,18 +176,10 @@ def _probe_trtllm(env: Environment) -> None:
     if env.tensorrt_llm is None:
         env.tensorrt_llm_error = "not installed"
         return
-    try:
-        proc = subprocess.run([sys.executable, "-c", _TRTLLM_PROBE], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        env.tensorrt_llm_error = f"import did not finish within {PROBE_TIMEOUT_S}s"
+    found, error = _probe_child(_TRTLLM_PROBE)
+    if error is not None:
+        env.tensorrt_llm_error = error
         return
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("DFLASH_TRT_PROBE ")), None)
-    if line is None:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        env.tensorrt_llm_error = f"import crashed (exit {proc.returncode}): {tail}"
-        return
-    found = json.loads(line.split(" ", 1)[1])
     env.tensorrt_llm_error = found.get("error")
     env.tensorrt_llm = found.get("version", env.tensorrt_llm)
     env.dflash_fields = found.get("dflash_fields")
@@ -211,17 +203,22 @@ def _probe_attention_packages(env: Environment) -> None:
     if importlib.util.find_spec("flash_attn") is None:
         env.flash_attn_error = "not installed"
         return
-    try:  # a child: flash_attn loads its CUDA extension at import
-        proc = subprocess.run([sys.executable, "-c", _FLASH_ATTN_PROBE], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S)
+    found, env.flash_attn_error = _probe_child(_FLASH_ATTN_PROBE)  # a child: flash_attn loads its CUDA extension
+    if env.flash_attn_error is None:
+        env.flash_attn = found
+
+
+def _probe_child(code: str) -> tuple[Any, str | None]:
+    """(the JSON a probe script printed after "DFLASH_TRT_PROBE ", None), or (None, why it printed none)."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        env.flash_attn_error = f"import did not finish within {PROBE_TIMEOUT_S}s"
-        return
+        return None, f"import did not finish within {PROBE_TIMEOUT_S}s"
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("DFLASH_TRT_PROBE ")), None)
     if line is None:
-        env.flash_attn_error = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-    else:
-        env.flash_attn = json.loads(line.split(" ", 1)[1])
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"import crashed (exit {proc.returncode}): {tail}"
+    return json.loads(line.split(" ", 1)[1]), None
 
 
 def probe_environment() -> Environment:
