@@ -20,7 +20,10 @@
 
 namespace {
 
-// 16 floats: one AVX-512 register (two AVX2 registers, or four SSE ones, on other builds)
+// 16 floats: one AVX-512 register (two AVX2 registers, or four SSE ones, on other builds). The
+// compiler splits the vector ops of the narrower builds into registers it has; every lane still
+// sums its k in the same order, so the x86-64-v3 (AVX2 + FMA) and x86-64-v4 builds give the same
+// bits (tests/test_panel_gemm.py checks it wherever both run; a build without FMA rounds twice).
 typedef float v16 __attribute__((vector_size(64), aligned(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
@@ -107,8 +110,6 @@ void rows_over(int64_t rows, bool tail, const float* x, int64_t K, const float* 
   }
 }
 
-}  // namespace
-
 // weight [N, K] float32 -> panels [ceil(N/16), K, 16]
 at::Tensor panel_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
@@ -165,12 +166,24 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   return y;
 }
 
-TORCH_LIBRARY(dflash, m) {
+}  // namespace
+
+// Each ISA variant registers its ops under its own namespace (panel_gemm.py passes
+// -DDFLASH_OPS_NAMESPACE=dflash_x86_64_v4, ...), so one process can load several variants and
+// the tests run every variant this CPU can execute. The indirection expands the macro before
+// TORCH_LIBRARY pastes and stringifies its argument.
+#ifndef DFLASH_OPS_NAMESPACE
+#define DFLASH_OPS_NAMESPACE dflash
+#endif
+#define DFLASH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define DFLASH_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+DFLASH_LIBRARY(DFLASH_OPS_NAMESPACE, m) {
   m.def("panel_pack(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dflash, CPU, m) {
+DFLASH_LIBRARY_IMPL(DFLASH_OPS_NAMESPACE, CPU, m) {
   m.impl("panel_pack", &panel_pack);
   m.impl("panel_linear", &panel_linear);
 }
