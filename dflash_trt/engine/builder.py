@@ -270,6 +270,20 @@ def resolve_dtype_name(spec: BuildSpec, checkpoint_dtype: str | None) -> str:
     return "float32" if GPUS[spec.gpu].emulated and ckpt == "float32" else "bfloat16"
 
 
+def resolve_compute_dtype(spec: BuildSpec, engine_dtype: Any, device: BuildDevice) -> Any:
+    """The dtype the build runs its models in: --compute-dtype, else the engine's dtype where the
+    build device multiplies it natively, float32 elsewhere (runtime.loading.compute_dtype)."""
+    from dflash_trt.runtime.loading import DTYPES, compute_dtype
+
+    return DTYPES[spec.compute_dtype] if spec.compute_dtype != "auto" else compute_dtype(engine_dtype, device.kind)
+
+
+def _run_in(model: Any, dtype: Any) -> Any:
+    """`model` upcast in place to `dtype` (exact), untouched when it is in `dtype` already (a model
+    spread over GPUs by accelerate refuses to be moved)."""
+    return model if next(model.parameters()).dtype == dtype else model.to(dtype)
+
+
 def default_name(p: Prepared) -> str:
     s = p.spec
     return p.spec.name or f"{p.arch.name}-{s.quant}-{s.gpu}-tp{s.tp}" + (f"pp{s.pp}" if s.pp > 1 else "") + (
@@ -331,10 +345,12 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
         if console is not None:
             console.print(msg, markup=False, highlight=False)
 
-    dtype = DTYPES[p.dtype_name]
+    dtype = DTYPES[p.dtype_name]  # the engine's: checkpoints load (rounded to it) and export in it
     quantized = spec.quant != "none"
     gate_on = spec.gate.enabled if spec.gate.enabled is not None else quantized
     device = device or resolve_device(spec.device)
+    compute = resolve_compute_dtype(spec, dtype, device)  # what the models run in: an exact upcast of `dtype`
+    compute_name = str(compute).removeprefix("torch.")
     acceptance: dict[str, Any] | None = None
     quant_report: dict[str, Any] = {}
 
@@ -350,9 +366,10 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
             with prof.phase("load"):
                 placement = device_map_for(p.target_dir, dtype, device)
                 home = input_device(placement)
-                say(f"loading target {p.target_dir} ({p.dtype_name}, {device.describe()}) and drafter {p.draft_dir}")
-                target = load_checkpoint(p.target_dir, dtype, device_map=placement)
-                draft = DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=str(home))
+                say(f"loading target {p.target_dir} ({p.dtype_name}, {device.describe()}) and drafter {p.draft_dir}"
+                    + (f"; running them in {compute_name}" if compute != dtype else ""))
+                target = _run_in(load_checkpoint(p.target_dir, dtype, device_map=placement), compute)
+                draft = _run_in(DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=str(home)), compute)
                 tokenizer = load_tokenizer(p.target_dir) if any((p.target_dir / f).is_file() for f in TOKENIZER_FILES) else None
                 calib_ids, gate_ids = _gate_and_calibration_ids(p, tokenizer, gate_on)
             if gate_on:
@@ -360,7 +377,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                     before = gate_mod.measure_tau(target, draft, gate_ids, spec.gate.max_new_tokens,
                                                   "tau (unquantized)", progress, p.max_draft_len)
                 fit = gate_mod.check_fit(before, spec.gate.min_tau)
-                acceptance = {"before": before.summary(), "fit": fit}
+                acceptance = {"before": before.summary(), "fit": fit, "compute_dtype": compute_name}
                 lo, hi = before.interval()
                 say(f"unquantized tau {before.tau:.3f} [{lo:.3f}, {hi:.3f}] (95%, {before.n} prompts x "
                     f"{spec.gate.max_new_tokens} tokens)")
@@ -381,14 +398,14 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
             release_freed_memory()
             if gate_on:
                 with prof.phase("tau_after"):
-                    qtarget = load_checkpoint(tmp / "target", dtype, device_map=placement)
+                    qtarget = _run_in(load_checkpoint(tmp / "target", dtype, device_map=placement), compute)
                     after = gate_mod.measure_tau(qtarget, draft, gate_ids, spec.gate.max_new_tokens,
                                                  f"tau ({spec.quant})", progress, p.max_draft_len)
                     qtarget = None
                     release_freed_memory()
                 acceptance = {**gate_mod.decide(before, after, spec.quant, spec.gate.max_tau_drop,
                                                 spec.gate.accept_tau_drop, spec.gate.min_tau),
-                              "fit": acceptance["fit"] if acceptance else None}
+                              "fit": acceptance["fit"] if acceptance else None, "compute_dtype": compute_name}
                 say(gate_mod.describe(acceptance, spec.quant))
         else:
             target = draft = None
