@@ -78,9 +78,7 @@ class PackedCPULinear(nn.Module):
             raise ValueError(f"unknown packed-linear kernel {kernel!r}; use one of {', '.join(KERNELS)}")
         self._packed = None  # the old copy goes before the new one is made: one extra copy at most
         self.variant = (variant or panel_gemm.default_variant()) if kernel == "panels" else None
-        if self.variant is not None and panel_gemm.unavailable(self.variant) is not None:
-            raise ValueError(f"panel kernel {self.variant} unavailable: {panel_gemm.unavailable(self.variant)}")
-        # plain attribute: never saved or moved
+        # plain attribute: never saved or moved (pack loads the variant, or says why it cannot)
         self._packed = panel_gemm.pack(self.weight, self.variant) if kernel == "panels" else pack_weight(self.weight)
         self.kernel = kernel
 

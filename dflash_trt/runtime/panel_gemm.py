@@ -150,13 +150,18 @@ def _warn_once(reason: str) -> None:
 
 def pack(weight: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     """weight [N, K] float32 -> panels [ceil(N/16), K, 16] (a new tensor; the weight is not kept).
-    Every variant reads the same layout."""
+    Every variant reads the same layout. Loads the variant (building it if needed): RuntimeError
+    where it cannot be."""
+    reason = unavailable(variant)
+    if reason is not None:
+        raise RuntimeError(f"panel GEMM kernel unavailable: {reason}")
     return getattr(torch.ops, namespace(variant)).panel_pack(weight.detach())
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
            variant: str | None = None) -> torch.Tensor:
-    """x [M, K] float32 -> [M, out_features], with the weight as :func:`pack` reordered it."""
+    """x [M, K] float32 -> [M, out_features], with the weight as :func:`pack` reordered it (the
+    variant must be loaded: :func:`pack` or :func:`unavailable` loads it)."""
     return getattr(torch.ops, namespace(variant)).panel_linear(x, panels, out_features, bias)
 
 
