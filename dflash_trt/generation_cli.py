@@ -2,7 +2,8 @@
 
 ``--policy fixed`` (default) runs the reference loop (runtime/generate.py): K drafts verified every
 step. ``--policy adaptive`` runs the batched runtime at one sequence with the adaptive policy,
-which picks k <= K per step as `serve` does.
+which picks k <= K per step as `serve` does. ``--compare`` decodes plainly on the same runtime: the
+reference loop's plain decoding, or the batched runtime without a drafter.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_
              policy: str, raw: bool, as_json: bool, compare: bool, dtype: str, allow_pickle: bool) -> None:
     """Generate text for PROMPT with DFlash and print it with acceptance statistics."""
     from dflash_trt.pairs import resolve_pair
+    from dflash_trt.runtime.batched import batched_generate
     from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
     from dflash_trt.runtime.tokens import check_text
     from dflash_trt.sampling_params import SamplingParams
@@ -53,8 +55,6 @@ def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_
     pair.codec.check_room(ids, max_new_tokens)  # an engine's max_seq_len bounds prompt + output
     params = params.with_stop_token_ids(pair.codec.stop_token_ids)
     if pair.speculation.policy == "adaptive":
-        from dflash_trt.runtime.batched import batched_generate
-
         result = batched_generate(pair.draft, pair.target, [ids], params, speculation=pair.speculation)[0]
     else:
         result = dflash_generate(pair.draft, pair.target, ids, params, pair.speculation)
@@ -62,8 +62,9 @@ def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_
     report: dict[str, Any] = {"prompt_ids": result.prompt_ids, "output_ids": result.output_ids, "text": text,
                               "speculation": pair.speculation.to_dict()}
     report.update(result.stats.to_dict())
-    if compare:
-        plain = autoregressive_generate(pair.target, ids, params)
+    if compare:  # plain decoding on the same runtime: the batched one's own plain mode beside the adaptive policy
+        plain = (batched_generate(None, pair.target, [ids], params)[0] if pair.speculation.policy == "adaptive"
+                 else autoregressive_generate(pair.target, ids, params))
         report["plain_tpot_s"] = plain.stats.tpot_s
         report["speedup"] = plain.stats.tpot_s / result.stats.tpot_s if result.stats.tpot_s else 0.0
         report["identical_to_plain"] = plain.output_ids == result.output_ids

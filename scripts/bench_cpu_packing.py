@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The CPU linear kernels side by side in one run: stock, oneDNN (plain and blocked layout), panels.
+"""The CPU linear kernels side by side in one run: stock, oneDNN (plain and blocked layout), panels
+(the ISA build serving the runtime, and every other one this CPU runs).
 
 1. The target's 210 decoder linear layers alone (every layer once, like one forward pass, weights
    streamed from memory): [M, in] x [out, in]^T for M = 1 (a plain step) up to 64 (16 rows verifying
@@ -75,7 +76,11 @@ def main(num_prompts: int, max_new_tokens: int, threads: int, max_draft_len: int
         }
         if panel_gemm.unavailable() is None:
             panels = [panel_gemm.pack(m.weight) for m in decoder]
-            kernels["panels"] = lambda i, x: panel_gemm.linear(x, panels[i], decoder[i].out_features, None)
+            # every ISA build this CPU runs (an AVX-512 machine also times the AVX2 one)
+            for v in panel_gemm.variants():
+                if panel_gemm.unavailable(v) is None:
+                    name = "panels" if v == panel_gemm.default_variant() else f"panels {v}"
+                    kernels[name] = lambda i, x, v=v: panel_gemm.linear(x, panels[i], decoder[i].out_features, None, v)
         else:
             print(f"  (panel GEMM unavailable: {panel_gemm.unavailable()})")
 

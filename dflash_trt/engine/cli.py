@@ -25,7 +25,7 @@ FLAG_TO_KEY = {
     "calib_max_length": "calibration.max_length", "max_tau_drop": "gate.max_tau_drop",
     "accept_tau_drop": "gate.accept_tau_drop", "gate": "gate.enabled", "gate_prompts": "gate.num_prompts",
     "recipe": "recipe", "keep_layers": "keep_layers", "keep_modules": "keep_modules", "device": "device", "min_tau": "gate.min_tau",
-    "gate_tokens": "gate.max_new_tokens",
+    "gate_tokens": "gate.max_new_tokens", "compute_dtype": "compute_dtype",
 }
 
 
@@ -138,6 +138,9 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
 @click.option("--name", help="Engine name recorded in the manifest.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               help="dtype of unquantized tensors (auto: the checkpoint's 16-bit one; float32 only for --gpu cpu).")
+@click.option("--compute-dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="dtype calibration and the gate run in; the engine is in --dtype either way (auto: --dtype where "
+                   "the build device multiplies it natively, else float32, e.g. on a CPU without AVX512-BF16).")
 @click.option("--calib-prompts", type=click.Path(dir_okay=False), help="Calibration prompts (.jsonl/.json/.txt).")
 @click.option("--calib-size", type=click.IntRange(min=1), help="Number of calibration prompts (default 16).")
 @click.option("--calib-max-length", type=click.IntRange(min=8), help="Tokens per calibration prompt (default 256).")

@@ -11,7 +11,8 @@ from dflash_trt.runtime.loading import LoadedPair
 
 def load_engine(engine_dir: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                 verify: bool = True, pack: bool = True) -> LoadedPair:
-    """The engine's pair as the reference runtime runs it (`pack`: see load_pair).
+    """The engine's pair as the reference runtime runs it (`pack`: see load_pair). `dtype` "auto"
+    resolves for `device` (runtime.loading.auto_dtype), as load_pair resolves it.
 
     `verify` re-checks every file's sha256 against the manifest first (a second or so for the
     embedded pair), so a tampered or half-copied engine fails with the bad file named.
@@ -27,7 +28,7 @@ def load_engine(engine_dir: str | Path, dtype: str | torch.dtype = "float32", de
 
     root = Path(engine_dir)
     manifest = verify_engine(root) if verify else load_manifest(root)
-    dt = parse_dtype(dtype)
+    dt = parse_dtype(dtype, device)
     tdir, ddir = root / manifest.target.path, root / manifest.draft.path
     target = load_checkpoint(tdir, dt, device)
     validate_pair(read_json(ddir / "config.json", what="drafter config"), target.config, where=str(ddir))

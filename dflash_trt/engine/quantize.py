@@ -82,9 +82,23 @@ def quantize_and_export(model: Any, quant: str, kv_cache_quant: str, recipe: Res
             report["mxfp4_cast"] = pin_expert_scales(model, mxfp4_source).to_dict()
         if before_export is not None:
             before_export(model)
+        if dtype is not None:
+            _cast_parameters(model, dtype)
         with quiet_transformers(progress, prints_to=sys.stderr):
             export_hf_checkpoint(model, dtype=dtype, export_dir=export_dir, max_shard_size=EXPORT_SHARD_SIZE)
     return report
+
+
+def _cast_parameters(model: Any, dtype: Any) -> None:
+    """Every parameter of `model` in `dtype`, and its config saying so: a model that ran in float32
+    (a CPU without native bf16, see engine.builder's compute dtype) exports as the one loaded in
+    `dtype` would. ModelOpt casts only the weights it quantizes; the embeddings, norms and lm_head
+    would stay float32. In place, one parameter at a time (no second copy of the model); the
+    quantizers' amax buffers stay float32, as they are in a bf16 model."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    model.config.dtype = dtype
 
 
 def _count_quantized(model: Any) -> int:

@@ -77,6 +77,10 @@ class BuildSpec(_Strict):
         "float32 only for --gpu cpu)")
     device: DeviceName = Field("auto", description="where the build runs the model (calibration, gate): auto "
                                "(every visible GPU, else the CPU) | cpu | cuda")
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="dtype the build RUNS its models in (calibration, gate); the engine's tensors are in "
+        "`dtype` either way (auto: `dtype` where the build device multiplies it natively, else float32: a CPU "
+        "without native bf16, where float32 runs 2-5x faster and holds twice the memory)")
     max_batch_size: int = Field(8, ge=1)
     max_seq_len: int = Field(2048, ge=2)
     max_draft_len: int | None = Field(None, ge=1, description="default: drafter block_size - 1")

@@ -71,13 +71,15 @@ class PackedCPULinear(nn.Module):
         self.use_packed = True
         self.repack(kernel or packed_kernel())
 
-    def repack(self, kernel: str) -> None:
-        """Pack the weight for `kernel` ("panels" or "onednn"), replacing the previous packed copy."""
+    def repack(self, kernel: str, variant: str | None = None) -> None:
+        """Pack the weight for `kernel` ("panels" or "onednn"), replacing the previous packed copy;
+        `variant`: the panel kernel's ISA build (default: the best this CPU runs, see panel_gemm)."""
         if kernel not in KERNELS:
             raise ValueError(f"unknown packed-linear kernel {kernel!r}; use one of {', '.join(KERNELS)}")
         self._packed = None  # the old copy goes before the new one is made: one extra copy at most
-        # plain attribute: never saved or moved
-        self._packed = panel_gemm.pack(self.weight) if kernel == "panels" else pack_weight(self.weight)
+        self.variant = (variant or panel_gemm.default_variant()) if kernel == "panels" else None
+        # plain attribute: never saved or moved (pack loads the variant, or says why it cannot)
+        self._packed = panel_gemm.pack(self.weight, self.variant) if kernel == "panels" else pack_weight(self.weight)
         self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +88,7 @@ class PackedCPULinear(nn.Module):
             return F.linear(x, self.weight, self.bias)  # training: autograd through the dense weight
         flat = x.reshape(-1, x.shape[-1]).contiguous()  # [N, in]
         if self.kernel == "panels":
-            y = panel_gemm.linear(flat, self._packed, self.out_features, self.bias)  # [N, out]
+            y = panel_gemm.linear(flat, self._packed, self.out_features, self.bias, self.variant)  # [N, out]
             return y.reshape(*x.shape[:-1], self.out_features)
         if flat.shape[0] == 1:  # one row: MKL's GEMV on the dense weight is the faster kernel
             return F.linear(x, self.weight, self.bias)
@@ -100,7 +102,7 @@ class PackedCPULinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"kernel={self.kernel}")
+                f"kernel={self.kernel}" + (f", variant={self.variant}" if self.variant else ""))
 
 
 def packing_unsupported(model: nn.Module) -> str | None:
@@ -141,11 +143,12 @@ def set_packed(model: nn.Module, on: bool) -> None:
             m.use_packed = on
 
 
-def repack(model: nn.Module, kernel: str) -> None:
-    """Re-pack every packed layer of `model` for `kernel` (side-by-side kernel measurements)."""
+def repack(model: nn.Module, kernel: str, variant: str | None = None) -> None:
+    """Re-pack every packed layer of `model` for `kernel` (side-by-side kernel measurements; the
+    panel kernel's other ISA builds, see panel_gemm.variants)."""
     for m in model.modules():
         if isinstance(m, PackedCPULinear):
-            m.repack(kernel)
+            m.repack(kernel, variant)
 
 
 def packed_bytes(model: nn.Module) -> int:

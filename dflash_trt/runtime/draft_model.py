@@ -86,11 +86,11 @@ def check_is_drafter(cfg: dict[str, Any], where: Any) -> None:
         )
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_at: slice | None = None):
-    """RoPE where q covers the positions `q_at` of cos/sin (default: the LAST q_len) and k all of them."""
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE where q covers only the LAST q_len positions of cos/sin and k covers all of them."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, hd]
-    q_at = slice(cos.shape[-2] - q.shape[-2], None) if q_at is None else q_at
-    q = q * cos[..., q_at, :] + rotate_half(q) * sin[..., q_at, :]
+    q_len = q.shape[-2]
+    q = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
     k = k * cos + rotate_half(k) * sin
     return q, k
 
@@ -159,28 +159,30 @@ class DFlashAttention(nn.Module):
         sin: torch.Tensor,
         cache: DraftKVCache | None,
         attn_mask: torch.Tensor | None,  # bool [B|1, 1, S, K] (True = visible) or None
-        queries: slice | None = None,  # block positions to attend from (default all S); every position is a key
+        queries: slice | None = None,  # block positions whose outputs are returned (default all S)
     ) -> torch.Tensor:  # [B, S or len(queries), H]
         b, s, _ = x.shape
         c = ctx.shape[1]
         hd = self.head_dim
-        queries = queries or slice(0, s)
-        xq = x[:, queries]  # [B, Q, H]
-        q_len = xq.shape[1]
-        q = self.q_norm(self.q_proj(xq).view(b, q_len, -1, hd)).transpose(1, 2)  # [B, nh, Q, hd]
+        q = self.q_norm(self.q_proj(x).view(b, s, -1, hd)).transpose(1, 2)  # [B, nh, S, hd]
         kv_in = torch.cat([ctx, x], dim=1)  # [B, C+S, H]
         k = self.k_norm(self.k_proj(kv_in).view(b, c + s, -1, hd)).transpose(1, 2)
         v = self.v_proj(kv_in).view(b, c + s, -1, hd).transpose(1, 2)  # [B, nkv, C+S, hd]
-        q0 = c + queries.indices(s)[0]  # where the queried block positions start in cos/sin
-        q, k = apply_rope(q, k, cos, sin, slice(q0, q0 + q_len))
+        q, k = apply_rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, K, hd], K = cached + C + S
         if attn_mask is None and (self.is_causal or self.sliding_window is not None):
             attn_mask = block_attention_mask(s, k.shape[-2], self.is_causal, self.sliding_window, x.device)
-        if attn_mask is not None and attn_mask.shape[-2] == s and q_len != s:
-            attn_mask = attn_mask[..., queries, :]  # the queried rows of a per-query mask
-        out = grouped_attention(q, k, v, attn_mask, scale=hd**-0.5)  # [B, nh, Q, hd], no KV copy per head
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        # Every block position queries, also when only `queries` are returned: the attention
+        # kernels (PyTorch's CPU flash attention, its math path, oneDNN/MKL underneath) sum in an
+        # order that follows the query count -- one query runs a GEMV, 8 a GEMM -- so attending
+        # from fewer positions gives other bits (on AVX2 and AVX-512 alike). The same call as the
+        # whole block's keeps the returned rows bit-identical; it costs one S-row q_proj and
+        # S-query attention instead of Q-row ones, small next to the MLP that runs on Q rows.
+        out = grouped_attention(q, k, v, attn_mask, scale=hd**-0.5)  # [B, nh, S, hd], no KV copy per head
+        if queries is not None:
+            out = out[:, :, queries]  # [B, nh, Q, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(b, out.shape[2], -1))
 
 
 def block_attention_mask(q_len: int, k_len: int, causal: bool, window: int | None,
@@ -278,11 +280,11 @@ class DFlashDraftModel(nn.Module):
         attn_mask: torch.Tensor | None = None,  # default: every query sees every key
         outputs: slice | None = None,  # block positions the caller reads (default all S)
     ) -> torch.Tensor:  # [B, S or len(outputs), H] after the final norm
-        # A step reads only the k draft slots: the LAST layer computes only those positions (its
-        # queries, attention output and MLP), while every block position still gives it its K/V,
-        # so the outputs are those of the whole block: the same bits with the CPU runtime's packed
-        # (batch-invariant) linear layers, the same to rounding elsewhere (tests/test_draft_outputs.py).
-        # At 8 rows and k = 1 the drafter pass takes 6.4 ms instead of 9.7.
+        # A step reads only the k draft slots: the LAST layer computes only those positions from
+        # its attention output on (o_proj, the MLP, the norms), while the attention itself runs
+        # over the whole block as before (see DFlashAttention.forward), so the outputs are those of
+        # the whole block: the same bits with the CPU runtime's panel kernel (batch-invariant
+        # linear layers), the same to rounding with oneDNN or on a GPU (tests/test_draft_outputs.py).
         ctx = self.fuse_context(target_hidden)
         x = noise_embedding
         cos, sin = self.rotary_emb(x, position_ids)  # [B, C+S, hd]

@@ -22,16 +22,21 @@ batch, bit for bit. A sequence decoded alone, in a batch, plainly or in a DFlash
 the same linear outputs (oneDNN's and MKL's do not guarantee that: their blocking follows M).
 
 Build. Compiled from panel_gemm.cpp on first use by the machine's C++ compiler through
-torch.utils.cpp_extension (ninja), for the CPU's ISA level -- x86-64-v4 with AVX-512, x86-64-v3 with
-AVX2, the compiler's baseline otherwise; never -march=native, so a cache shared by several machines
-of one level stays valid -- into ``${DFLASH_TRT_CACHE:-~/.cache/dflash-trt}/kernels``. ``make setup``
-builds it (~20 s). Where it cannot be built (no compiler, no ninja) or ``DFLASH_TRT_PANEL_GEMM=0``,
-:func:`unavailable` says why and PackedCPULinear keeps oneDNN.
+torch.utils.cpp_extension (ninja), one variant per ISA level -- x86-64-v4 with AVX-512, x86-64-v3
+with AVX2, the compiler's baseline elsewhere; never -march=native, so a cache shared by several
+machines of one level stays valid -- into ``${DFLASH_TRT_CACHE:-~/.cache/dflash-trt}/kernels``,
+one directory per variant and source version. Each variant registers its ops under its own
+namespace (``torch.ops.dflash_x86_64_v3``...), so a machine loads every variant it can run: the
+best one serves the runtime (:func:`default_variant`), and the tests run the others too (an
+AVX-512 machine checks the AVX2 build, bit for bit against its own). ``make setup`` builds them
+(~20 s each). Where the kernel cannot be built (no compiler, no ninja) or
+``DFLASH_TRT_PANEL_GEMM=0``, :func:`unavailable` says why and PackedCPULinear keeps oneDNN.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -45,54 +50,93 @@ SOURCE = Path(__file__).with_name("kernels") / "panel_gemm.cpp"
 DISABLE_ENV = "DFLASH_TRT_PANEL_GEMM"  # "0": keep oneDNN (A/B measurements, a suspected kernel fault)
 PANEL = 16  # output columns per panel: one AVX-512 register of float32
 
+# x86-64 variants, best first: (ISA level, the torch CPU capabilities that run it, compiler flags).
+# torch's capability (ATEN_CPU_CAPABILITY=avx2 lowers it) says which the machine runs: an AVX-512
+# machine runs both, an AVX2 one the v3 build only.
+X86_VARIANTS = (
+    ("x86_64_v4", ("AVX512",), ["-march=x86-64-v4"]),
+    ("x86_64_v3", ("AVX512", "AVX2"), ["-march=x86-64-v3"]),
+)
 
-def _isa_flags() -> tuple[str, list[str]]:
-    """(name suffix, compiler flags) for this CPU's vector ISA level as PyTorch detects it."""
-    capability = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "DEFAULT"
+
+def _capability() -> str:
+    return torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "DEFAULT"
+
+
+def variants() -> list[str]:
+    """The kernel variants this CPU runs, best first (x86_64_v4 and x86_64_v3 on AVX-512,
+    x86_64_v3 on AVX2, the compiler's baseline build elsewhere)."""
+    cap = _capability()
     if platform.machine() in ("x86_64", "AMD64"):
-        if capability.startswith("AVX512"):
-            return "x86_64_v4", ["-march=x86-64-v4"]
-        if capability == "AVX2":
-            return "x86_64_v3", ["-march=x86-64-v3"]
-    return f"{platform.machine()}_base", []
+        here = [name for name, caps, _ in X86_VARIANTS if any(cap.startswith(c) for c in caps)]
+        if here:
+            return here
+    return [f"{platform.machine().lower()}_base"]
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> str | None:
-    """Build (once per machine and ISA level) and load the kernel; None on success, else why not."""
+def default_variant() -> str:
+    """The variant packed layers use unless told otherwise: the best this CPU runs."""
+    return variants()[0]
+
+
+def _flags(variant: str) -> list[str]:
+    return next((flags for name, _, flags in X86_VARIANTS if name == variant), [])
+
+
+def namespace(variant: str | None = None) -> str:
+    """The torch.ops namespace of a variant's ops."""
+    return f"dflash_{variant or default_variant()}"
+
+
+@functools.lru_cache(maxsize=None)
+def _load(variant: str) -> str | None:
+    """Build (once per machine, variant and source version) and load a variant; None on success, else why not."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return f"{DISABLE_ENV}=0"
-    if not hasattr(torch.ops, "dflash") or not hasattr(torch.ops.dflash, "panel_linear"):
+    if variant not in variants():
+        return f"variant {variant} does not run on this CPU (torch reports {_capability()}; runs {', '.join(variants())})"
+    ns = namespace(variant)
+    if not hasattr(getattr(torch.ops, ns), "panel_linear"):
         try:
             from torch.utils.cpp_extension import load
 
             from dflash_trt.models.smollm2 import cache_root
 
-            suffix, flags = _isa_flags()
-            name = f"dflash_panel_gemm_{suffix}"
-            build_dir = cache_root() / "kernels" / f"torch-{torch.__version__.split('+')[0]}" / name
+            name = f"dflash_panel_gemm_{variant}"
+            flags = ["-O3", "-ffp-contract=fast", f"-DDFLASH_OPS_NAMESPACE={ns}", *_flags(variant)]
+            source = SOURCE.read_bytes()
+            # one directory per source version, compiled from a copy inside it: checkouts of other
+            # versions (or the same version at another path) sharing the cache do not rebuild it in turn
+            digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
+            build_dir = cache_root() / "kernels" / f"torch-{torch.__version__.split('+')[0]}" / f"{name}-{digest}"
             build_dir.mkdir(parents=True, exist_ok=True)
-            load(name, [str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=fast", *flags], build_directory=str(build_dir),
-                 is_python_module=False, verbose=False)
+            copy = build_dir / SOURCE.name
+            if not copy.is_file() or copy.read_bytes() != source:
+                tmp = copy.with_name(f".{copy.name}.{os.getpid()}")
+                tmp.write_bytes(source)
+                os.replace(tmp, copy)
+            load(name, [str(copy)], extra_cflags=flags, build_directory=str(build_dir), is_python_module=False,
+                 verbose=False)
         except (OSError, RuntimeError, ImportError, ValueError) as e:  # no compiler, no ninja, a failed build
             return f"cannot build {SOURCE.name}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
-    _register_fake()
+    _register_fake(ns)
     return None
 
 
-def _register_fake() -> None:
+def _register_fake(ns: str) -> None:
     """Shapes for tracing (torch.compile / dynamo): the op is opaque to it, like any custom op."""
     try:
-        @torch.library.register_fake("dflash::panel_linear")
+        @torch.library.register_fake(f"{ns}::panel_linear")
         def _(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
             return x.new_empty((x.shape[0], n))
     except RuntimeError:  # registered already (another import of this module)
         pass
 
 
-def unavailable() -> str | None:
-    """None when the kernel is loaded (building it first if needed), else why it is not."""
-    reason = _load()
+def unavailable(variant: str | None = None) -> str | None:
+    """None when the variant (default: :func:`default_variant`) is loaded, building it first if
+    needed, else why it is not."""
+    reason = _load(variant or default_variant())
     if reason is not None:
         _warn_once(reason)
     return reason
@@ -104,20 +148,31 @@ def _warn_once(reason: str) -> None:
                 reason)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> panels [ceil(N/16), K, 16] (a new tensor; the weight is not kept)."""
-    return torch.ops.dflash.panel_pack(weight.detach())
+def pack(weight: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+    """weight [N, K] float32 -> panels [ceil(N/16), K, 16] (a new tensor; the weight is not kept).
+    Every variant reads the same layout. Loads the variant (building it if needed): RuntimeError
+    where it cannot be."""
+    reason = unavailable(variant)
+    if reason is not None:
+        raise RuntimeError(f"panel GEMM kernel unavailable: {reason}")
+    return getattr(torch.ops, namespace(variant)).panel_pack(weight.detach())
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 -> [M, out_features], with the weight as :func:`pack` reordered it."""
-    return torch.ops.dflash.panel_linear(x, panels, out_features, bias)
+def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+           variant: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 -> [M, out_features], with the weight as :func:`pack` reordered it (the
+    variant must be loaded: :func:`pack` or :func:`unavailable` loads it)."""
+    return getattr(torch.ops, namespace(variant)).panel_linear(x, panels, out_features, bias)
 
 
 def main() -> None:
-    """`python -m dflash_trt.runtime.panel_gemm`: build the kernel now (make setup), say the outcome."""
-    reason = unavailable()
-    print(f"[setup] panel GEMM kernel: {'built and loaded' if reason is None else 'unavailable: ' + reason}")
+    """`python -m dflash_trt.runtime.panel_gemm`: build every variant this CPU runs now (make
+    setup), say the outcome of each."""
+    for variant in variants():
+        reason = unavailable(variant)
+        role = "serves the runtime" if variant == default_variant() else "tested beside it"
+        print(f"[setup] panel GEMM kernel {variant}: "
+              + (f"built and loaded ({role})" if reason is None else "unavailable: " + reason))
 
 
 if __name__ == "__main__":

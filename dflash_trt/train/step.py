@@ -16,20 +16,23 @@ from dflash_trt.train.config import TrainConfig
 
 
 class FrozenHead:
-    """The target's lm_head as the loss scores it: bf16 weight [V, H], all rows, or (sampled
-    softmax) every id seen in the data plus `sampled_vocab` random others, redrawn every step.
+    """The target's lm_head as the loss scores it: weight [V, H] in the device's fast dtype, all
+    rows, or (sampled softmax) every id seen in the data plus `sampled_vocab` random others,
+    redrawn every step.
 
     The frozen 49152-row head dominates a step's cost (its matmul runs forward, and backward into
-    the hidden states). bf16 makes it ~2.5x faster on AVX512-BF16 CPUs; the loss itself is still
-    computed in float32 from those logits. An instruct model's answers use few distinct ids
-    (SmolLM2: ~3.7k of 49k), so the sampled head is ~2x faster again; the random others keep
-    every row pushed down.
+    the hidden states). bf16 makes it ~2.5x faster on AVX512-BF16 CPUs and GPUs; on a CPU without
+    native bf16 it would be several times slower than float32, which it keeps there
+    (runtime.loading.auto_dtype). The loss itself is computed in float32 from those logits. An
+    instruct model's answers use few distinct ids (SmolLM2: ~3.7k of 49k), so the sampled head is
+    ~2x faster again; the random others keep every row pushed down.
     """
 
     def __init__(self, target: Any, sampled_vocab: int | None, device: Any) -> None:
-        import torch
+        from dflash_trt.runtime.loading import auto_dtype
 
-        self.weight = target.get_output_embeddings().weight.detach().to(torch.bfloat16)  # [V, H]
+        self.dtype = auto_dtype(device)
+        self.weight = target.get_output_embeddings().weight.detach().to(self.dtype)  # [V, H]
         self.vocab = int(target.config.vocab_size)
         self.sampled_vocab, self.device = sampled_vocab, device
         self.rows = self.weight  # the rows scored this step
@@ -38,7 +41,7 @@ class FrozenHead:
     def __call__(self, h: Any) -> Any:  # [N, H] -> [N, V or the sampled rows]
         import torch
 
-        return torch.nn.functional.linear(h.to(torch.bfloat16), self.rows)
+        return torch.nn.functional.linear(h.to(self.dtype), self.rows)
 
     def draw(self, seen: Any, gen: Any) -> None:
         """This step's rows: every id in `seen` [n] plus `sampled_vocab` random others."""

@@ -3,8 +3,8 @@
 //
 // Layout: W is reordered once into panels of 16 output columns, [ceil(N/16)][K][16], zero-padded.
 // A tile keeps R rows x NB panels of accumulators in vector registers (<= 24 of the 32 AVX-512
-// registers) and reads each panel once per tile; the rows of a batch are taken 8 at a time over the
-// same group of panels, so a group's panels stay in L1/L2 while every row uses them. While its first
+// registers, <= 12 of the 16 AVX2 ones) and reads each panel once per tile; the rows of a batch
+// are taken TILE_ROWS (8; 6 on AVX2) at a time over the same group of panels, so a group's panels stay in L1/L2 while every row uses them. While its first
 // rows read a group, the tile prefetches the next group: the later row tiles of this group compute
 // from cache while memory delivers the next one (1.1-1.25x at 4-64 rows; a single row is left to
 // the hardware prefetcher, which keeps up with it).
@@ -20,14 +20,42 @@
 
 namespace {
 
-// 16 floats: one AVX-512 register (two AVX2 registers, or four SSE ones, on other builds)
-typedef float v16 __attribute__((vector_size(64), aligned(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
+// The vector registers this build has: 16 floats (AVX-512), 8 (AVX2), 4 (SSE). A panel's 16
+// columns take LANES of them. The accumulators are arrays of these native vectors: with a 16-float
+// vector type on a build without AVX-512, GCC kept every accumulator in memory (no register holds
+// 64 bytes) and loaded and stored it around each FMA, and the x86-64-v3 build ran 5-10x slower than
+// the v4 one at 2-32 rows (issue 35). Every lane sums its k in the same order whatever the width,
+// so the x86-64-v3 (AVX2 + FMA) and x86-64-v4 builds give the same bits (tests/test_panel_gemm.py
+// checks it wherever both run; a build without FMA rounds twice and differs).
+#if defined(__AVX512F__)
+constexpr int WIDTH = 16;
+#elif defined(__AVX__)
+constexpr int WIDTH = 8;
+#else
+constexpr int WIDTH = 4;
+#endif
+constexpr int LANES = 16 / WIDTH;
+typedef float vec __attribute__((vector_size(WIDTH * 4)));
+typedef float vecu __attribute__((vector_size(WIDTH * 4), aligned(4)));
 
-inline v16 splat(float a) { return (v16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; }
+inline vec splat(float a) {  // one broadcast instruction (vec{} + a would add +0.0 first)
+#if defined(__AVX512F__)
+  return vec{a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a};
+#elif defined(__AVX__)
+  return vec{a, a, a, a, a, a, a, a};
+#else
+  return vec{a, a, a, a};
+#endif
+}
+
+#if defined(__AVX512F__)
+// 32 registers of 16 floats: a panel is one register.
+// Rows per tile: a batch's rows are taken this many at a time over the same group of panels.
+constexpr int64_t TILE_ROWS = 8;
 
 // Panels per tile for R rows: wide for few rows (independent accumulators hide the FMA latency,
-// and a single row is bound by reading the weight), narrow for many (registers run out).
+// and a single row is bound by reading the weight), narrow for many (registers run out: <= 24
+// accumulators).
 constexpr int panels_for(int64_t rows) {
   return rows == 1 ? 8 : rows == 2 ? 6 : rows <= 4 ? 6 : rows <= 6 ? 4 : 3;
 }
@@ -37,23 +65,41 @@ constexpr int panels_for(int64_t rows) {
 // group to panels_for(M % 8) split the 8-row tiles into 3+3+1+1 at one leftover row, and a
 // 9-row pass cost more than a 16-row one (210 decoder layers: 45.6 vs 44.4 ms; now 40.4).
 constexpr int tail_panels_for(int64_t rows) { return rows <= 4 ? 6 : 3; }
+#else
+// 16 registers (AVX2: 8 floats each, a panel takes 2; SSE: 4 floats, a panel takes 4). The AVX-512
+// tiles (up to 24 panel accumulators) would need 48 of them here: the compiler spilled them to the
+// stack on every k, and a 16-row pass of the x86-64-v3 build cost 7x the v4 build's (issue 35).
+// Here a tile keeps <= 12 registers of accumulators; the others hold the broadcast x and the panel.
+#if defined(__AVX__)
+constexpr int64_t REGS_PER_PANEL = 2;
+#else
+constexpr int64_t REGS_PER_PANEL = 4;
+#endif
+constexpr int64_t ACCUMULATORS = 12;
+constexpr int64_t TILE_ROWS = ACCUMULATORS / REGS_PER_PANEL;  // 6 on AVX2, 3 on SSE: one panel wide
+constexpr int panels_for(int64_t rows) {
+  return ACCUMULATORS / (rows * REGS_PER_PANEL) > 1 ? ACCUMULATORS / (rows * REGS_PER_PANEL) : 1;
+}
+constexpr int tail_panels_for(int64_t rows) { return panels_for(TILE_ROWS); }
+#endif
 
 // ahead: offset (floats) from these panels to the ones to prefetch, 0 = none
 template <int R, int NB>
 inline void tile(const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
                  int64_t b0, int64_t ahead) {
-  v16 acc[R][NB];
+  vec acc[R][NB * LANES];
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = splat(0.f);
+    for (int j = 0; j < NB * LANES; ++j) acc[r][j] = splat(0.f);
   const float* w0 = panels + b0 * K * 16;
   for (int64_t k = 0; k < K; ++k) {
-    v16 w[NB];
-    for (int b = 0; b < NB; ++b) w[b] = *(const v16*)(w0 + (b * K + k) * 16);
+    vec w[NB * LANES];
+    for (int b = 0; b < NB; ++b)
+      for (int l = 0; l < LANES; ++l) w[b * LANES + l] = *(const vec*)(w0 + (b * K + k) * 16 + l * WIDTH);
     if (ahead)  // one cache line per panel row read: the same lines of the next group, into L1
       for (int b = 0; b < NB; ++b) __builtin_prefetch(w0 + ahead + (b * K + k) * 16, 0, 3);
     for (int r = 0; r < R; ++r) {
-      const v16 xr = splat(x[r * K + k]);
-      for (int b = 0; b < NB; ++b) acc[r][b] += w[b] * xr;  // one FMA (-ffp-contract=fast)
+      const vec xr = splat(x[r * K + k]);
+      for (int j = 0; j < NB * LANES; ++j) acc[r][j] += w[j] * xr;  // one FMA (-ffp-contract=fast)
     }
   }
   for (int b = 0; b < NB; ++b) {
@@ -61,14 +107,12 @@ inline void tile(const float* x, int64_t K, const float* panels, const float* bi
     const int64_t width = std::min<int64_t>(16, N - n);
     float bias16[16] = {0};
     if (bias != nullptr) std::memcpy(bias16, bias + n, width * sizeof(float));
-    const v16 bv = *(const v16u*)bias16;
     for (int r = 0; r < R; ++r) {
-      const v16 out = acc[r][b] + bv;
-      if (width == 16) {
-        *(v16u*)(y + r * N + n) = out;
-      } else {
-        std::memcpy(y + r * N + n, &out, width * sizeof(float));
-      }
+      float ragged[16];
+      float* out = width == 16 ? y + r * N + n : ragged;  // the last panel of a ragged N: its first columns
+      for (int l = 0; l < LANES; ++l)
+        *(vecu*)(out + l * WIDTH) = acc[r][b * LANES + l] + *(const vecu*)(bias16 + l * WIDTH);
+      if (width < 16) std::memcpy(y + r * N + n, ragged, width * sizeof(float));
     }
   }
 }
@@ -106,8 +150,6 @@ void rows_over(int64_t rows, bool tail, const float* x, int64_t K, const float* 
     default: TORCH_CHECK(false, "panel_linear: 1..8 rows per chunk, got ", rows);
   }
 }
-
-}  // namespace
 
 // weight [N, K] float32 -> panels [ceil(N/16), K, 16]
 at::Tensor panel_pack(const at::Tensor& weight) {
@@ -148,8 +190,9 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   float* yp = y.data_ptr<float>();
   // Panel groups are the unit of work (and of threads): a group is as wide as the widest tile
   // that runs over it, so its panels are read from memory once for all rows.
-  const int64_t tail = M % 8;
-  const int64_t group = M < 8 ? panels_for(M) : std::max<int64_t>(panels_for(8), tail ? tail_panels_for(tail) : 0);
+  const int64_t tail = M % TILE_ROWS;
+  const int64_t group = M < TILE_ROWS ? panels_for(M)
+                                      : std::max<int64_t>(panels_for(TILE_ROWS), tail ? tail_panels_for(tail) : 0);
   const int64_t groups = (nb + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -158,19 +201,32 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
       // end is harmless: a prefetch never faults)
       const int64_t ahead = M >= 2 ? group * K * 16 : 0;
       int64_t m = 0;
-      for (; m + 8 <= M; m += 8) rows_over(8, false, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
-      if (m < M) rows_over(M - m, M > 8, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
+      for (; m + TILE_ROWS <= M; m += TILE_ROWS)
+        rows_over(TILE_ROWS, false, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
+      if (m < M) rows_over(M - m, M > TILE_ROWS, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
     }
   });
   return y;
 }
 
-TORCH_LIBRARY(dflash, m) {
+}  // namespace
+
+// Each ISA variant registers its ops under its own namespace (panel_gemm.py passes
+// -DDFLASH_OPS_NAMESPACE=dflash_x86_64_v4, ...), so one process can load several variants and
+// the tests run every variant this CPU can execute. The indirection expands the macro before
+// TORCH_LIBRARY pastes and stringifies its argument.
+#ifndef DFLASH_OPS_NAMESPACE
+#define DFLASH_OPS_NAMESPACE dflash
+#endif
+#define DFLASH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define DFLASH_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+DFLASH_LIBRARY(DFLASH_OPS_NAMESPACE, m) {
   m.def("panel_pack(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dflash, CPU, m) {
+DFLASH_LIBRARY_IMPL(DFLASH_OPS_NAMESPACE, CPU, m) {
   m.impl("panel_pack", &panel_pack);
   m.impl("panel_linear", &panel_linear);
 }
