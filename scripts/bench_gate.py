@@ -36,7 +36,7 @@ def main() -> None:
 
     from dflash_trt.embedded import pair_dirs_or_default
     from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
-    from dflash_trt.engine.checkpoint_io import load_checkpoint
+    from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.gate import measure_tau
     from dflash_trt.runtime.draft_model import DFlashDraftModel
     from dflash_trt.runtime.loading import load_tokenizer

@@ -99,7 +99,7 @@ def test_the_batched_gate_gives_each_held_out_prompt_the_reference_loops_tau(pai
     import torch
 
     from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
-    from dflash_trt.engine.checkpoint_io import load_checkpoint
+    from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.gate import measure_tau
     from dflash_trt.runtime.draft_model import DFlashDraftModel
     from dflash_trt.runtime.loading import load_tokenizer
