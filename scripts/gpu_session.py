@@ -6,8 +6,9 @@
    --quant none, nvfp4, fp8, then the embedded pair's default fp8 (h100) and nvfp4 (b200) builds, all with
    --device cuda and the acceptance gate on; `verify` on each engine. Per build: exit, wall time,
    gate pass time (tau_before + tau_after phases), peak GPU memory, peak host RSS, tau before/after.
-2. bench: the batched runtime, DFlash vs plain at C = 1, 8, 32, eager and CUDA graphs, bfloat16 and
-   float32: plain TPOT at C=1, DFlash/plain per C, outputs equal to the reference loop's, and where
+2. bench: the batched runtime, DFlash vs plain at C = 1, 8, 32, eager, CUDA graphs, and CUDA graphs
+   over torch.compile'd target layers (--graphs eager,graphs,compiled), bfloat16 and float32: plain
+   TPOT at C=1, DFlash/plain per C, outputs equal to the reference loop's, and where
    the first one departs (bench.json's `first_divergence`, when the runtime reports it).
 3. drafter (--train-seconds > 0): the target's greedy answers to the train prompts on the GPU, then
    scripts/gpu_drafter.sh (sampled answers, `train-draft --device cuda --features online` from the
@@ -140,7 +141,9 @@ class Session:
                 if not self.fits(name, a.bench_need_s):
                     continue
                 out_dir = self.work / name
-                flag = ["--cuda-graphs"] if graphs == "graphs" else ["--no-cuda-graphs"]
+                # "compiled": CUDA graphs over the target's torch.compile'd layers (runtime/compiled_layers.py)
+                flag = {"graphs": ["--cuda-graphs"], "compiled": ["--cuda-graphs", "--torch-compile"]}.get(
+                    graphs, ["--no-cuda-graphs"])
                 rc, wall, _ = run(name, [*PY, "bench", "--runtime", "batched", "--device", a.device, "--dtype", dtype,
                                          *flag, "--target", str(target), "--draft", str(draft),
                                          "--num-prompts", str(a.bench_prompts), "--max-new-tokens", str(a.bench_tokens),
@@ -279,7 +282,8 @@ def main() -> int:
     ap.add_argument("--bench-need-s", type=float, default=30)
     ap.add_argument("--bench-timeout-s", type=float, default=120)
     ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--graphs", default="eager,graphs")
+    ap.add_argument("--graphs", default="eager,graphs",
+                    help="bench settings: eager, graphs (CUDA graphs), compiled (graphs + --torch-compile)")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--bench-prompts", type=int, default=8)
     ap.add_argument("--bench-tokens", type=int, default=64)

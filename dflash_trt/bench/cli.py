@@ -83,6 +83,9 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="Batched runtime: static-shape passes, every shape captured as a CUDA graph before the timed runs "
                    "and replayed (plain decoding too); --cuda-graphs on a CPU runs the same passes eagerly "
                    "[default: on for --device cuda, off on cpu].")
+@click.option("--torch-compile/--no-torch-compile", default=None,
+              help="Batched runtime: the target's decoder layers through torch.compile (fused kernels; compiled "
+                   "at start-up, before the timed runs; needs Triton on a GPU, a C++ compiler on a CPU) [default: off].")
 @click.option("--check/--no-check", default=None,
               help="Greedy: compare every output with the reference loop's plain decoding (computed first when the "
                    "reference loop is not a side) [default: check].")

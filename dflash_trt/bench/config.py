@@ -66,6 +66,7 @@ class BenchConfig(BaseModel):
     calibrate: bool = True  # batched adaptive: measure every candidate k's step cost at each C first
     # batched runtime: static-shape passes captured at start-up as CUDA graphs (None: on for CUDA, off on CPU)
     cuda_graphs: bool | None = None
+    torch_compile: bool = False  # batched runtime: the target's layers through torch.compile
     check: bool = True  # greedy: every output against the reference loop's plain decoding
     # where
     device: str = "cpu"

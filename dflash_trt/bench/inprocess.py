@@ -179,6 +179,7 @@ class BatchedSide:
     max_batch: int
     max_seq_len: int
     cuda_graphs: bool | None = None  # None: on for a CUDA target
+    torch_compile: bool = False  # the target's layers through torch.compile (both modes: a fair ratio)
     calibrate_levels: Sequence[int] = ()  # adaptive: measure every candidate's step cost at these C first
     name: str = "batched"
     label: str = "ours, batched runtime"
@@ -199,12 +200,13 @@ class BatchedSide:
             pair = self.inputs.pair
             if mode == "plain":
                 rt = BatchedRuntime(pair.target, None, max_batch=self.max_batch, max_seq_len=self.max_seq_len,
-                                    cuda_graphs=self.cuda_graphs)
+                                    cuda_graphs=self.cuda_graphs, torch_compile=self.torch_compile)
             else:
                 spec = self.speculation.replace(policy="adaptive" if self.policy == "adaptive" else "fixed")
                 policy = make_policy(spec) if self.policy == "adaptive" else FixedPolicy(int(self.policy.split(":")[1]))
                 rt = BatchedRuntime(pair.target, pair.draft, max_batch=self.max_batch, max_seq_len=self.max_seq_len,
-                                    speculation=spec, policy=policy, cuda_graphs=self.cuda_graphs)
+                                    speculation=spec, policy=policy, cuda_graphs=self.cuda_graphs,
+                                    torch_compile=self.torch_compile)
             self._runtimes[mode] = rt
             self._startup[mode] = {"build_s": round(time.perf_counter() - t, 3), "graphs": rt.graph_stats()}
         return self._runtimes[mode]

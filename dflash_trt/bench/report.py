@@ -171,6 +171,8 @@ def graph_lines(result: dict[str, Any]) -> list[str]:
                 f"{g['graph_bytes'] / 2**20:.0f} MiB" if g["cuda_graphs"] else
                 f"static shapes, run eagerly on this device: {g['captured']} shapes set up at start-up in "
                 f"{g['capture_s']:.1f} s")
+        if g.get("torch_compile"):
+            what += " (target layers torch.compile'd: compile time included)"
         out.append(f"{r['label']} {r['mode']}: {what} (rows {g['row_buckets']}, widths {g['widths']}, "
                    f"k {g['draft_lengths']})")
     for r in result["rows"]:

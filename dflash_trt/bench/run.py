@@ -157,7 +157,7 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
             n_cands = len(default_candidates(spec.max_draft_len))
             sides.append(BatchedSide(inputs, spec, policy, max_batch=max(cfg.concurrency),
                                      max_seq_len=_max_seq_len(cfg, inputs, prompts, spec.block_size, n_cands),
-                                     cuda_graphs=cfg.cuda_graphs,
+                                     cuda_graphs=cfg.cuda_graphs, torch_compile=cfg.torch_compile,
                                      calibrate_levels=cfg.concurrency if cfg.calibrate else (), modes=modes))
             source["batched_policy"] = policy
     source["runtimes"] = list(cfg.runtime or [])

@@ -134,12 +134,14 @@ class BatchedRuntime:
                  max_seq_len: int = 2048, speculation: SpeculationSettings | None = None,
                  policy: SpeculationPolicy | None = None, use_draft_vocab: bool = True,
                  capture_layer_ids: Sequence[int] | None = None, cuda_graphs: bool | None = None,
-                 graph_batch_sizes: Sequence[int] | None = None, verify_chunk: int | None = None) -> None:
+                 graph_batch_sizes: Sequence[int] | None = None, verify_chunk: int | None = None,
+                 torch_compile: bool = False) -> None:
         """`speculation`: B, K and the policy (default: K = B-1, fixed). `policy`: a policy object
         that overrides the one `speculation` names (benchmarks, calibrated or probing policies).
         `verify_chunk`: eager greedy steps verify their drafts in chunks of this many positions, a row
         stopping at its first rejection (TargetPasses.verify_chunked: for a compute-bound CPU and a
-        long fixed k, the acceptance gate's case); None: one pass."""
+        long fixed k, the acceptance gate's case); None: one pass. `torch_compile`: the target's decoder
+        layers through torch.compile (runtime/compiled_layers.py), compiled by the start-up's passes."""
         self.target = TargetAdapter(target)
         self.draft = draft
         why = unsupported_reason(self.target.model, draft)
@@ -172,6 +174,11 @@ class BatchedRuntime:
                                   f"got {list(ids)}")
             layer_ids = ids
         self.device = home_device(self.target.model)
+        self.torch_compile = torch_compile
+        if torch_compile:
+            from dflash_trt.runtime.compiled_layers import compile_target_layers
+
+            compile_target_layers(self.target)
         # positions 0..max_seq_len-1, + block padding of rows near their end, + the dump index
         capacity = max_seq_len + self.block_size + 1
         self.transfers = HostTransfers(self.device)
@@ -442,7 +449,8 @@ class BatchedRuntime:
         passes run eagerly, capture_s is their dry run) and what steps replayed since; None when off."""
         if self.graphs is None:
             return None
-        return {"cuda_graphs": isinstance(self.graphs, CudaGraphPasses), "row_buckets": list(self.shapes.rows_buckets),
+        return {"cuda_graphs": isinstance(self.graphs, CudaGraphPasses), "torch_compile": self.torch_compile,
+                "row_buckets": list(self.shapes.rows_buckets),
                 "widths": self.shapes.widths(), "draft_lengths": sorted(self._draft_lengths()),
                 **self.graphs.counters.to_dict(), "eager_passes": dict(self.eager_passes),
                 **self.transfers.to_dict()}

@@ -47,6 +47,7 @@ class SlotKV:
         # indices of a subset: chunked verification)
         self.rows: slice | torch.Tensor = slice(0, 0)
         self.write_index: torch.Tensor | None = None  # [n, S] long: where each new position goes
+        self.write_rows: torch.Tensor | None = None  # [n, S] long: the slot of each write (made once a pass)
         self.width: int = 0  # positions returned to attention (mask width)
 
     @property
@@ -57,6 +58,8 @@ class SlotKV:
         if width > self.dump_index:
             raise ValueError(f"cache width {width} exceeds capacity {self.capacity - 1}")
         self.rows, self.write_index, self.width = rows, write_index, width
+        # once per pass, not once per layer: on a GPU every layer's arange is a kernel of its own
+        self.write_rows = slot_indices(rows, write_index.device)[:, None].expand_as(write_index)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v: [n, kv_heads, S, hd] for the rows self.rows; returns [n, kv_heads, width, hd] (views of
@@ -66,9 +69,8 @@ class SlotKV:
             self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
         kc, vc = self.keys[layer], self.values[layer]
-        idx = self.write_index  # [n, S]
+        idx, rows = self.write_index, self.write_rows  # [n, S] each
         assert idx is not None and idx.shape == (k.shape[0], k.shape[2]), "prepare() the cache before the forward"
-        rows = slot_indices(self.rows, k.device)[:, None].expand_as(idx)
         # advanced indices around a slice: the indexed shape is [n, S, kv_heads, hd]
         kc[rows, :, idx] = k.transpose(1, 2)
         vc[rows, :, idx] = v.transpose(1, 2)

@@ -13,6 +13,11 @@ loop, the attention and the feature capture written out once. Its logits and fea
 equal transformers' bit for bit (tests/test_lean_forward.py), so every runtime that uses it stays
 token for token the reference loop's.
 
+A layer is two functions around its KV-cache write and attention (:func:`attention_inputs`,
+:func:`layer_output`): on a GPU, runtime/compiled_layers.py hands those two to torch.compile once
+for all layers, which fuses each half's elementwise work into few kernels (no longer bit for bit
+transformers', see there).
+
 Scope: what the batched runtime runs (an explicit 4D additive mask, explicit positions, a cache
 with ``update(k, v, layer_idx)``). Anything else -- other architectures, sliding-window layers,
 attention implementations other than the grouped SDPA, no mask -- stays on transformers' forward
@@ -21,7 +26,8 @@ attention implementations other than the grouped SDPA, no mask -- stays on trans
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -62,9 +68,12 @@ def lean_unsupported(model: nn.Module, layers: nn.ModuleList) -> str | None:
     return None
 
 
-def _attention(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, layer_idx: int,
-               mask: torch.Tensor) -> torch.Tensor:
-    """transformers' Llama/Qwen3 attention over `cache` with the grouped SDPA: h [B, S, H] -> [B, S, H]."""
+def attention_inputs(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer up to its attention: x [B, S, H] -> q [B, nh, S, hd], k and v [B, nkv, S, hd]
+    (input norm, projections, Qwen3's per-head norms, rotary), as transformers' Llama/Qwen3 attention."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
     b, s, _ = h.shape
     hd = attn.head_dim
     q = attn.q_proj(h).view(b, s, -1, hd)  # [B, S, nh, hd]
@@ -75,10 +84,26 @@ def _attention(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.T
     v = attn.v_proj(h).view(b, s, -1, hd).transpose(1, 2)
     q = (q * cos) + (rotate_half(q) * sin)
     k = (k * cos) + (rotate_half(k) * sin)
-    k, v = cache.update(k, v, layer_idx)  # [B, nkv, W, hd]: the cache's view up to the mask width
-    out = grouped_attention(q, k, v, mask[:, :, :, : k.shape[-2]], attn.scaling)  # [B, nh, S, hd]
-    out = out.transpose(1, 2).contiguous().reshape(b, s, -1).contiguous()
-    return attn.o_proj(out)
+    return q, k, v
+
+
+def layer_output(layer: nn.Module, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer: x [B, S, H] and its attention's output [B, nh, S, hd] -> the
+    layer's output [B, S, H] (output projection, residual, post-attention norm, MLP, residual)."""
+    b, s, _ = x.shape
+    out = attended.transpose(1, 2).contiguous().reshape(b, s, -1).contiguous()
+    x = x + layer.self_attn.o_proj(out)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+class LayerFunctions(NamedTuple):
+    """The two halves of a decoder layer around its KV-cache write and attention."""
+
+    attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    layer_output: Callable[..., torch.Tensor]
+
+
+EAGER = LayerFunctions(attention_inputs, layer_output)
 
 
 class LeanForward(nn.Module):
@@ -90,6 +115,8 @@ class LeanForward(nn.Module):
         super().__init__()
         object.__setattr__(self, "target", model)
         object.__setattr__(self, "layers", layers)
+        # eager, or torch.compile'd per layer (runtime/compiled_layers.py): the same code either way
+        object.__setattr__(self, "functions", EAGER)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
                 capture_layer_ids: tuple[int, ...], logits_to_keep: int,
@@ -102,9 +129,13 @@ class LeanForward(nn.Module):
         cos, sin = base.rotary_emb(x, position_ids=position_ids)  # [B, S, hd] each
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, hd]: broadcast over heads
         captured: dict[int, torch.Tensor] = {}
+        fns = self.functions
         for i, layer in enumerate(self.layers):
-            x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, i, attention_mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            q, k, v = fns.attention_inputs(layer, x, cos, sin)
+            k, v = cache.update(k, v, i)  # [B, nkv, W, hd]: the cache's view up to the mask width
+            attended = grouped_attention(q, k, v, attention_mask[:, :, :, : k.shape[-2]],
+                                         layer.self_attn.scaling)  # [B, nh, S, hd]
+            x = fns.layer_output(layer, x, attended)
             if i in capture_layer_ids:
                 captured[i] = x
         x = base.norm(x)

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from dflash_trt.checkpoints.placement import home_device
 from dflash_trt.runtime.gqa_attention import use_grouped_attention
-from dflash_trt.runtime.lean_forward import lean_module, lean_unsupported
+from dflash_trt.runtime.lean_forward import LeanForward, lean_module, lean_unsupported
 
 
 class TargetAdapter:
@@ -69,6 +69,11 @@ class TargetAdapter:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def lean(self) -> LeanForward | None:
+        """The model's lean pass (None where it does not apply: :attr:`lean_unsupported` says why)."""
+        return self._lean
 
     # -- pieces the drafter borrows -------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

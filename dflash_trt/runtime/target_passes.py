@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dflash_trt.checkpoints.placement import home_device
-from dflash_trt.runtime.batched_cache import BatchedKVCache, additive_mask, slot_indices
+from dflash_trt.runtime.batched_cache import BatchedKVCache, additive_mask
 from dflash_trt.runtime.host_transfers import HostTransfers
 from dflash_trt.runtime.sampling import sample_rows
 from dflash_trt.runtime.scheduling import LIVE, PENDING, START, BatchedSequence, prefill_runs
@@ -59,8 +59,7 @@ class TargetPasses:
         self.cache.kv.prepare(rows, write, mask.shape[-1])
         logits, feats = self.target.forward(ids, positions, self.cache, self.layer_ids, logits_to_keep, mask)
         if feats is not None and self.features is not None:  # [n, S, n_ctx*H]
-            r = slot_indices(rows, write.device)[:, None].expand_as(write)
-            self.features[r, write] = feats.to(self.features.dtype)
+            self.features[self.cache.kv.write_rows, write] = feats.to(self.features.dtype)
         return logits
 
     def move_row(self, src: int, dst: int, length: int) -> None:

@@ -1,0 +1,71 @@
+"""The lean pass's decoder layers through torch.compile: few fused kernels per step instead of ~40.
+
+With CUDA graphs a small target's step is bound by how many kernels it runs, not by its weights:
+a bf16 plain step of the embedded SmolLM2-135M is 1,261 kernels (41 a layer; transformers' RMSNorm
+alone is 8: two casts, square, mean, add, rsqrt, two products) and took 3.0 ms on an H200 (~2.4 us
+a kernel) where reading its 269 MB of weights takes ~0.06 ms. Inductor fuses each half of a
+layer's elementwise chains (norm, rotary, residual adds, SwiGLU) into a handful of kernels around
+the matrix products, which stay cuBLAS's.
+
+Regional compilation, PyTorch's recipe for a stack of identical blocks: the two halves of a layer
+(runtime/lean_forward.py: :func:`attention_inputs`, :func:`layer_output`) are compiled once, as
+functions OF a layer, and all layers reuse the compiled code (their weights are the code's inputs,
+not constants baked into it). ``dynamic=True`` keeps batch, length and width symbolic, so every
+row bucket, draft length, mask width and prefill length shares a few compiled graphs (sizes 0 and
+1 are specialised). Compilation happens on the first pass of each kind, which the batched runtime
+runs at start-up before it captures its CUDA graphs: never inside a request.
+
+Numerics: fused kernels round differently from aten's (a float32 mean summed in another order,
+products kept in float32 where aten rounds to bf16 in between), so the outputs are no longer bit
+for bit transformers'. `bench` reports each output's first departure from the reference loop and
+the logit margin there (bench/divergence.py). Opt-in (``torch_compile``); the CPU runs it too
+(Inductor's C++ backend: what the tests check), though slower to compile than it gains there.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import shutil
+
+import torch
+
+from dflash_trt.checkpoints.placement import home_device
+from dflash_trt.errors import DFlashError
+from dflash_trt.runtime.lean_forward import LayerFunctions, attention_inputs, layer_output
+from dflash_trt.runtime.target import TargetAdapter
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """None when torch.compile can build kernels for `device` here, else what is missing."""
+    if device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "torch.compile on a GPU needs Triton (pip install the triton version your torch wheel pins)"
+        return None
+    if device.type == "cpu":
+        if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+            return "torch.compile on a CPU needs a C++ compiler (g++ or clang++) on PATH"
+        return None
+    return f"torch.compile of the target's layers is not supported on {device.type}"
+
+
+@functools.cache
+def compiled_functions() -> LayerFunctions:
+    """The two halves of a layer, compiled once per process and shared by every model that uses them
+    (torch.compile compiles lazily, on the first call of each shape class)."""
+    # emulate_precision_casts: a fused kernel rounds where the eager code casts (transformers' RMSNorm
+    # goes to float32 and back; bf16 products are bf16), instead of keeping float32 throughout
+    options = {"emulate_precision_casts": True}
+    return LayerFunctions(torch.compile(attention_inputs, dynamic=True, options=options),
+                          torch.compile(layer_output, dynamic=True, options=options))
+
+
+def compile_target_layers(target: TargetAdapter) -> None:
+    """Switch `target`'s lean pass (every adapter over this model) to the compiled layer functions,
+    or say in one line why it cannot be."""
+    if target.lean is None:
+        raise DFlashError(f"--torch-compile: the target has no lean pass to compile ({target.lean_unsupported})")
+    why = compile_unavailable(home_device(target.model))
+    if why:
+        raise DFlashError(f"--torch-compile: {why}; or run without --torch-compile")
+    object.__setattr__(target.lean, "functions", compiled_functions())
