@@ -16,7 +16,12 @@ from torch._dynamo.utils import counters
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime import dflash_generate
 from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest
-from dflash_trt.runtime.compiled_layers import compile_target_layers, compile_unavailable, compiled_functions
+from dflash_trt.runtime.compiled_layers import (
+    compile_target_layers,
+    compile_unavailable,
+    compiled_draft_functions,
+    compiled_functions,
+)
 from dflash_trt.runtime.lean_forward import EAGER
 from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.tiny import tiny_target
@@ -34,6 +39,7 @@ def test_compiled_layers_decode_as_the_reference_loop(arch):
     ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]
     rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, cuda_graphs=True, torch_compile=True)
     assert TargetAdapter(target).lean.functions == compiled_functions()
+    assert draft.layer_functions == compiled_draft_functions()
     handles = [rt.add(SequenceRequest(list(p), SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS, BUDGETS)]
     rt.run()
     assert [h.result.output_ids for h in handles] == ref

@@ -140,8 +140,9 @@ class BatchedRuntime:
         that overrides the one `speculation` names (benchmarks, calibrated or probing policies).
         `verify_chunk`: eager greedy steps verify their drafts in chunks of this many positions, a row
         stopping at its first rejection (TargetPasses.verify_chunked: for a compute-bound CPU and a
-        long fixed k, the acceptance gate's case); None: one pass. `torch_compile`: the target's decoder
-        layers through torch.compile (runtime/compiled_layers.py), compiled by the start-up's passes."""
+        long fixed k, the acceptance gate's case); None: one pass. `torch_compile`: the target's and the
+        drafter's decoder layers through torch.compile (runtime/compiled_layers.py), compiled by the
+        start-up's passes; a property of the models from then on (every runtime over them sees it)."""
         self.target = TargetAdapter(target)
         self.draft = draft
         why = unsupported_reason(self.target.model, draft)
@@ -176,9 +177,11 @@ class BatchedRuntime:
         self.device = home_device(self.target.model)
         self.torch_compile = torch_compile
         if torch_compile:
-            from dflash_trt.runtime.compiled_layers import compile_target_layers
+            from dflash_trt.runtime.compiled_layers import compile_draft_layers, compile_target_layers
 
             compile_target_layers(self.target)
+            if draft is not None:
+                compile_draft_layers(draft)
         # positions 0..max_seq_len-1, + block padding of rows near their end, + the dump index
         capacity = max_seq_len + self.block_size + 1
         self.transfers = HostTransfers(self.device)

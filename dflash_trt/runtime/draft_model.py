@@ -10,9 +10,10 @@ draft KV cache; the block's own K/V are dropped after each step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -151,6 +152,35 @@ class DFlashAttention(nn.Module):
         is_causal = getattr(config, "is_causal", None)
         self.is_causal = sliding if is_causal is None else bool(is_causal)
 
+    def projections(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, S, H] (block, after input_layernorm), ctx [B, C, H], cos/sin [B, C+S, hd] -> q [B, nh,
+        S, hd] and k, v [B, nkv, C+S, hd] of the new context positions and the block, roped."""
+        b, s, _ = x.shape
+        c = ctx.shape[1]
+        hd = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(b, s, -1, hd)).transpose(1, 2)  # [B, nh, S, hd]
+        kv_in = torch.cat([ctx, x], dim=1)  # [B, C+S, H]
+        k = self.k_norm(self.k_proj(kv_in).view(b, c + s, -1, hd)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, c + s, -1, hd).transpose(1, 2)  # [B, nkv, C+S, hd]
+        q, k = apply_rope(q, k, cos, sin)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: DraftKVCache | None,
+               attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """The new K/V into `cache`, then every block position attends -> [B, nh, S, hd]."""
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, K, hd], K = cached + C + S
+        if attn_mask is None and (self.is_causal or self.sliding_window is not None):
+            attn_mask = block_attention_mask(q.shape[-2], k.shape[-2], self.is_causal, self.sliding_window, q.device)
+        # Every block position queries, also when only `queries` are returned: the attention
+        # kernels (PyTorch's CPU flash attention, its math path, oneDNN/MKL underneath) sum in an
+        # order that follows the query count -- one query runs a GEMV, 8 a GEMM -- so attending
+        # from fewer positions gives other bits (on AVX2 and AVX-512 alike). The same call as the
+        # whole block's keeps the returned rows bit-identical; it costs one S-row q_proj and
+        # S-query attention instead of Q-row ones, small next to the MLP that runs on Q rows.
+        return grouped_attention(q, k, v, attn_mask, scale=self.head_dim**-0.5)  # no KV copy per head
+
     def forward(
         self,
         x: torch.Tensor,  # [B, S, H] block hidden states after input_layernorm
@@ -161,28 +191,12 @@ class DFlashAttention(nn.Module):
         attn_mask: torch.Tensor | None,  # bool [B|1, 1, S, K] (True = visible) or None
         queries: slice | None = None,  # block positions whose outputs are returned (default all S)
     ) -> torch.Tensor:  # [B, S or len(queries), H]
-        b, s, _ = x.shape
-        c = ctx.shape[1]
-        hd = self.head_dim
-        q = self.q_norm(self.q_proj(x).view(b, s, -1, hd)).transpose(1, 2)  # [B, nh, S, hd]
-        kv_in = torch.cat([ctx, x], dim=1)  # [B, C+S, H]
-        k = self.k_norm(self.k_proj(kv_in).view(b, c + s, -1, hd)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, c + s, -1, hd).transpose(1, 2)  # [B, nkv, C+S, hd]
-        q, k = apply_rope(q, k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, K, hd], K = cached + C + S
-        if attn_mask is None and (self.is_causal or self.sliding_window is not None):
-            attn_mask = block_attention_mask(s, k.shape[-2], self.is_causal, self.sliding_window, x.device)
-        # Every block position queries, also when only `queries` are returned: the attention
-        # kernels (PyTorch's CPU flash attention, its math path, oneDNN/MKL underneath) sum in an
-        # order that follows the query count -- one query runs a GEMV, 8 a GEMM -- so attending
-        # from fewer positions gives other bits (on AVX2 and AVX-512 alike). The same call as the
-        # whole block's keeps the returned rows bit-identical; it costs one S-row q_proj and
-        # S-query attention instead of Q-row ones, small next to the MLP that runs on Q rows.
-        out = grouped_attention(q, k, v, attn_mask, scale=hd**-0.5)  # [B, nh, S, hd], no KV copy per head
-        if queries is not None:
-            out = out[:, :, queries]  # [B, nh, Q, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(b, out.shape[2], -1))
+        out = self.attend(*self.projections(x, ctx, cos, sin), cache, attn_mask)  # [B, nh, S, hd]
+        return self.output(out if queries is None else out[:, :, queries])
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """[B, nh, Q, hd] -> o_proj [B, Q, H]."""
+        return self.o_proj(attended.transpose(1, 2).reshape(attended.shape[0], attended.shape[2], -1))
 
 
 def block_attention_mask(q_len: int, k_len: int, causal: bool, window: int | None,
@@ -206,10 +220,37 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, cos, sin, cache, attn_mask, queries: slice | None = None):
-        h = self.self_attn(self.input_layernorm(x), ctx, cos, sin, cache, attn_mask, queries)
-        x = (x if queries is None else x[:, queries]) + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, ctx, cos, sin, cache, attn_mask, queries: slice | None = None,
+                functions: "DraftLayerFunctions | None" = None):
+        """`functions`: the layer's two halves around its cache write and attention (default eager;
+        runtime/compiled_layers.py passes torch.compile'd ones)."""
+        pre, post = functions or DRAFT_EAGER
+        q, k, v = pre(self, x, ctx, cos, sin)
+        attended = self.self_attn.attend(q, k, v, cache, attn_mask)  # [B, nh, S, hd]
+        if queries is not None:  # views, taken here: a slice given to a compiled function is a constant
+            x, attended = x[:, queries], attended[:, :, queries]
+        return post(self, x, attended)
+
+
+def draft_attention_inputs(layer: DFlashDecoderLayer, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A draft layer up to its attention: input norm, then DFlashAttention.projections."""
+    return layer.self_attn.projections(layer.input_layernorm(x), ctx, cos, sin)
+
+
+def draft_layer_output(layer: DFlashDecoderLayer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The rest of a draft layer for the positions it returns, x [B, Q, H] and attended [B, nh, Q, hd]:
+    o_proj, residual, post-attention norm, MLP, residual -> [B, Q, H]."""
+    x = x + layer.self_attn.output(attended)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+class DraftLayerFunctions(NamedTuple):
+    attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    layer_output: Callable[..., torch.Tensor]
+
+
+DRAFT_EAGER = DraftLayerFunctions(draft_attention_inputs, draft_layer_output)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +280,8 @@ class DFlashDraftModel(nn.Module):
         # own JSON file, never in model.safetensors
         self.draft_vocab: torch.Tensor | None
         self.register_buffer("draft_vocab", None, persistent=False)
+        # the layers' halves: eager, or torch.compile'd by a runtime (runtime/compiled_layers.py)
+        self.layer_functions: DraftLayerFunctions | None = None
         self.reset_parameters()
 
     # -- properties used by the decoding loop ----------------------------------------------
@@ -290,7 +333,7 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary_emb(x, position_ids)  # [B, C+S, hd]
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, cos, sin, cache, attn_mask, outputs if i == last else None)
+            x = layer(x, ctx, cos, sin, cache, attn_mask, outputs if i == last else None, self.layer_functions)
         return self.norm(x)
 
     # -- z-lab checkpoint I/O -------------------------------------------------------------------
