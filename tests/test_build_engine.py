@@ -198,6 +198,16 @@ def test_failed_build_leaves_no_directory(tiny_pair_dirs, tmp_path):
     assert not out.exists() and list(tmp_path.iterdir()) == []  # no half-written or .partial directory
 
 
+def test_asking_the_gate_for_more_prompts_than_its_source_has_is_refused(tiny_pair_dirs, tmp_path):
+    """The held-out split or a gate.prompts list caps what --gate-prompts can decode; asking for more
+    silently decoded fewer, and an inconclusive verdict then advised asking for more again."""
+    target, draft = tiny_pair_dirs
+    out = tmp_path / "eng"
+    with pytest.raises(DFlashError, match=r"--gate-prompts 3: gate.prompts has 2 prompts"):
+        _build(out, target, draft, quant="fp8", **{"gate.prompts": ["Say hi.", "Count to three."], "gate.num_prompts": 3})
+    assert not out.exists()
+
+
 def test_cli_build_verify_and_refuse_to_overwrite(tiny_pair_dirs, tmp_path):
     target, draft = tiny_pair_dirs
     out = tmp_path / "eng"

@@ -84,6 +84,9 @@ def test_decide_passes_fails_or_is_inconclusive_on_the_interval():
     assert lo < 0.10 < hi
     with pytest.raises(DFlashError, match="inconclusive.*--gate-prompts"):
         decide(before, noisy, "fp8", 0.10, False, 1.2)
+    # every prompt of the source decoded already: asking for more prompts would not help
+    with pytest.raises(DFlashError, match="inconclusive.*every gate prompt was decoded: give more \\(gate.prompts"):
+        decide(before, noisy, "fp8", 0.10, False, 1.2, prompts_left=False)
 
 
 def test_check_fit_refuses_a_drafter_whose_tau_is_surely_near_one():

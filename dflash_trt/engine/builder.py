@@ -288,7 +288,9 @@ def default_name(p: Prepared) -> str:
         f"ep{s.ep}" if s.ep > 1 else "")
 
 
-def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool) -> tuple[list[list[int]], list[list[int]]]:
+def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool
+                              ) -> tuple[list[list[int]], list[list[int]], bool]:
+    """Calibration ids, gate ids, and whether the gate's source has prompts the gate leaves out."""
     from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
 
     spec = p.spec
@@ -297,13 +299,20 @@ def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool) -> tup
         prompts = load_calibration_prompts(spec.calibration.prompts, spec.calibration.num_samples, split="train")
         calib = encode_prompts(tokenizer, prompts, p.arch.vocab_size, spec.calibration.max_length)
     gate: list[list[int]] = []
+    left = False
     if gate_on:
-        prompts = load_calibration_prompts(spec.gate.prompts, spec.gate.num_prompts, split="eval")
+        available = load_calibration_prompts(spec.gate.prompts, sys.maxsize, split="eval")
+        if len(available) < spec.gate.num_prompts and "num_prompts" in spec.gate.model_fields_set:
+            where = "the held-out split" if spec.gate.prompts is None else "gate.prompts"
+            raise DFlashError(f"--gate-prompts {spec.gate.num_prompts}: {where} has {len(available)} prompts; ask for "
+                              "fewer, or give more in gate.prompts (a JSONL/JSON/TXT file in the build spec)")
+        left = len(available) > spec.gate.num_prompts
+        prompts = available[: spec.gate.num_prompts]
         gate = encode_prompts(tokenizer, prompts, p.arch.vocab_size, spec.calibration.max_length)
         if len(gate) < 2:
             raise DFlashError(f"the acceptance gate needs at least 2 prompts for an interval, got {len(gate)}; "
                               "give more gate prompts")
-    return calib, gate
+    return calib, gate, left
 
 
 @dataclass
@@ -347,6 +356,7 @@ class BuildRun:
     device: BuildDevice
     progress: bool
     console: Any = None
+    gate_prompts_left: bool = True  # the gate's prompt source has more than it decodes
 
     @property
     def compute_name(self) -> str:
@@ -398,7 +408,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                            f"{p.dtype_name}, several times faster where {p.dtype_name} is not native)"
                            if run.compute != dtype else ""))
                 models = load_models(p, run.dtype, device, run.compute)
-                calib_ids, gate_ids = _gate_and_calibration_ids(p, models.tokenizer, gate_on)
+                calib_ids, gate_ids, run.gate_prompts_left = _gate_and_calibration_ids(p, models.tokenizer, gate_on)
             if gate_on:
                 with prof.phase("tau_before"):
                     before = _gate_pass(run, models.target, models.draft, gate_ids, "tau (unquantized)")
@@ -512,7 +522,7 @@ def _after_verdict(run: BuildRun, before: Any, after: Any, acceptance: dict[str,
 
     spec = run.p.spec
     decided = {**gate_mod.decide(before, after, spec.quant, spec.gate.max_tau_drop, spec.gate.accept_tau_drop,
-                                 spec.gate.min_tau),
+                                 spec.gate.min_tau, prompts_left=run.gate_prompts_left),
                "fit": acceptance["fit"] if acceptance else None, "compute_dtype": run.compute_name}
     run.say(gate_mod.describe(decided, spec.quant))
     return decided

@@ -190,9 +190,10 @@ def check_fit(before: TauSample, min_tau: float) -> dict[str, Any]:
 
 
 def decide(before: TauSample, after: TauSample, quant: str, max_drop: float, accept_drop: bool,
-           min_tau: float) -> dict[str, Any]:
+           min_tau: float, prompts_left: bool = True) -> dict[str, Any]:
     """The gate's record (kept in the manifest); DFlashError when the drop is not shown to be
-    within `max_drop` at 95%, unless `accept_drop`."""
+    within `max_drop` at 95%, unless `accept_drop`. `prompts_left`: the gate's prompt source has
+    prompts it did not decode (what an inconclusive verdict advises depends on it)."""
     drop, lo, hi = drop_interval(before, after)
     record = {"before": before.summary(), "after": after.summary(), "relative_drop": drop,
               "relative_drop_low": lo, "relative_drop_high": hi, "confidence": CONFIDENCE,
@@ -210,8 +211,11 @@ def decide(before: TauSample, after: TauSample, quant: str, max_drop: float, acc
             fix = ("choose a milder recipe (recipe mlp-only, keep_layers), --quant fp8, or pass --accept-tau-drop "
                    "to keep the engine")
             raise DFlashError(f"acceptance gate failed: {why} > {max_drop:.0%}; {fix}")
-        raise DFlashError(f"acceptance gate inconclusive: {why} reaches past {max_drop:.0%}; decode more prompts "
-                          "(--gate-prompts) to narrow the interval, or pass --accept-tau-drop to keep the engine")
+        more = ("decode more prompts (--gate-prompts) to narrow the interval" if prompts_left else
+                "every gate prompt was decoded: give more (gate.prompts in the build spec: a JSONL/JSON/TXT file) "
+                "to narrow the interval")
+        raise DFlashError(f"acceptance gate inconclusive: {why} reaches past {max_drop:.0%}; {more}, or pass "
+                          "--accept-tau-drop to keep the engine")
     record["accepted_by_flag"] = True
     return record
 
