@@ -6,6 +6,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 try:
     from tests.engine_fixtures import reference_answer, shared_tiny_engine
@@ -90,14 +91,21 @@ def test_fixed_policy_setting_pins_the_draft_length(tmp_path_factory):
         rt.shutdown(cancel_pending=True)
 
 
-def test_cuda_graphs_setting_serves_static_shapes_with_the_same_answers(tmp_path_factory):
+@pytest.mark.parametrize("torch_compile", [False, True], ids=["eager", "compiled"])
+def test_cuda_graphs_setting_serves_static_shapes_with_the_same_answers(tmp_path_factory, torch_compile):
     """`cuda_graphs: true` (repository setting) reaches the batched runtime: its passes run in static
-    shapes (on CPU eagerly; graphs need a GPU) and concurrent answers stay the reference loop's."""
+    shapes (on CPU eagerly; graphs need a GPU) and concurrent answers stay the reference loop's; with
+    `torch_compile: true` too, through the compiled layers (Inductor's CPU backend here)."""
+    from dflash_trt.runtime.compiled_layers import compile_unavailable
+
+    if torch_compile and compile_unavailable(torch.device("cpu")):
+        pytest.skip(compile_unavailable(torch.device("cpu")))
     engine = shared_tiny_engine(tmp_path_factory)
-    rt = load_backend(engine, BackendSettings(backend="pytorch", cuda_graphs=True))
+    rt = load_backend(engine, BackendSettings(backend="pytorch", cuda_graphs=True, torch_compile=torch_compile))
     try:
         graphs = rt.runtime.graph_stats()  # CPU: the static passes run eagerly, no CUDA graph
         assert rt.runtime.static_shapes and not graphs["cuda_graphs"] and graphs["captured"] > 0
+        assert graphs["torch_compile"] is torch_compile
         max_tokens = [9, 16, 5]
         gens = [rt.submit(GenerateRequest(p, params=SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS[:3], max_tokens)]
         with ThreadPoolExecutor(len(gens)) as pool:

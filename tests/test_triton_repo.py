@@ -69,6 +69,7 @@ def test_generated_config_parses_strictly_and_matches_model_py(engine, tmp_path)
     # K is recorded resolved: the engine's limits.max_draft_len unless lowered; serving's policy is adaptive
     assert int(params["max_draft_len"]) == manifest.limits.max_draft_len and params["policy"] == "adaptive"
     assert params["cuda_graphs"] == "auto"  # on for a CUDA device, off on a CPU (model.py reads it as None)
+    assert params["torch_compile"] == "false"  # opt-in
 
     names = _model_py_names(repo / "dflash" / "1" / "model.py")
     assert set(names["INPUTS"]) == {i.name for i in cfg.input}
@@ -86,15 +87,16 @@ def test_generated_config_parses_strictly_and_matches_model_py(engine, tmp_path)
 def test_flags_reach_the_config_and_paths_are_escaped(engine):
     odd = '/data/engines/my "quoted" dir\\x'
     settings = TritonRepoSettings(model_name="smol", backend="reference", default_max_tokens=17, max_queue=3,
-                                  policy="fixed", max_draft_len=3, device="cuda", cuda_graphs=True, engine_path=odd)
+                                  policy="fixed", max_draft_len=3, device="cuda", cuda_graphs=True,
+                                  torch_compile=True, engine_path=odd)
     cfg = parse_config(render_config(engine, settings))
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert cfg.name == "smol"
     assert params["engine_dir"] == odd  # round-trips through text-format escaping
     # `reference` is the old name of the pytorch backend: the repository records the current one
     assert (params["backend"], params["default_max_tokens"], params["max_queue"], params["policy"],
-            params["max_draft_len"], params["device"], params["cuda_graphs"]) == (
-        "pytorch", "17", "3", "fixed", "3", "cuda", "true")
+            params["max_draft_len"], params["device"], params["cuda_graphs"], params["torch_compile"]) == (
+        "pytorch", "17", "3", "fixed", "3", "cuda", "true", "true")
 
 
 def test_max_draft_len_above_the_engine_is_refused(engine):

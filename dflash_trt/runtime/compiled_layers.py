@@ -37,12 +37,7 @@ import torch
 
 from dflash_trt.checkpoints.placement import home_device
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.draft_model import (
-    DFlashDraftModel,
-    DraftLayerFunctions,
-    draft_attention_inputs,
-    draft_layer_output,
-)
+from dflash_trt.runtime.draft_model import DFlashDraftModel, draft_attention_inputs, draft_layer_output
 from dflash_trt.runtime.lean_forward import LayerFunctions, attention_inputs, layer_output
 from dflash_trt.runtime.target import TargetAdapter
 
@@ -86,9 +81,9 @@ def compiled_functions() -> LayerFunctions:
 
 
 @functools.cache
-def compiled_draft_functions() -> DraftLayerFunctions:
+def compiled_draft_functions() -> LayerFunctions:
     """The drafter layer's two halves (runtime/draft_model.py), compiled as the target's."""
-    return DraftLayerFunctions(_compile(draft_attention_inputs), _compile(draft_layer_output))
+    return LayerFunctions(_compile(draft_attention_inputs), _compile(draft_layer_output))
 
 
 def compile_target_layers(target: TargetAdapter) -> None:

@@ -10,10 +10,9 @@ draft KV cache; the block's own K/V are dropped after each step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,6 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.gqa_attention import grouped_attention
+from dflash_trt.runtime.lean_forward import LayerFunctions
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -221,7 +221,7 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, ctx, cos, sin, cache, attn_mask, queries: slice | None = None,
-                functions: "DraftLayerFunctions | None" = None):
+                functions: LayerFunctions | None = None):
         """`functions`: the layer's two halves around its cache write and attention (default eager;
         runtime/compiled_layers.py passes torch.compile'd ones)."""
         pre, post = functions or DRAFT_EAGER
@@ -245,12 +245,7 @@ def draft_layer_output(layer: DFlashDecoderLayer, x: torch.Tensor, attended: tor
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-class DraftLayerFunctions(NamedTuple):
-    attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    layer_output: Callable[..., torch.Tensor]
-
-
-DRAFT_EAGER = DraftLayerFunctions(draft_attention_inputs, draft_layer_output)
+DRAFT_EAGER = LayerFunctions(draft_attention_inputs, draft_layer_output)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +276,7 @@ class DFlashDraftModel(nn.Module):
         self.draft_vocab: torch.Tensor | None
         self.register_buffer("draft_vocab", None, persistent=False)
         # the layers' halves: eager, or torch.compile'd by a runtime (runtime/compiled_layers.py)
-        self.layer_functions: DraftLayerFunctions | None = None
+        self.layer_functions: LayerFunctions | None = None
         self.reset_parameters()
 
     # -- properties used by the decoding loop ----------------------------------------------

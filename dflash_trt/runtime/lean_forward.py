@@ -97,7 +97,8 @@ def layer_output(layer: nn.Module, x: torch.Tensor, attended: torch.Tensor) -> t
 
 
 class LayerFunctions(NamedTuple):
-    """The two halves of a decoder layer around its KV-cache write and attention."""
+    """The two halves of a decoder layer around its KV-cache write and attention (the target's here,
+    the drafter's in runtime/draft_model.py), eager or compiled (runtime/compiled_layers.py)."""
 
     attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     layer_output: Callable[..., torch.Tensor]

@@ -64,6 +64,8 @@ class BackendSettings(BaseModel):
     # (runtime/cuda_graphs.py). None: on for a CUDA device, off on a CPU (True there runs the same
     # static-shape passes eagerly)
     cuda_graphs: bool | None = None
+    # pytorch backend: both models' layers through torch.compile at load (runtime/compiled_layers.py)
+    torch_compile: bool = False
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -120,6 +122,7 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
         engine_dir=engine_dir, target=TargetAdapter(pair.target), draft=pair.draft, codec=TextCodec.of_pair(pair, limit),
         speculation=speculation, max_seq_len=limit, default_max_tokens=default, max_queue=settings.max_queue,
         max_batch=manifest.limits.max_batch_size, cuda_graphs=settings.cuda_graphs,
+        torch_compile=settings.torch_compile,
     )
 
 

@@ -51,6 +51,9 @@ def _repo_options(fn):
         click.option("--cuda-graphs/--no-cuda-graphs", default=None,
                      help="pytorch backend: capture the greedy draft and verify passes as CUDA graphs at load and "
                           "replay them [default: on for --device cuda, off on cpu]."),
+        click.option("--torch-compile/--no-torch-compile", default=None,
+                     help="pytorch backend: the target's and the drafter's layers through torch.compile, compiled at "
+                          "load (fewer, fused kernels; needs Triton on a GPU) [default: off]."),
         click.option("--decoupled/--no-decoupled", default=False, show_default=True,
                      help="Decoupled transaction policy (model.yaml triton_config, as tensorrtllm_backend's llmapi "
                           "model): only a decoupled model streams; only a model that is not decoupled answers "
@@ -70,8 +73,8 @@ def _repo_options(fn):
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @friendly_errors
 def triton(engine: str, out: str, model_name: str, backend: str, default_max_tokens: int | None, max_queue: int,
-           max_draft_len: int | None, policy: str, dtype: str | None, device: str | None, cuda_graphs: bool | None, decoupled: bool,
-           engine_path: str | None, force: bool) -> None:
+           max_draft_len: int | None, policy: str, dtype: str | None, device: str | None, cuda_graphs: bool | None,
+           torch_compile: bool | None, decoupled: bool, engine_path: str | None, force: bool) -> None:
     """Write a Triton model repository for ENGINE in tensorrtllm_backend's llmapi shape (Python backend).
 
     Serve it with `tritonserver --model-repository OUT` (TensorRT-LLM container) or `dflash-trt serve
@@ -82,7 +85,8 @@ def triton(engine: str, out: str, model_name: str, backend: str, default_max_tok
 
     settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
                          max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, dtype=dtype, device=device,
-                         cuda_graphs=cuda_graphs, decoupled=decoupled, engine_path=engine_path)
+                         cuda_graphs=cuda_graphs, torch_compile=torch_compile, decoupled=decoupled,
+                         engine_path=engine_path)
     if Path(engine).is_dir():  # (a missing one is named by generate_repository)
         verify_engine(engine)  # an altered engine is refused here, not by the server at startup
     click.echo(f"[deploy triton] engine={Path(engine).resolve()} out={out} "
@@ -136,12 +140,13 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
           allow_metrics: bool, load_models: tuple[str, ...], exit_timeout_secs: float, http_port: int | None,
           max_streams: int, ready_file: str | None, model_name: str, backend: str, default_max_tokens: int | None,
           max_queue: int, max_draft_len: int | None, policy: str, dtype: str | None, device: str | None, cuda_graphs: bool | None,
-          decoupled: bool) -> None:
+          torch_compile: bool | None, decoupled: bool) -> None:
     """Serve a model repository (or an engine directory) over Triton's gRPC protocol (and HTTP), with metrics.
 
     The repository's model.py runs through the Triton Python-backend interface, exactly as in
     tritonserver; the real tritonclient talks to it unchanged. The options --model-name, --backend,
-    --default-max-tokens, --max-queue, --max-draft-len, --policy, --dtype, --device and --cuda-graphs apply
+    --default-max-tokens, --max-queue, --max-draft-len, --policy, --dtype, --device, --cuda-graphs and
+    --torch-compile apply
     when SOURCE is an engine directory.
     """
     import logging
@@ -164,7 +169,8 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
         else:
             settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
                                  max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, dtype=dtype,
-                                 device=device, cuda_graphs=cuda_graphs, decoupled=decoupled)
+                                 device=device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
+                                 decoupled=decoupled)
             tmp = Path(tempfile.mkdtemp(prefix="dflash-trt-repo-"))
             model_repository = str(generate_repository(engine, tmp / "repo", settings))
     click.echo(json.dumps({"model_repository": model_repository, "grpc": f"{grpc_address}:{grpc_port}",

@@ -78,6 +78,7 @@ class PyTorchBackend:
     max_queue: int = 64
     max_batch: int = 8  # rows decoded together (the engine's max_batch_size)
     cuda_graphs: bool | None = None  # see BackendSettings.cuda_graphs
+    torch_compile: bool = False  # see BackendSettings.torch_compile
     backend: str = "pytorch"
     runtime: Any = field(init=False, default=None)  # BatchedRuntime, or SerialRuntime for unsupported pairs
     why_serial: str | None = field(init=False, default=None)
@@ -94,7 +95,7 @@ class PyTorchBackend:
         if self.why_serial is None:
             self.runtime = BatchedRuntime(self.target, self.draft, max_batch=self.max_batch,
                                           max_seq_len=self.max_seq_len, speculation=self.speculation,
-                                          cuda_graphs=self.cuda_graphs)
+                                          cuda_graphs=self.cuda_graphs, torch_compile=self.torch_compile)
         else:
             from dflash_trt.runtime.serial import SerialRuntime
 

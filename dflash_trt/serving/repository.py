@@ -117,6 +117,7 @@ def render_config(engine_dir: Path, settings: TritonRepoSettings) -> str:
         "dtype": settings.dtype,
         "device": settings.device,
         "cuda_graphs": {None: "auto", True: "true", False: "false"}[settings.cuda_graphs],
+        "torch_compile": "true" if settings.torch_compile else "false",
     }
     text = string.Template(template).substitute({k: _pbtxt_string(str(v)) for k, v in values.items()})
     parse_config(text, where="generated config.pbtxt")

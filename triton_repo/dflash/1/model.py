@@ -43,7 +43,7 @@ OUTPUTS = ("text_output", "finish_reason", "stop_reason", "cumulative_logprob", 
            "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
            "tau", "num_output_tokens", "queue_time_ms", "decode_time_ms")
 PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "policy", "max_draft_len", "dtype", "device",
-              "cuda_graphs")
+              "cuda_graphs", "torch_compile")
 # upstream's override of the model.yaml path (relative to this folder)
 MODEL_YAML = os.environ.get("LLM_CONFIG_PATH", "model.yaml")
 CANCELLED = "Request cancelled by client"
@@ -94,6 +94,7 @@ class TritonPythonModel:
             default_max_tokens=int(params["default_max_tokens"]), max_queue=int(params["max_queue"]),
             policy=params["policy"], max_draft_len=int(params["max_draft_len"]),
             cuda_graphs={"true": True, "false": False}.get(params["cuda_graphs"]),  # "auto": on for CUDA
+            torch_compile=params["torch_compile"] == "true",
         )
         llm_kwargs = {k: v for k, v in _model_yaml().items() if k != "triton_config"}
         self.backend = load_backend(params["engine_dir"], settings, llm_kwargs=llm_kwargs)
