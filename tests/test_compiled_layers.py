@@ -18,6 +18,7 @@ from dflash_trt.runtime import dflash_generate
 from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest
 from dflash_trt.runtime.compiled_layers import (
     compile_target_layers,
+    compile_errors,
     compile_unavailable,
     compiled_draft_functions,
     compiled_functions,
@@ -75,3 +76,17 @@ def test_compile_unavailable_names_what_is_missing(monkeypatch):
     assert "not supported on meta" in compile_unavailable(torch.device("meta"))
     monkeypatch.setenv("PATH", "")
     assert "C++ compiler" in compile_unavailable(torch.device("cpu"))
+
+
+def test_a_compiler_failure_at_start_up_is_one_line():
+    """What torch raises when a compiler backend fails (BackendCompilerFailed, from a real backend that
+    fails here) becomes the DFlashError the CLI prints as one line."""
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("ptxas fatal: Unresolved extern function\nmore lines")
+
+    fn = torch.compile(lambda x: x * 2 + 1, backend=failing_backend)
+    with pytest.raises(DFlashError, match=r"^--torch-compile: compiling the layers failed \(ptxas fatal: Unresolved "
+                                          r"extern function\); run without --torch-compile$"):
+        with compile_errors(True):
+            fn(torch.ones(3))

@@ -53,6 +53,7 @@ import torch
 from dflash_trt.checkpoints.placement import home_device, model_devices
 from dflash_trt.errors import DFlashError, InvalidRequest
 from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache
+from dflash_trt.runtime.compiled_layers import compile_errors
 from dflash_trt.runtime.cuda_graphs import CudaGraphPasses, StaticPasses, static_passes
 from dflash_trt.runtime.dflash_proposer import DFlashProposer
 from dflash_trt.runtime.draft_model import DFlashDraftModel
@@ -205,7 +206,8 @@ class BatchedRuntime:
         if self.static_shapes:
             self.graphs = static_passes(self.device)
             self.graphed = GraphedPasses(self.graphs, self.shapes, self.passes, self.proposer, self.transfers.upload)
-            self.graphed.capture(self._draft_lengths())  # every shape, before any request
+            with compile_errors(torch_compile):
+                self.graphed.capture(self._draft_lengths())  # every shape, before any request
 
     # -- the pieces, by their old names (tests and tools read them) -------------------------------
     @property

@@ -26,11 +26,11 @@ the logit margin there (bench/divergence.py). Opt-in (``torch_compile``); the CP
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import shutil
-
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -103,3 +103,20 @@ def compile_draft_layers(draft: DFlashDraftModel) -> None:
     if why:
         raise DFlashError(f"--torch-compile: {why}; or run without --torch-compile")
     draft.layer_functions = compiled_draft_functions()
+
+
+@contextlib.contextmanager
+def compile_errors(active: bool) -> Iterator[None]:
+    """Where the start-up's first passes compile the layers: a compiler failure (Inductor, Triton, the
+    C++ toolchain) becomes one line naming the way out instead of a traceback from inside torch."""
+    if not active:
+        yield
+        return
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        yield
+    except BackendCompilerFailed as e:
+        first = str(e.inner_exception if getattr(e, "inner_exception", None) else e).strip().splitlines()
+        raise DFlashError(f"--torch-compile: compiling the layers failed ({first[0] if first else type(e).__name__}); "
+                          "run without --torch-compile") from None

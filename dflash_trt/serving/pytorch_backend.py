@@ -103,6 +103,9 @@ class PyTorchBackend:
             if self.speculation.policy != "fixed":
                 log.warning("engine %s: policy %s needs the batched runtime; this pair runs the reference loop "
                             "(K drafts every step)", self.engine_dir, self.speculation.policy)
+            if self.torch_compile:
+                log.warning("engine %s: torch_compile applies to the batched runtime; this pair runs the reference "
+                            "loop uncompiled (%s)", self.engine_dir, self.why_serial)
         log.info("engine %s: %s", self.engine_dir, self.describe())
         self._worker = threading.Thread(target=self._schedule, name="dflash-runtime", daemon=True)
         self._worker.start()
