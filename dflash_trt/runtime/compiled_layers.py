@@ -91,18 +91,20 @@ def compile_target_layers(target: TargetAdapter) -> None:
     or say in one line why it cannot be."""
     if target.lean is None:
         raise DFlashError(f"--torch-compile: the target has no lean pass to compile ({target.lean_unsupported})")
-    why = compile_unavailable(home_device(target.model))
-    if why:
-        raise DFlashError(f"--torch-compile: {why}; or run without --torch-compile")
+    _require_compiler(home_device(target.model))
     object.__setattr__(target.lean, "functions", compiled_functions())
 
 
 def compile_draft_layers(draft: DFlashDraftModel) -> None:
     """Switch `draft`'s layers to their compiled halves (its cache writes and attention stay eager)."""
-    why = compile_unavailable(home_device(draft))
+    _require_compiler(home_device(draft))
+    draft.layer_functions = compiled_draft_functions()
+
+
+def _require_compiler(device: torch.device) -> None:
+    why = compile_unavailable(device)
     if why:
         raise DFlashError(f"--torch-compile: {why}; or run without --torch-compile")
-    draft.layer_functions = compiled_draft_functions()
 
 
 @contextlib.contextmanager
