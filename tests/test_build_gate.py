@@ -85,7 +85,8 @@ def test_decide_passes_fails_or_is_inconclusive_on_the_interval():
     with pytest.raises(DFlashError, match="inconclusive.*--gate-prompts"):
         decide(before, noisy, "fp8", 0.10, False, 1.2)
     # every prompt of the source decoded already: asking for more prompts would not help
-    with pytest.raises(DFlashError, match="inconclusive.*every gate prompt was decoded: give more \\(gate.prompts"):
+    with pytest.raises(DFlashError, match="inconclusive.*every gate prompt was decoded: decode longer answers "
+                                          "\\(--gate-tokens.*gate.prompts"):
         decide(before, noisy, "fp8", 0.10, False, 1.2, prompts_left=False)
 
 

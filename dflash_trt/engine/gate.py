@@ -211,9 +211,10 @@ def decide(before: TauSample, after: TauSample, quant: str, max_drop: float, acc
             fix = ("choose a milder recipe (recipe mlp-only, keep_layers), --quant fp8, or pass --accept-tau-drop "
                    "to keep the engine")
             raise DFlashError(f"acceptance gate failed: {why} > {max_drop:.0%}; {fix}")
-        more = ("decode more prompts (--gate-prompts) to narrow the interval" if prompts_left else
-                "every gate prompt was decoded: give more (gate.prompts in the build spec: a JSONL/JSON/TXT file) "
-                "to narrow the interval")
+        more = ("decode more prompts (--gate-prompts) or longer answers (--gate-tokens) to narrow the interval"
+                if prompts_left else
+                "every gate prompt was decoded: decode longer answers (--gate-tokens, e.g. twice as many) or give "
+                "more prompts (gate.prompts in the build spec: a JSONL/JSON/TXT file) to narrow the interval")
         raise DFlashError(f"acceptance gate inconclusive: {why} reaches past {max_drop:.0%}; {more}, or pass "
                           "--accept-tau-drop to keep the engine")
     record["accepted_by_flag"] = True
