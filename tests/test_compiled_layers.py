@@ -41,10 +41,13 @@ def test_compiled_layers_decode_as_the_reference_loop(arch):
     rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, cuda_graphs=True, torch_compile=True)
     assert TargetAdapter(target).lean.functions == compiled_functions()
     assert draft.layer_functions == compiled_draft_functions()
+    assert rt.steps == 0 and rt.graph_stats()["replays"] == 0  # the start-up's warm-up left no trace
+    compiled = counters["stats"]["unique_graphs"]
     handles = [rt.add(SequenceRequest(list(p), SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS, BUDGETS)]
     rt.run()
     assert [h.result.output_ids for h in handles] == ref
     assert rt.graph_stats()["torch_compile"] is True
+    assert counters["stats"]["unique_graphs"] == compiled  # everything compiled at start-up, nothing in requests
 
 
 def test_one_compiled_graph_serves_every_layer():
