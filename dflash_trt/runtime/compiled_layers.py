@@ -14,8 +14,9 @@ runtime/draft_model.py: attention inputs, layer output) are compiled once, as
 functions OF a layer, and all layers reuse the compiled code (their weights are the code's inputs,
 not constants baked into it). ``dynamic=True`` keeps batch, length and width symbolic, so every
 row bucket, draft length, mask width and prefill length shares a few compiled graphs (sizes 0 and
-1 are specialised). Compilation happens on the first pass of each kind, which the batched runtime
-runs at start-up before it captures its CUDA graphs: never inside a request.
+1 are specialised). Compilation happens on the first pass of each shape class, which the batched
+runtime runs at start-up: its graph capture's passes, then two short dummy batches for the passes that
+stay eager (prefills, the drafter's catch-up): never inside a request.
 
 Numerics: fused kernels sum in another order than aten's (an RMSNorm's float32 mean, for one), so
 the outputs are no longer bit for bit transformers' (casts are rounded where the eager code rounds:
