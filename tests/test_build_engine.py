@@ -232,7 +232,7 @@ def test_sigterm_during_a_build_removes_the_temporary_directory(tmp_path):
     import os
     import signal
 
-    from dflash_trt.engine.builder import sigterm_as_interrupt
+    from dflash_trt.process import sigterm_as_interrupt
     from dflash_trt.fsutil import atomic_directory
 
     out = tmp_path / "engine"

@@ -8,15 +8,12 @@ build (Ctrl-C, OOM, a failed acceptance gate) never leaves a directory that look
 
 from __future__ import annotations
 
-import resource
 import shutil
 import sys
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dflash_trt.engine.archs import ArchSpec, resolve_arch
 from dflash_trt.engine.devices import BuildDevice
@@ -33,101 +30,7 @@ from dflash_trt.engine.plan import DraftShape, MemoryPlan, plan_memory, render_p
 from dflash_trt.engine.recipes import ResolvedRecipe, resolve_recipe
 from dflash_trt.engine.spec import BuildSpec
 from dflash_trt.errors import DFlashError
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Phases: wall time and peak RSS of each
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Profile:
-    phases: dict[str, float] = field(default_factory=dict)
-    peak_rss_mib: dict[str, float] = field(default_factory=dict)
-    peak_gpu_mib: dict[str, float] = field(default_factory=dict)  # largest per-GPU peak, when on GPUs
-    rss_mib: dict[str, float] = field(default_factory=dict)  # resident at the end of the phase
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
-            # The process's peak so far: read after each phase, the first phase whose value jumps
-            # is the one that set the peak.
-            self.peak_rss_mib[name] = peak_rss_mib()
-            self.rss_mib[name] = _proc_status_mib("VmRSS") or 0.0
-            gpu = _gpu_peak_mib()
-            if gpu is not None:
-                self.peak_gpu_mib[name] = gpu
-
-
-def _proc_status_mib(field: str) -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far (MiB): VmHWM on Linux, which starts afresh at
-    exec; getrusage's ru_maxrss survives exec, so a build started by a large parent process would
-    report the parent's peak."""
-    hwm = _proc_status_mib("VmHWM")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _gpu_peak_mib() -> float | None:
-    """The largest peak allocation on any GPU so far (None when torch has not touched a GPU)."""
-    if "torch" not in sys.modules:
-        return None
-    import torch
-
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 2**20
-
-
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM (timeout, scancel, kill) into KeyboardInterrupt so the temporary engine
-    directory is removed; by default SIGTERM kills Python without running any cleanup."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def versions(quantized: bool) -> dict[str, str]:
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    from dflash_trt import __version__
-
-    out = {"dflash-trt": __version__, "python": platform.python_version()}
-    libs = ["torch", "transformers", "safetensors", "pydantic", "pyyaml"] + (["nvidia-modelopt"] if quantized else [])
-    for lib in libs:
-        try:
-            out[lib] = version(lib)
-        except PackageNotFoundError:
-            out[lib] = "not installed"
-    return out
+from dflash_trt.process import Profile, library_versions, sigterm_as_interrupt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,7 +506,7 @@ def _manifest(run: BuildRun, out: Path, opts: dict[str, Any], files: Any, quant_
                         target_layer_ids=p.target_layer_ids),
         min_tensorrt_llm_version=min_version(opts),
         tensorrt_llm_requirements=requirements(opts),
-        versions=versions(spec.quant != "none"),
+        versions=library_versions(("nvidia-modelopt",) if spec.quant != "none" else ()),
         # the resolved spec, re-runnable as is with `build --spec` (the Slurm build job does that)
         spec={**spec.model_dump(), "target": str(p.target_dir), "draft": str(p.draft_dir), "out": str(out),
               "dtype": p.dtype_name},
@@ -613,25 +516,6 @@ def _manifest(run: BuildRun, out: Path, opts: dict[str, Any], files: Any, quant_
         timings_s={k: round(v, 3) for k, v in prof.phases.items()},
         build_device=run.device.describe(),
     )
-
-
-def render_profile(prof: Profile, console: Any) -> None:
-    from rich.table import Table
-
-    t = Table(title="build profile")
-    t.add_column("phase")
-    t.add_column("seconds", justify="right")
-    t.add_column("peak RSS so far (MiB)", justify="right")
-    t.add_column("RSS at end (MiB)", justify="right")
-    gpu = bool(prof.peak_gpu_mib)
-    if gpu:
-        t.add_column("peak GPU so far (MiB, largest GPU)", justify="right")
-    for name, secs in prof.phases.items():
-        row = [name, f"{secs:.2f}", f"{prof.peak_rss_mib.get(name, 0):.0f}", f"{prof.rss_mib.get(name, 0):.0f}"]
-        t.add_row(*row, *([f"{prof.peak_gpu_mib.get(name, 0):.0f}"] if gpu else []))
-    total = ["total", f"{sum(prof.phases.values()):.2f}", f"{max(prof.peak_rss_mib.values(), default=0):.0f}", ""]
-    t.add_row(*total, *([f"{max(prof.peak_gpu_mib.values()):.0f}"] if gpu else []))
-    console.print(t)
 
 
 def show_plan(p: Prepared, console: Any) -> None:
