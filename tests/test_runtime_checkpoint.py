@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.pairs import PairSource, load_pair
 from dflash_trt.runtime import DFlashDraftModel, build_target_layer_ids
-from dflash_trt.runtime.loading import load_pair
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime.validate import validate_pair
 
@@ -106,7 +106,7 @@ def test_pair_validation_errors_name_field_values_and_fix(pair, changes, expecte
     tdir, ddir = pair
     _edit(ddir / "config.json", **changes)
     with pytest.raises(DFlashError) as err:
-        load_pair(tdir, ddir)
+        load_pair(PairSource(tdir, ddir))
     assert expected in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -133,32 +133,32 @@ def test_missing_corrupt_and_pickle_weights_are_refused(pair):
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     with pytest.raises(DFlashError, match="corrupt or truncated safetensors"):
-        load_pair(tdir, ddir)
+        load_pair(PairSource(tdir, ddir))
     weights.unlink()
     with pytest.raises(DFlashError, match="no \\*.safetensors weight file"):
-        load_pair(tdir, ddir)
+        load_pair(PairSource(tdir, ddir))
     torch.save({"fc.weight": torch.zeros(1)}, ddir / "pytorch_model.bin")
     with pytest.raises(DFlashError, match="pickle can execute code"):
-        load_pair(tdir, ddir)
+        load_pair(PairSource(tdir, ddir))
 
 
 def test_weights_that_do_not_match_config_are_refused(pair):
     tdir, ddir = pair
     _edit(ddir / "config.json", num_hidden_layers=2)
     with pytest.raises(DFlashError, match="missing .* tensors .*layers.1"):
-        load_pair(tdir, ddir)
+        load_pair(PairSource(tdir, ddir))
 
 
 def test_not_a_drafter_is_refused(pair):
     tdir, _ = pair
     with pytest.raises(DFlashError, match="is not a DFlash drafter"):
-        load_pair(tdir, tdir)
+        load_pair(PairSource(tdir, tdir))
 
 
 def test_missing_directory(tmp_path, pair):
     tdir, _ = pair
     with pytest.raises(DFlashError, match="drafter config not found"):
-        load_pair(tdir, tmp_path / "nope")
+        load_pair(PairSource(tdir, tmp_path / "nope"))
     shutil.rmtree(tdir)
 
 

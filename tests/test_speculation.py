@@ -25,6 +25,7 @@ from dflash_trt.runtime.draft_model import build_target_layer_ids, make_draft_co
 from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime.validate import validate_pair
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import SpeculationSettings
 
@@ -94,7 +95,7 @@ def test_the_budgets_tail_drafts_the_full_block_batched_runtime():
     for p, t, m in zip(PROMPTS, truth, budgets):
         draft.row_sequences = [t]
         ref.append(dflash_generate(draft, target, p, SamplingParams(max_tokens=m), spec))
-    rt = BatchedRuntime(target, draft, max_batch=3, max_seq_len=64, speculation=spec)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=3, max_seq_len=64), spec).start()
     handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS, budgets)]
     by_handle = {id(h): t for h, t in zip(handles, truth)}
     while rt.has_work():

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from dflash_trt.cli_helpers import friendly_errors, int_list, max_draft_len_option, str_list
+from dflash_trt.runtime_options import DTYPE_NAMES
 
 
 def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
@@ -77,7 +78,7 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="Greedy: compare every output with the reference loop's plain decoding (computed first when the "
                    "reference loop is not a side) [default: check].")
 @click.option("--device", help="In process: cpu or cuda[:N] [default: cpu].")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="In process weights [default: float32].")
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), help="In process weights [default: float32].")
 @click.option("--pack/--no-pack", default=None,
               help="In process, float32 on CPU: oneDNN-packed linear layers (runtime/cpu_packing.py) [default: pack].")
 @click.option("--gpu", help="GPU of the run for the bandwidth ceiling (b300, b200, h200, h100) [default: detected].")

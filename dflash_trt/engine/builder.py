@@ -31,6 +31,8 @@ from dflash_trt.engine.recipes import ResolvedRecipe, resolve_recipe
 from dflash_trt.engine.spec import BuildSpec
 from dflash_trt.errors import DFlashError
 from dflash_trt.process import Profile, library_versions, sigterm_as_interrupt
+from dflash_trt.runtime_options import engine_dtype_name, torch_dtype
+from dflash_trt.runtime_options import resolve_compute_dtype as resolve_compute_dtype_for
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,21 +164,15 @@ def print_spec(spec: BuildSpec, console: Any) -> None:
 
 def resolve_dtype_name(spec: BuildSpec, checkpoint_dtype: str | None) -> str:
     """The engine's unquantized dtype: --dtype, else the checkpoint's 16-bit one (bfloat16 for a
-    float32 checkpoint on a GPU engine); the CPU recipe keeps a float32 checkpoint in float32."""
-    if spec.dtype != "auto":
-        return spec.dtype
-    ckpt = str(checkpoint_dtype or "bfloat16").removeprefix("torch.")
-    if ckpt in ("bfloat16", "float16"):
-        return ckpt
-    return "float32" if GPUS[spec.gpu].emulated and ckpt == "float32" else "bfloat16"
+    float32 checkpoint on a GPU engine); the CPU recipe keeps a float32 checkpoint in float32
+    (runtime_options.engine_dtype_name)."""
+    return engine_dtype_name(spec.dtype, checkpoint_dtype, GPUS[spec.gpu].emulated)
 
 
 def resolve_compute_dtype(spec: BuildSpec, engine_dtype: Any, device: BuildDevice) -> Any:
     """The dtype the build runs its models in: --compute-dtype, else the engine's dtype where the
-    build device multiplies it natively, float32 elsewhere (runtime.loading.compute_dtype)."""
-    from dflash_trt.runtime.loading import DTYPES, compute_dtype
-
-    return DTYPES[spec.compute_dtype] if spec.compute_dtype != "auto" else compute_dtype(engine_dtype, device.kind)
+    build device multiplies it natively, float32 elsewhere (runtime_options.compute_dtype)."""
+    return resolve_compute_dtype_for(spec.compute_dtype, engine_dtype, device.kind)
 
 
 def _run_in(model: Any, dtype: Any) -> Any:
@@ -236,13 +232,12 @@ def load_models(p: Prepared, dtype: Any, device: BuildDevice, compute: Any) -> B
     from dflash_trt.checkpoints.placement import home_device
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.devices import device_map_for
-    from dflash_trt.runtime.draft_model import DFlashDraftModel
-    from dflash_trt.runtime.loading import load_tokenizer
+    from dflash_trt.runtime.loading import load_drafter, load_tokenizer
 
     assert p.target_dir is not None and p.draft_dir is not None
     placement = device_map_for(p.target_dir, dtype, device)
     target = _run_in(load_checkpoint(p.target_dir, dtype, device_map=placement), compute)
-    draft = _run_in(DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=home_device(target)), compute)
+    draft = _run_in(load_drafter(p.draft_dir, dtype=dtype, device=home_device(target)), compute)
     tokenizer = load_tokenizer(p.target_dir)
     return BuildModels(target, draft, placement, tokenizer)
 
@@ -288,7 +283,6 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     from dflash_trt.engine.manifest import MANIFEST_NAME
     from dflash_trt.engine.verify import hash_tree
     from dflash_trt.fsutil import atomic_directory, write_json_atomic
-    from dflash_trt.runtime.loading import DTYPES
 
     spec, prof = p.spec, profile or Profile()
     return_large_frees_to_os()  # before any model: see dflash_trt.engine.host_memory
@@ -301,7 +295,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     quant_report: dict[str, Any] = {}
 
     with sigterm_as_interrupt(), atomic_directory(out, overwrite=overwrite) as tmp:
-        dtype = DTYPES[p.dtype_name]
+        dtype = torch_dtype(p.dtype_name)
         run = BuildRun(p, tmp, dtype, resolve_compute_dtype(spec, dtype, device), device, progress, console)
         models: BuildModels | None = None
         if quantized or gate_on:

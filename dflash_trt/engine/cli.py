@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from dflash_trt.cli_helpers import friendly_errors, int_list, max_draft_len_option, no_progress_option, str_list
+from dflash_trt.runtime_options import DTYPE_CHOICES
 
 # Flag name -> dotted build-spec key. Flags left unset (None) do not override the YAML.
 FLAG_TO_KEY = {
@@ -123,9 +124,9 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
 @spec_options
 @click.option("--out", type=click.Path(file_okay=False), help="Engine directory to write (default engines/NAME).")
 @click.option("--name", help="Engine name recorded in the manifest.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES),
               help="dtype of unquantized tensors (auto: the checkpoint's 16-bit one; float32 only for --gpu cpu).")
-@click.option("--compute-dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+@click.option("--compute-dtype", type=click.Choice(DTYPE_CHOICES),
               help="dtype calibration and the gate run in; the engine is in --dtype either way (auto: --dtype where "
                    "the build device multiplies it natively, else float32, e.g. on a CPU without AVX512-BF16).")
 @click.option("--calib-prompts", type=click.Path(dir_okay=False), help="Calibration prompts (.jsonl/.json/.txt).")

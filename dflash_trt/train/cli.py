@@ -10,6 +10,7 @@ import click
 
 from dflash_trt.cli_helpers import friendly_errors, int_list, no_progress_option
 from dflash_trt.errors import DFlashError
+from dflash_trt.runtime_options import DTYPE_NAMES
 
 
 @click.command("setup-default")
@@ -65,7 +66,7 @@ def setup_default(rebuild: bool) -> None:
               help="Target features computed once before training (cached) or in every step (online) [cached on cpu, else online].")
 @click.option("--extra-data", multiple=True, type=click.Path(dir_okay=False, exists=True),
               help="More sequences to train on (an answer file from `dflash-trt train-data`); repeatable.")
-@click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype on disk [bfloat16].")
+@click.option("--save-dtype", type=click.Choice(DTYPE_NAMES), help="Weights dtype on disk [bfloat16].")
 @no_progress_option()
 @friendly_errors
 def train_draft(target: str | None, out: str, config_file: str | None, no_progress: bool, **flags) -> None:
@@ -112,7 +113,7 @@ def _resolve_config(target: str | None, out: str, config_file: str | None, flags
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt order and the samples' draws.")
 @click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True),
               help="Start no new answer after this many seconds.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32",
               show_default=True, help="Target weights dtype.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: torch's choice).")
