@@ -31,7 +31,7 @@ from dflash_trt.engine.recipes import ResolvedRecipe, resolve_recipe
 from dflash_trt.engine.spec import BuildSpec
 from dflash_trt.errors import DFlashError
 from dflash_trt.process import Profile, library_versions, sigterm_as_interrupt
-from dflash_trt.runtime_options import engine_dtype_name, torch_dtype
+from dflash_trt.runtime_options import dtype_name, engine_dtype_name, torch_dtype
 from dflash_trt.runtime_options import resolve_compute_dtype as resolve_compute_dtype_for
 
 
@@ -258,7 +258,7 @@ class BuildRun:
 
     @property
     def compute_name(self) -> str:
-        return str(self.compute).removeprefix("torch.")
+        return dtype_name(self.compute)
 
     def say(self, msg: str) -> None:  # plain text: paths and [low, high] intervals are not rich markup
         if self.console is not None:

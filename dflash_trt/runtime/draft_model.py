@@ -27,6 +27,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.gqa_attention import grouped_attention
 from dflash_trt.runtime.lean_forward import LayerFunctions
+from dflash_trt.runtime_options import dtype_name
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -356,7 +357,7 @@ class DFlashDraftModel(nn.Module):
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
         cfg = self.to_config_dict()
-        cfg["dtype"] = str(dtype or next(self.parameters()).dtype).removeprefix("torch.")
+        cfg["dtype"] = dtype_name(dtype or next(self.parameters()).dtype)
         save_safetensors_atomic(state, directory / WEIGHTS_NAME)
         write_json_atomic(directory / CONFIG_NAME, cfg)
 
