@@ -51,11 +51,14 @@ def test_an_engine_is_refused_before_its_weights_load(engine, tmp_path):
     bad = tmp_path / "engine"
     shutil.copytree(engine, bad)
     weights = next((bad / "target").glob("*.safetensors"))
-    weights.write_bytes(weights.read_bytes()[:100])  # a half-copied file
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01  # one bit of one weight: the file still reads, only its sha256 tells
+    weights.write_bytes(bytes(data))
     with pytest.raises(DFlashError, match="--max-draft-len 9 is above"):  # K first: before any hash or weight
         load_pair(PairSource(engine=bad), max_draft_len=9)
-    with pytest.raises(DFlashError, match=weights.name):  # the hashes name the bad file
+    with pytest.raises(DFlashError, match=weights.name):  # the hashes name the altered file
         load_pair(PairSource(engine=bad))
+    assert load_pair(PairSource(engine=bad, verify=False)).manifest is not None  # unchecked, it loads
     with pytest.raises(DFlashError, match="--device 'tpu:0': give cpu, cuda or cuda:N"):
         load_pair(PairSource(engine=bad), RuntimeOptions(device="tpu:0"))
 

@@ -111,7 +111,9 @@ def test_verdict_reads_the_kv_budget():
     assert ok.fits and ok.text.startswith("fits:")
     assert ok.budget == pytest.approx(free * 0.9) and ok.sequences == int(ok.budget // 1e8)
     assert ok.tokens == int(ok.budget // 1e6)
-    tight = verdict(_spec(max_batch_size=10_000), 10 * GB, 4 * GIB, kv)
+    exactly = verdict(_spec(max_batch_size=ok.sequences), 10 * GB, 4 * GIB, kv)  # as many as fit: still fits
+    assert exactly.text.startswith("fits:")
+    tight = verdict(_spec(max_batch_size=ok.sequences + 1), 10 * GB, 4 * GIB, kv)
     assert tight.fits and tight.text.startswith("TIGHT") and "--max-batch-size" in tight.text
     over = verdict(_spec(), 79 * GB, 4 * GIB, kv)
     assert not over.fits and over.text.startswith("DOES NOT FIT") and over.budget == 0
