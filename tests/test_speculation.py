@@ -177,7 +177,7 @@ def test_an_engine_with_a_smaller_max_draft_len_is_served_with_it(tmp_path):
     res = runner.invoke(main, ["generate", "--engine", str(engine), "--json", "--max-new-tokens", "10", "Hello"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed"}
+    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed", "draft_method": "match"}
     assert len(out["per_position_acceptance"]) <= 3
     res = runner.invoke(main, ["generate", "--engine", str(engine), "--max-draft-len", "4", "Hello"])
     assert res.exit_code == 2 and res.output.startswith("error: ") and "above the 3" in res.output
@@ -198,5 +198,6 @@ def test_generate_adaptive_runs_the_batched_runtime_and_stays_lossless(tiny_pair
                                     "adaptive", "--max-draft-len", "3", "--max-new-tokens", "12", "--compare", "hi"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "adaptive"}
+    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "adaptive",
+                                  "draft_method": "match"}
     assert out["identical_to_plain"] is True and len(out["per_position_acceptance"]) <= 3

@@ -101,6 +101,8 @@ def unsupported_reason(target: Any, draft: DFlashDraftModel | None = None) -> st
         return f"{cfg.model_type} has sliding-window layers (their mask is not built by the batched runtime)"
     if draft is not None and any(layer.self_attn.sliding_window for layer in draft.layers):
         return "the drafter has sliding-window layers (one mask per pass here)"
+    if draft is not None and (why := draft.reference_only_reason()) is not None:  # DFlash2, causal layers
+        return why
     return None
 
 
