@@ -204,6 +204,9 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
         if not ddir.is_dir():
             raise DFlashError(f"drafter directory {ddir} not found; pass --draft DIR with config.json and model.safetensors")
         draft_cfg = read_json(ddir / "config.json", what="drafter config")
+        if "speculators_model_type" in draft_cfg:  # the engine ships draft/ as it is; TensorRT-LLM reads z-lab's
+            raise DFlashError(f"{ddir} is a drafter in the speculators format, which TensorRT-LLM does not read; "
+                              f"convert it first: dflash-trt convert-draft {ddir} OUT --to zlab, then --draft OUT")
 
         class _Cfg:  # validate_pair reads attributes
             hidden_size, num_hidden_layers, vocab_size = arch.hidden_size, arch.num_layers, arch.vocab_size

@@ -6,7 +6,7 @@ A family is data (:class:`DrafterFamily`) plus the module that runs it: DFlash v
 
 - a config.json with a ``speculators_model_type`` key is the speculators format, whatever its
   ``architectures`` say; its type (``dflash`` / ``dflash2``) names the family, and it is read as its
-  z-lab equivalent (checkpoints/speculators.py);
+  z-lab equivalent (runtime/speculators_format.py);
 - otherwise ``"DFlash2DraftModel"`` in ``architectures`` is DFlash2, ``"DFlashDraftModel"`` (or no
   architectures at all) is DFlash v1; any other architecture is refused.
 
@@ -111,9 +111,9 @@ def _check_recipe(cfg: dict[str, Any], family: DrafterFamily, where: Any) -> Non
 
 def zlab_config(cfg: dict[str, Any], where: Any = CONFIG_NAME) -> dict[str, Any]:
     """`cfg` in z-lab's layout: a z-lab config as it is, a speculators config converted
-    (checkpoints/speculators.py). Every reader of a drafter config goes through this."""
+    (runtime/speculators_format.py). Every reader of a drafter config goes through this."""
     if isinstance(cfg, dict) and is_speculators(cfg):
-        from dflash_trt.checkpoints.speculators import zlab_config_of
+        from dflash_trt.runtime.speculators_format import zlab_config_of
 
         return zlab_config_of(cfg, where)
     return cfg
@@ -133,7 +133,7 @@ def read_drafter(directory: str | Path, allow_pickle: bool = False
         expected = family.model_class()(cfg).checkpoint_state()
     state = load_state_dict(directory, allow_pickle=allow_pickle)
     if is_speculators(raw):
-        from dflash_trt.checkpoints.speculators import zlab_state_of
+        from dflash_trt.runtime.speculators_format import zlab_state_of
 
         state = zlab_state_of(state, directory)
     if family is DFLASH2:

@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from dflash_trt.errors import DFlashError
+
+if TYPE_CHECKING:  # the command line imports this module for FORMATS: no torch at import time
+    import torch
 
 SPECULATORS_VERSION = "0.9.0"  # the version whose config classes tests/test_speculators_configs.py checks
 # speculators' own defaults for keys a config may leave out (the config classes' Field defaults)
