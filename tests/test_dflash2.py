@@ -217,5 +217,5 @@ def test_a_draft_vocabulary_beside_a_dflash2_drafter_is_refused(tmp_path):
 
     random_draft(tiny_target("llama").config, family="dflash2").save_pretrained(tmp_path)
     save_draft_vocab(tmp_path, torch.arange(16))
-    with pytest.raises(DFlashError, match="draft_vocab.json beside a DFlash2 drafter"):
+    with pytest.raises(DFlashError, match="draft_vocab.json beside a DFlash2 drafter; its candidate selector ranks the whole vocabulary"):
         load_drafter(tmp_path)

@@ -2,11 +2,12 @@
 path; the drafter drafts its full trained block B at the budget's tail too; repeated target
 layer ids are accepted as z-lab's reference accepts them.
 
-The tail rule follows z-lab's reference loop (github.com/z-lab/dflash, dflash/model.py,
-`dflash_generate`, commit 44947fbf71114e241c96de194f4b382b5dd330d0: the block is always
-``output_ids[:, start : start + block_size]`` and the output is cut to ``max_length`` at the end)
-and TensorRT-LLM's one-model DFlash (tensorrt_llm/_torch/speculative/dflash.py,
-``dflash_draft_slot_ids``: K draft logits taken from a block of block_size slots).
+The tail rule follows TensorRT-LLM's one-model DFlash (tensorrt_llm/_torch/speculative/dflash.py,
+``dflash_draft_slot_ids``: K draft logits taken from a block of block_size slots) and z-lab's
+April reference (commit 44947fb: the block was always ``output_ids[:, start : start + block_size]``).
+z-lab's dflash 0.1.0 shortens its last blocks to the tokens left (``verify_size``) instead: that
+difference by design is tested apart in tests/test_zlab_oracle.py, which compares every other
+step with 0.1.0 itself.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def _speculators_dir(tmp_path, edit=None, tensors=None):
 
 READ_REFUSALS = {
     "reduced vocabulary": (dict(edit=lambda c: c.update(draft_vocab_size=64)),
-                           "draft_vocab_size=64 is smaller than the vocabulary \\(128\\): a reduced draft vocabulary"),
+                           "draft_vocab_size=64 differs from the vocabulary \\(128\\): a reduced draft vocabulary"),
     "d2t": (dict(tensors={"d2t": torch.zeros(64, dtype=torch.long)}), "model.safetensors has d2t"),
     "own head": (dict(tensors={"lm_head.weight": torch.zeros(128, 64)}), "model.safetensors has lm_head.weight"),
     "sample_from_anchor": (dict(edit=lambda c: c.update(sample_from_anchor=True)), "sample_from_anchor=true"),

@@ -283,8 +283,9 @@ DRAFT_EAGER = LayerFunctions(draft_attention_inputs, draft_layer_output)
 class DFlashDraftModel(nn.Module):
     """DFlash block-diffusion drafter. Weights named as z-lab's: layers.*, fc, hidden_norm, norm.
 
-    The family's data: its z-lab architecture string, and how a step turns the draft slots'
-    hidden states into proposals (:meth:`propose`). DFlash2 (runtime/dflash2.py) subclasses it."""
+    The module of the DFlash family (runtime/drafter_family.py holds its data): its layers, and how
+    a step turns the draft slots' hidden states into proposals (:meth:`propose`). DFlash2
+    (runtime/dflash2.py) subclasses it."""
 
     family = "dflash"  # runtime/drafter_family.py: the family this class runs, detected from config.json
 

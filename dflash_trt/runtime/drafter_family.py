@@ -29,6 +29,7 @@ import torch
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime import dflash2
+from dflash_trt.runtime.draft_vocab import FILE as DRAFT_VOCAB_FILE
 
 CONFIG_NAME = "config.json"
 
@@ -45,6 +46,14 @@ class DrafterFamily:
     def model_class(self) -> type:
         module, name = self.model.split(":")
         return getattr(importlib.import_module(module), name)
+
+    def check(self, cfg: dict[str, Any], where: Any) -> None:
+        """One line for the first field of `cfg` (z-lab layout) this family cannot run."""
+        from dflash_trt.runtime.draft_model import DFlashSettings
+
+        settings = DFlashSettings.from_config_dict(cfg, str(where))
+        if self.recipe_keys:
+            dflash2.DFlash2Recipe.from_config_dict(cfg, str(where), settings.block_size)
 
 
 DFLASH = DrafterFamily("dflash", "DFlashDraftModel", "dflash", (), (), "dflash_trt.runtime.draft_model:DFlashDraftModel")
@@ -99,7 +108,7 @@ def _check_recipe(cfg: dict[str, Any], family: DrafterFamily, where: Any) -> Non
             continue
         foreign = [k for k in other.recipe_keys if k in dcfg or k in cfg]
         if foreign:
-            raise DFlashError(f"{where}: config.json carries {foreign[0]} (a {other.name} drafter's key) but "
+            raise DFlashError(f"{where}: carries {foreign[0]} (a {other.name} drafter's key) but "
                               f"architectures says {family.architecture}; a {other.name} drafter names "
                               f"[\"{other.architecture}\"] in architectures, else remove {', '.join(foreign)}")
     for key in family.recipe_keys:
@@ -129,6 +138,10 @@ def read_drafter(directory: str | Path, allow_pickle: bool = False
     raw = read_json(directory / CONFIG_NAME, what="drafter config")
     family = detect_family(raw, directory)
     cfg = zlab_config(raw, directory)
+    family.check(cfg, directory / CONFIG_NAME)  # its fields, named with the file they are in
+    if family is DFLASH2 and (directory / DRAFT_VOCAB_FILE).is_file():
+        raise DFlashError(f"{directory}: {DRAFT_VOCAB_FILE} beside a DFlash2 drafter; its candidate selector ranks "
+                          f"the whole vocabulary (codebooks of every token), delete {DRAFT_VOCAB_FILE}")
     with torch.device("meta"):  # names and shapes only: nothing allocated
         expected = family.model_class()(cfg).checkpoint_state()
     state = load_state_dict(directory, allow_pickle=allow_pickle)
@@ -164,9 +177,6 @@ def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, devi
     # bounds-checked against the drafter's vocab_size here, against the target's by the runtime
     vocab = cfg.get("vocab_size")
     model.draft_vocab = load_draft_vocab(directory, int(vocab) if vocab else None)
-    if model.draft_vocab is not None and family is DFLASH2:
-        raise DFlashError(f"{directory}: draft_vocab.json beside a DFlash2 drafter; its candidate selector ranks "
-                          "the whole vocabulary (codebooks of every token), delete draft_vocab.json")
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -84,7 +84,7 @@ def zlab_config_of(cfg: dict[str, Any], where: Any = "config.json") -> dict[str,
                           "this project, z-lab and vLLM draft block_size - 1 after the anchor, use such a drafter")
     vocab = layer.get("vocab_size")
     if cfg.get("draft_vocab_size", vocab) != vocab:
-        raise DFlashError(f"{where}: draft_vocab_size={cfg.get('draft_vocab_size')} is smaller than the vocabulary "
+        raise DFlashError(f"{where}: draft_vocab_size={cfg.get('draft_vocab_size')} differs from the vocabulary "
                           f"({vocab}): a reduced draft vocabulary (d2t/t2d), which this project does not run; use a "
                           "full-vocabulary drafter")
     hidden = cfg.get("target_hidden_size")
