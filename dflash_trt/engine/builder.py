@@ -184,6 +184,7 @@ def _check_tokenizers(target_dir: Path, draft_dir: Path | None, vocab_size: int)
 def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
     """All checks that need only configs; the memory plan. Raises DFlashError on the first problem."""
     from dflash_trt.checkpoints.files import read_json
+    from dflash_trt.runtime.drafter_family import is_speculators
     from dflash_trt.runtime.validate import validate_pair
 
     target, draft = _resolve_dirs(spec)
@@ -204,7 +205,7 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
         if not ddir.is_dir():
             raise DFlashError(f"drafter directory {ddir} not found; pass --draft DIR with config.json and model.safetensors")
         draft_cfg = read_json(ddir / "config.json", what="drafter config")
-        if "speculators_model_type" in draft_cfg:  # the engine ships draft/ as it is; TensorRT-LLM reads z-lab's
+        if is_speculators(draft_cfg):  # the engine ships draft/ as it is; TensorRT-LLM reads z-lab's
             raise DFlashError(f"{ddir} is a drafter in the speculators format, which TensorRT-LLM does not read; "
                               f"convert it first: dflash-trt convert-draft {ddir} OUT --to zlab, then --draft OUT")
 
