@@ -20,6 +20,10 @@ The vocabulary (the same letters in code, CLI help, manifest, README):
   - ``adaptive``: the batched runtime picks k per step from measured step costs and running
     acceptance, among candidates 0, 1, 3, 7, ... capped at K (runtime/policy.py), so that sharing
     passes never makes DFlash slower than plain decoding. Serving opts into it.
+  - ``schedule``: k = the **draft-length schedule**'s value at the step's batch size
+    (``schedule``, a :class:`~dflash_trt.draft_len_schedule.DraftLenSchedule`: TensorRT-LLM's
+    ``draft_len_schedule``, 0 = plain decoding above its largest batch size), what a node running
+    the engine's ``llm_api_options.yaml`` does.
 
 - **draft method** (``draft_method``): what a step drafts and how it is verified when it
   samples (temperature > 0; at temperature 0 every method drafts the argmax and accepts the
@@ -47,12 +51,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dflash_trt.draft_len_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashError
 
-Policy = Literal["adaptive", "fixed"]
-POLICIES: tuple[str, ...] = ("adaptive", "fixed")
+Policy = Literal["adaptive", "fixed", "schedule"]
+POLICIES: tuple[str, ...] = ("adaptive", "fixed", "schedule")
 FIXED: Policy = "fixed"
 ADAPTIVE: Policy = "adaptive"
+SCHEDULE: Policy = "schedule"
 
 DraftMethod = Literal["match", "greedy", "probabilistic"]
 DRAFT_METHODS: tuple[str, ...] = ("match", "greedy", "probabilistic")
@@ -80,6 +86,7 @@ class SpeculationSettings:
     max_draft_len: int  # K
     policy: Policy = FIXED
     draft_method: DraftMethod = MATCH
+    schedule: DraftLenSchedule | None = None  # k by batch size (policy schedule; TensorRT-LLM's draft_len_schedule)
 
     def __post_init__(self) -> None:
         B, K = self.block_size, self.max_draft_len
@@ -92,6 +99,11 @@ class SpeculationSettings:
             raise DFlashError(f"--policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if self.draft_method not in DRAFT_METHODS:
             raise DFlashError(f"draft method {self.draft_method!r} is not one of {', '.join(DRAFT_METHODS)}")
+        if self.schedule is not None:
+            self.schedule.check_against(K)
+        elif self.policy == SCHEDULE:
+            raise DFlashError("--policy schedule follows a draft-length schedule and none is given: pass "
+                              "--draft-len-schedule (e.g. 4:7,16:3) or serve an engine whose build recorded one")
 
     @classmethod
     def for_block(cls, block_size: int, max_draft_len: int | None = None, policy: str | None = None,
@@ -121,5 +133,8 @@ class SpeculationSettings:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"block_size": self.block_size, "max_draft_len": self.max_draft_len, "policy": self.policy,
-                "draft_method": self.draft_method}
+        out = {"block_size": self.block_size, "max_draft_len": self.max_draft_len, "policy": self.policy,
+               "draft_method": self.draft_method}
+        if self.schedule is not None:  # only where one is set: records without one read as before
+            out["draft_len_schedule"] = self.schedule.to_mapping()
+        return out
