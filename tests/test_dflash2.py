@@ -1,6 +1,6 @@
 """DFlash2's parts against their definitions (runtime/dflash2.py), the checkpoint layout we write,
-the family detection (runtime/drafter_family.py) and its one-line refusals, and the routing of
-what only the reference loop runs. z-lab's own code checks the whole drafter: test_zlab_oracle.py."""
+the family detection (runtime/drafter_family.py) and its one-line refusals, and what the
+batched runtime routes to the reference loop. z-lab's own code checks the whole drafter: test_zlab_oracle.py."""
 
 from __future__ import annotations
 
@@ -119,14 +119,16 @@ def test_codebooks_saved_with_a_weight_suffix_load_too(tmp_path):
     assert torch.equal(loaded.candidate_selector.successor_codebook, draft.candidate_selector.successor_codebook)
 
 
-def test_dflash2_runs_on_the_reference_loop_and_the_batched_runtime_says_so():
+def test_dflash2_and_the_newer_fields_run_everywhere_causal_drafter_layers_on_the_reference_loop():
+    """The batched runtime runs DFlash2 drafters and transformed draft logits
+    (tests/test_batched_dflash2.py checks it step for step); a drafter with causal layers is still
+    routed to the reference loop, with the reason."""
     target = tiny_target("llama", seed=3).double()
     draft = random_draft(target.config, family="dflash2", seed=2).double()
-    assert "DFlash2" in unsupported_reason(target, draft)
-    v1 = random_draft(target.config, seed=2)
-    assert unsupported_reason(target, v1) is None
-    cfg = make_draft_config(target.config, dflash_fields={"final_logit_softcapping": 10.0})
-    assert "final_logit_softcapping" in unsupported_reason(target, DFlashDraftModel(cfg))
+    assert unsupported_reason(target, draft) is None
+    cfg = make_draft_config(target.config, dflash_fields={"final_logit_softcapping": 10.0, "output_multiplier": 2.0,
+                                                           "input_embedding_scale": 3.0})
+    assert unsupported_reason(target, DFlashDraftModel(cfg)) is None
     cfg = make_draft_config(target.config)
     cfg["is_causal"] = True
     assert "causal" in unsupported_reason(target, DFlashDraftModel(cfg))

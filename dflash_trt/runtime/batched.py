@@ -56,15 +56,17 @@ from dflash_trt.errors import DFlashError, InvalidRequest
 from dflash_trt.runtime.batched_cache import BatchedDraftCache, BatchedKVCache
 from dflash_trt.runtime.compiled_layers import compile_errors
 from dflash_trt.runtime.cuda_graphs import CudaGraphPasses, StaticPasses, static_passes
-from dflash_trt.runtime.dflash_proposer import DFlashProposer
+from dflash_trt.runtime.dflash_proposer import Proposal, make_proposer
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.draft_vocab import DraftVocabHead
 from dflash_trt.runtime.generate import GenerationResult, finish
 from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
 from dflash_trt.runtime.host_transfers import HostTransfers
 from dflash_trt.runtime.policy import Decision, FixedPolicy, SpeculationPolicy, make_policy
+from dflash_trt.runtime.sampling import StepSampling
 from dflash_trt.runtime.scheduling import (
     CPU_PREFILL_PAD_LIMIT,
+    PENDING,
     BatchedSequence,
     Scheduler,
     SequenceRequest,
@@ -78,7 +80,7 @@ from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.target_passes import TargetPasses
 from dflash_trt.sampling_params import GREEDY, SamplingParams
 from dflash_trt.runtime_options import RuntimeOptions
-from dflash_trt.speculation import SpeculationSettings
+from dflash_trt.speculation import SpeculationSettings, rejection_verified, samples_drafts
 
 __all__ = ["BatchedRuntime", "BatchedSequence", "RuntimeExtras", "SequenceRequest", "batched_generate",
            "unsupported_reason"]
@@ -104,17 +106,9 @@ def unsupported_reason(target: Any, draft: DFlashDraftModel | None = None) -> st
         return f"{cfg.model_type} has sliding-window layers (their mask is not built by the batched runtime)"
     if draft is not None and any(layer.self_attn.sliding_window for layer in draft.layers):
         return "the drafter has sliding-window layers (one mask per pass here)"
-    if draft is not None and (why := draft.reference_only_reason()) is not None:  # DFlash2, causal layers
+    if draft is not None and (why := draft.reference_only_reason()) is not None:  # causal layers
         return why
     return None
-
-
-def reference_only_method(speculation: SpeculationSettings | None) -> str | None:
-    """Why these speculation settings need the reference loop (None: the batched runtime runs them):
-    its sampled steps verify by exact match, so another draft method would be silently ignored."""
-    if speculation is None or speculation.draft_method == "match":
-        return None
-    return f"draft_method {speculation.draft_method} verifies sampled steps by rejection sampling in the reference loop only"
 
 
 @dataclass
@@ -187,9 +181,6 @@ class BatchedRuntime:
             if self.speculation.block_size != draft.block_size:
                 raise DFlashError(f"speculation settings are for block_size {self.speculation.block_size} but the "
                                   f"drafter's block is {draft.block_size}; build them from this drafter")
-            if self.speculation.draft_method != "match":  # sampled steps verify by exact match here
-                raise DFlashError(f"batched runtime: {reference_only_method(self.speculation)}; use dflash_generate "
-                                  "(the reference loop) for this pair")
         self.block_size = draft.block_size if draft is not None else 1  # B: what a draft pass covers
         self.max_draft_len = self.speculation.max_draft_len if self.speculation is not None else 0  # K
         self.policy: SpeculationPolicy = extras.policy or (make_policy(self.speculation) if self.speculation is not None
@@ -212,7 +203,8 @@ class BatchedRuntime:
         capacity = max_seq_len + self.block_size + 1
         self.transfers = HostTransfers(self.device)
         self.passes = TargetPasses(self.target, max_batch, capacity, layer_ids, self.transfers)
-        self.proposer = (DFlashProposer(draft, self.target, max_batch, capacity, extras.use_draft_vocab)
+        # the drafter family's proposer (dflash_proposer.make_proposer: picked from the checkpoint)
+        self.proposer = (make_proposer(draft, self.target, max_batch, capacity, extras.use_draft_vocab)
                          if draft is not None else None)
         self.scheduler = Scheduler(max_batch, self.device)
         self.prefill_pad_limit = CPU_PREFILL_PAD_LIMIT if self.device.type == "cpu" else float("inf")
@@ -443,7 +435,7 @@ class BatchedRuntime:
         N = self.shapes.rows(n) if static else n  # rows n..N-1: padding on free slots (static shapes)
         longest = max(s.start for s in seqs)
         table = self.transfers.upload(row_table(seqs, N))  # [N, 4]: the step's one upload
-        drafts = None
+        proposal: Proposal | None = None
         # a cost sample: with static shapes, every pass replayed a captured shape; eagerly, no catch-up
         steady = static if self.graphs is not None else not catching_up
         if k > 0 and greedy and not static and self.verify_chunk:
@@ -452,32 +444,39 @@ class BatchedRuntime:
                                           self.shapes.draft_width(longest))  # [n, k, H]
             for s in seqs:
                 s.draft_len = s.start
-            out = self.passes.verify_chunked(table, hidden, self.proposer.tokens, self.shapes.verify_width(longest, k),
-                                             self.verify_chunk)
+            out = self.passes.verify_chunked(table, self.proposer.reader(hidden, table[:, PENDING]), k,
+                                             self.shapes.verify_width(longest, k), self.verify_chunk)
             return Decoded(k, out, None, steady)
+        method = self.speculation.draft_method if self.speculation is not None else "match"
+        # who samples this step, and how (the groups' row indices: one counted upload, if any)
+        sampling = None if greedy else StepSampling([s.request.params for s in seqs], [s.generator for s in seqs],
+                                                    self.device, self.transfers.upload)
         if k > 0:
             assert self.proposer is not None
             features = self.passes.features
             W = self.shapes.draft_width(longest)
             context = max(s.backlog for s in seqs)  # >= 1
-            if static and context <= k + 1:  # steady drafting: one static context width per k
-                drafts = self.graphed.draft(table, k, W)  # [N, k]
+            if sampling is not None and samples_drafts(method):  # drafts drawn from q (probabilistic)
+                proposal = self.proposer.propose_sampled(table, features, k, context, W, sampling)
+            elif static and context <= k + 1:  # steady drafting: one static context width per k
+                proposal = Proposal(self.graphed.draft(table, k, W))  # [N, k]
             else:
-                drafts = self.proposer.propose(table, features, k, context, W)
+                proposal = Proposal(self.proposer.propose(table, features, k, context, W))
                 if static:
                     self.eager_passes["draft catch-up"] += 1
                     steady = False
             for s in seqs:
                 s.draft_len = s.start
         W = self.shapes.verify_width(longest, k)
+        drafts = proposal.drafts if proposal is not None else None  # [N, k] | None (k = 0)
         bad = None
         if static:
             out = self.graphed.verify(table, drafts, k, W)[:n]
             steady = steady and self.graphs.counters.misses == misses
-        elif greedy:
+        elif sampling is None:
             out = self.passes.verify_greedy(table, drafts, W)
         else:
-            out, bad = self.passes.verify_sampled(table, drafts, W, seqs)
+            out, bad = self.passes.verify_sampled(table, proposal, W, sampling, rejection_verified(method))
         return Decoded(k, out, bad, steady)
 
     # -- static shapes -----------------------------------------------------------------------------

@@ -10,7 +10,8 @@ row): 1,266 kernels a plain step -> 546, and a graphed plain step 3.10 ms -> 1.6
 
 Regional compilation, PyTorch's recipe for a stack of identical blocks: the two halves of a layer
 around its KV-cache write and attention (the target's in runtime/lean_forward.py, the drafter's in
-runtime/draft_model.py: attention inputs, layer output) are compiled once, as
+runtime/draft_model.py, a DFlash2 drafter's with its convolutions in runtime/dflash2.py: attention
+inputs, layer output) are compiled once, as
 functions OF a layer, and all layers reuse the compiled code (their weights are the code's inputs,
 not constants baked into it). ``dynamic=True`` keeps batch, length and width symbolic, so every
 row bucket, draft length, mask width and prefill length shares a few compiled graphs (sizes 0 and
@@ -38,7 +39,7 @@ import torch
 
 from dflash_trt.checkpoints.placement import home_device
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.draft_model import DFlashDraftModel, draft_attention_inputs, draft_layer_output
+from dflash_trt.runtime.draft_model import DRAFT_EAGER, DFlashDraftModel
 from dflash_trt.runtime.lean_forward import LayerFunctions, attention_inputs, layer_output
 from dflash_trt.runtime.target import TargetAdapter
 
@@ -82,9 +83,11 @@ def compiled_functions() -> LayerFunctions:
 
 
 @functools.cache
-def compiled_draft_functions() -> LayerFunctions:
-    """The drafter layer's two halves (runtime/draft_model.py), compiled as the target's."""
-    return LayerFunctions(_compile(draft_attention_inputs), _compile(draft_layer_output))
+def compiled_draft_functions(eager: LayerFunctions = DRAFT_EAGER) -> LayerFunctions:
+    """A drafter family's layer halves (`eager`: the model class's ``eager_layer_functions``, DFlash
+    v1's in runtime/draft_model.py, DFlash2's with its convolutions in runtime/dflash2.py), compiled
+    as the target's, once per family and process."""
+    return LayerFunctions(*(_compile(fn) for fn in eager))
 
 
 def compile_target_layers(target: TargetAdapter) -> None:
@@ -97,9 +100,9 @@ def compile_target_layers(target: TargetAdapter) -> None:
 
 
 def compile_draft_layers(draft: DFlashDraftModel) -> None:
-    """Switch `draft`'s layers to their compiled halves (its cache writes and attention stay eager)."""
+    """Switch `draft`'s layers to their family's compiled halves (cache writes and attention stay eager)."""
     _require_compiler(home_device(draft))
-    draft.layer_functions = compiled_draft_functions()
+    draft.layer_functions = compiled_draft_functions(draft.eager_layer_functions)
 
 
 def _require_compiler(device: torch.device) -> None:

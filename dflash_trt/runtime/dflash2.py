@@ -39,7 +39,8 @@ from transformers import Qwen3Config
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.draft_model import DFlashDecoderLayer, DFlashDraftModel, DraftKVCache
-from dflash_trt.runtime.sampling import sampling_probs
+from dflash_trt.runtime.lean_forward import LayerFunctions
+from dflash_trt.runtime.sampling import draw, sampling_probs
 
 # dflash_config keys every DFlash2 drafter carries (z-lab has no defaults for them; TensorRT-LLM
 # refuses a partial set, vLLM indexes them directly)
@@ -144,18 +145,36 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.attention_conv = GroupedDynamicCausalConv(h, recipe.conv_kernel_size, recipe.conv_group_size, block_size)
         self.mlp_conv = GroupedDynamicCausalConv(h, recipe.conv_kernel_size, recipe.conv_group_size, block_size)
 
-    def forward(self, x, ctx, cos, sin, cache, attn_mask, queries: slice | None = None, functions=None):
-        if functions is not None:  # compiled halves are v1's: they would drop the convolutions
-            raise DFlashError("torch.compile'd drafter layers are not written for DFlash2 yet; run it eagerly "
-                              "(the reference loop)")
-        attn = self.self_attn
-        h, out_kernel = self.attention_conv.prepare(self.input_layernorm(x))
-        attended = attn.attend(*attn.projections(h, ctx, cos, sin), cache, attn_mask)  # [n, nh, S, hd]
-        x = x + self.attention_conv.finish(attn.output(attended), out_kernel)
-        h, out_kernel = self.mlp_conv.prepare(self.post_attention_layernorm(x))
-        x = x + self.mlp_conv.finish(self.mlp(h), out_kernel)
+    def forward(self, x, ctx, cos, sin, cache, attn_mask, queries: slice | None = None,
+                functions: LayerFunctions | None = None):
+        """`functions`: the layer's halves around its cache write and attention (default eager;
+        runtime/compiled_layers.py passes torch.compile'd ones)."""
+        pre, post = functions or DFLASH2_EAGER
+        q, k, v, out_kernel = pre(self, x, ctx, cos, sin)
+        attended = self.self_attn.attend(q, k, v, cache, attn_mask)  # [n, nh, S, hd]
+        x = post(self, x, attended, out_kernel)
         # every slot is computed: the taps of slot t read the sublayers' outputs at t-1.. too
         return x if queries is None else x[:, queries]
+
+
+def dflash2_attention_inputs(layer: DFlash2DecoderLayer, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A DFlash2 layer up to its attention: input norm, the convolution's input side, the
+    projections -> q, k, v and the output side's coefficients [n, S, K, G]."""
+    h, out_kernel = layer.attention_conv.prepare(layer.input_layernorm(x))
+    return (*layer.self_attn.projections(h, ctx, cos, sin), out_kernel)
+
+
+def dflash2_layer_output(layer: DFlash2DecoderLayer, x: torch.Tensor, attended: torch.Tensor,
+                         out_kernel: torch.Tensor) -> torch.Tensor:
+    """The rest of a DFlash2 layer over every block slot: o_proj, the convolution's output side,
+    residual, then the MLP inside its convolution pair, residual -> [n, S, H]."""
+    x = x + layer.attention_conv.finish(layer.self_attn.output(attended), out_kernel)
+    h, out_kernel = layer.mlp_conv.prepare(layer.post_attention_layernorm(x))
+    return x + layer.mlp_conv.finish(layer.mlp(h), out_kernel)
+
+
+DFLASH2_EAGER = LayerFunctions(dflash2_attention_inputs, dflash2_layer_output)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,10 +195,12 @@ class CandidateSelector(nn.Module):
         hidden: torch.Tensor,  # [n, L, H] draft slots 1..L after the final norm
         logits: torch.Tensor,  # [n, L, V] their draft logits
         anchor: torch.Tensor,  # [n] the first predecessor: the block's slot 0
-        temperature: float,
-        generator: torch.Generator | None = None,
+        choose: "Choice",
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # path [n, L], candidates [n, L, K], q [n, L, K]
-        """The walk over the slots (see the module docstring). q is None at temperature 0."""
+        """The walk over the slots (see the module docstring): `choose` picks each slot's candidate
+        from its scores (:func:`argmax_choice`, :func:`sampled_choice`, or a batched step's rows
+        each their own way); q is None when it never sampled. On the device throughout: L small
+        steps, no value read by the host (a batched step's one read stays its only sync)."""
         unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)  # [n, L, K] each
         g = self.hidden_projection(hidden)  # [n, L, r]
         predecessor = anchor
@@ -188,15 +209,30 @@ class CandidateSelector(nn.Module):
             context = F.embedding(predecessor, self.predecessor_codebook) * g[:, j]  # [n, r]
             successors = F.embedding(candidates[:, j], self.successor_codebook)  # [n, K, r]
             scores = unary[:, j] + torch.einsum("br,bkr->bk", context, successors)  # [n, K]
-            if temperature > 0:
-                q = sampling_probs(scores[:, None], temperature)[:, 0]  # [n, K]: no top-p/top-k on q
-                index = torch.multinomial(q.view(-1, q.shape[-1]), 1, generator=generator).view(q.shape[:-1])
+            index, q = choose(scores)  # [n], [n, K] | None
+            if q is not None:
                 q_rows.append(q)
-            else:
-                index = scores.argmax(-1)
             predecessor = candidates[:, j].gather(-1, index[:, None])[:, 0]  # [n]
             path.append(predecessor)
         return torch.stack(path, 1), candidates, torch.stack(q_rows, 1) if q_rows else None
+
+
+# a slot's scores [n, K] -> the chosen candidate [n] and, when drawn, the q row it was drawn from [n, K]
+Choice = Callable[[torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+def argmax_choice(scores: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return scores.argmax(-1), None
+
+
+def sampled_choice(temperature: float, generator: torch.Generator | None = None) -> Choice:
+    """Draws from softmax(scores / T) over the candidates: no top-p or top-k on q (z-lab 0.1.0)."""
+
+    def choose(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = sampling_probs(scores, temperature)  # [n, K]
+        return draw(q, generator), q
+
+    return choose
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,6 +244,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2: DFlash's layers with convolutions, and the candidate selector for its proposals."""
 
     family = "dflash2"
+    eager_layer_functions = DFLASH2_EAGER
 
     @functools.cached_property
     def recipe(self) -> DFlash2Recipe:
@@ -218,9 +255,6 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def add_family_modules(self, config: Qwen3Config) -> None:
         self.candidate_selector = CandidateSelector(int(config.vocab_size), config.hidden_size, self.recipe)
-
-    def reference_only_reason(self) -> str | None:
-        return "DFlash2 drafters (convolutions, candidate selector) run on the reference loop for now"
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None, std: float | None = None) -> None:
@@ -243,10 +277,9 @@ class DFlash2DraftModel(DFlashDraftModel):
         """The selector's walk; at temperature > 0 its q rows scattered over the vocabulary (zero
         off the candidates), the draft distribution the rejection test uses."""
         logits = self.compute_logits(hidden, head)  # [n, k, V]
-        path, candidates, q = self.candidate_selector.walk(hidden, logits, anchor, temperature, generator)
-        if q is None:
-            return path, None
-        return path, torch.zeros(logits.shape, dtype=q.dtype, device=q.device).scatter(-1, candidates, q)
+        choose = sampled_choice(temperature, generator) if temperature > 0 else argmax_choice
+        path, candidates, q = self.candidate_selector.walk(hidden, logits, anchor, choose)
+        return path, None if q is None else scatter_q(q, candidates, logits.shape[-1])
 
     def to_config_dict(self) -> dict[str, Any]:
         cfg = super().to_config_dict()
@@ -254,6 +287,12 @@ class DFlash2DraftModel(DFlashDraftModel):
             cfg.pop(key, None)
         cfg["dflash_config"].update(self.recipe.to_dict())
         return cfg
+
+
+def scatter_q(q: torch.Tensor, candidates: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The walk's q rows [..., K] over their candidates [..., K] as distributions over the
+    vocabulary [..., V] (zero off the candidates): the q the rejection test reads."""
+    return torch.zeros(*q.shape[:-1], vocab_size, dtype=q.dtype, device=q.device).scatter(-1, candidates, q)
 
 
 def rename_codebooks(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

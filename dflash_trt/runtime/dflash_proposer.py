@@ -1,25 +1,41 @@
 """Drafting as a proposer: one DFlash drafter pass over a batch of rows -> k draft tokens a row.
 
-As vLLM's v1/spec_decode keeps one proposer per file, the batched runtime asks this one for
-drafts and verifies them elsewhere (target_passes.py). A pass covers, per row,
+As vLLM's v1/spec_decode keeps one proposer per file, the batched runtime asks a proposer for
+drafts and verifies them elsewhere (target_passes.py). :func:`make_proposer` picks the proposer of
+the drafter's family, detected from its checkpoint (runtime/drafter_family.py): this file's
+:class:`DFlashProposer` for DFlash v1, runtime/dflash2_proposer.py for DFlash2. The passes never
+ask which family runs.
+
+The pass is every family's (:meth:`DFlashProposer.hidden`). It covers, per row,
 
     context  the target features of the positions the drafter has not consumed yet (its backlog:
              the last step's commits; after a prompt or plain steps, more), padded to C columns
     block    [pending, MASK x (B-1)], the full trained block at positions start .. start+B-1
 
-and returns the argmax of the block's slots 1..k (slot j predicts position start+j), over the
-drafter's frequent-token subset when it ships one (lossless: verification keeps the whole
-vocabulary), else over the target's lm_head. The whole block stays the drafter's input, as in the
-reference loop, so a row's drafts do not depend on k.
+and returns the hidden states of the block's slots 1..k (slot j predicts position start+j). The
+whole block stays the drafter's input, as in the reference loop, so a row's drafts do not depend
+on k. A row's context and block are separate inputs of the drafter (context through K/V only), so
+whatever a family computes over the block's slots (DFlash2's convolution) never sees the context.
 
 Context K/V go into the draft cache at their positions (padding columns and padding rows write to
 the dump index); the block's K/V are written too and overwritten by the next step's context, so
 nothing is ever cropped. Everything is computed on the device from the step's row table, so with
 static shapes (C = k + 1) the pass is captured as one CUDA graph.
+
+Proposals (the family's part), from the drafter's logits (``compute_logits``: the target's head,
+times ``output_multiplier``, soft-capped by ``final_logit_softcapping``):
+
+- greedy (:meth:`DFlashProposer.propose`): v1 takes each slot's argmax, over the drafter's
+  frequent-token subset when it ships one (lossless: verification keeps the whole vocabulary);
+- sampled (:meth:`DFlashProposer.propose_sampled`, draft method probabilistic): each sampled row
+  draws its slots independently from its own tempered nucleus distribution q (z-lab 0.1.0), and
+  the proposal keeps q for the rejection test; greedy rows of the batch still take the argmax.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,12 +44,26 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.batched_cache import BatchedDraftCache, additive_mask
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.draft_vocab import DraftVocabHead
+from dflash_trt.runtime.sampling import StepSampling, checked_probs, draw
 from dflash_trt.runtime.scheduling import DRAFTED, LIVE, PENDING, START
 from dflash_trt.runtime.target import TargetAdapter
 
+# drafts of slots lo+1..hi of some rows (indices into the pass's rows) -> [m, hi - lo]
+DraftReader = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+@dataclass
+class Proposal:
+    """One pass's drafts, with what the rejection test needs of how they were drawn."""
+
+    drafts: torch.Tensor  # [N, k]
+    # q [m, k, V] of each sampling group's rows (StepSampling's order), None: every draft is an argmax
+    probs: tuple[torch.Tensor, ...] | None = None
+    bad: torch.Tensor | None = None  # [N] rows whose draft distribution did not exist (they fail alone)
+
 
 class DFlashProposer:
-    """The drafter of one batched runtime, with its slot cache (`max_batch` x `capacity`)."""
+    """The DFlash v1 drafter of one batched runtime, with its slot cache (`max_batch` x `capacity`)."""
 
     def __init__(self, draft: DFlashDraftModel, target: TargetAdapter, max_batch: int, capacity: int,
                  use_draft_vocab: bool = True) -> None:
@@ -49,20 +79,66 @@ class DFlashProposer:
                                   f"`dflash-trt draft-vocab` or delete it")
             self.head = DraftVocabHead(target.model.get_output_embeddings().weight, draft.draft_vocab)
 
+    # -- what the runtime asks for ---------------------------------------------------------------
     def propose(self, table: torch.Tensor, features: torch.Tensor, k: int, context: int, width: int) -> torch.Tensor:
-        """Drafts [N, k] for the N rows of the step's row table [N, 4], reading their context from
-        `features` [slots, capacity, n*H] in `context` columns (>= every row's backlog), with a mask
-        `width` keys wide (>= every row's start + B)."""
-        return self.tokens(self.hidden(table, features, k, context, width))
+        """Greedy drafts [N, k] for the N rows of the step's row table [N, 4], reading their context
+        from `features` [slots, capacity, n*H] in `context` columns (>= every row's backlog), with a
+        mask `width` keys wide (>= every row's start + B)."""
+        return self.greedy(self.hidden(table, features, k, context, width), table[:, PENDING])
 
-    def tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft slots' hidden states [..., H] -> their token ids [...]."""
-        if self.head is not None:
-            return self.head(hidden)
-        return self.target.lm_head(hidden).argmax(-1)
+    def propose_sampled(self, table: torch.Tensor, features: torch.Tensor, k: int, context: int, width: int,
+                        sampling: StepSampling) -> Proposal:
+        """As :meth:`propose`, with the rows `sampling` samples drawing their drafts from q."""
+        return self.sampled(self.hidden(table, features, k, context, width), table[:, PENDING], sampling)
 
+    def reader(self, hidden: torch.Tensor, anchor: torch.Tensor) -> DraftReader:
+        """Greedy drafts read from the pass's hidden states [n, k, H] only as far as a caller gets
+        (chunked verification): v1's slots are independent, so only the slots read are projected."""
+        return lambda rows, lo, hi: self.argmax(hidden[rows, lo:hi])
+
+    # -- the family's proposals --------------------------------------------------------------------
+    def greedy(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """[N, k, H] -> each slot's argmax [N, k] (v1: the anchor plays no part)."""
+        return self.argmax(hidden)
+
+    def sampled(self, hidden: torch.Tensor, anchor: torch.Tensor, sampling: StepSampling) -> Proposal:
+        """Each sampled row's slots drawn independently from q = its tempered nucleus distribution
+        of the drafter's logits (z-lab 0.1.0), with q scattered over the target's vocabulary."""
+        logits = self.logits(hidden)  # [N, k, N_vocab]: the draft vocabulary's or the whole one
+        drafts = logits.argmax(-1)
+        bad = torch.zeros(drafts.shape[0], dtype=torch.bool, device=drafts.device)
+        probs = []
+        for g in sampling:
+            q, ok = checked_probs(logits[g.rows], g.temperature, g.top_p)  # [m, k, N_vocab]
+            drafts[g.rows] = draw(q.reshape(-1, q.shape[-1]), g.generator).view(q.shape[:-1])
+            bad[g.rows] = ~ok.all(dim=-1)
+            probs.append(self.over_vocabulary(q))
+        return Proposal(self.vocabulary_ids(drafts), tuple(probs), bad)
+
+    # -- the draft head ------------------------------------------------------------------------------
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits [..., N] of hidden states [..., H]: over its draft vocabulary (N of
+        them) when it ships one, else over the target's."""
+        return self.draft.compute_logits(hidden, self.head.proj if self.head is not None else self.target.lm_head)
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [..., H] -> the drafter's argmax token ids [...] (target ids)."""
+        return self.vocabulary_ids(self.logits(hidden).argmax(-1))
+
+    def vocabulary_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into :meth:`logits`' last dimension -> target token ids."""
+        return self.head.token_ids[index] if self.head is not None else index
+
+    def over_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
+        """A distribution over :meth:`logits`' entries [..., N] -> over the target's vocabulary [..., V]."""
+        if self.head is None:
+            return q
+        full = torch.zeros(*q.shape[:-1], self.target.vocab_size, dtype=q.dtype, device=q.device)
+        return full.index_copy_(-1, self.head.token_ids, q)
+
+    # -- the pass --------------------------------------------------------------------------------------
     def hidden(self, table: torch.Tensor, features: torch.Tensor, k: int, context: int, width: int) -> torch.Tensor:
-        """The drafter's pass (see :meth:`propose`) up to the hidden states of the draft slots
+        """The drafter's pass (see the module doc) up to the hidden states of the draft slots
         [N, k, H] (index j: slot j+1), before the head."""
         dev, B = table.device, self.block_size
         N = table.shape[0]
@@ -91,4 +167,13 @@ class DFlashProposer:
         self.cache.kv.move_row(src, dst, length)
 
     def describe(self) -> dict[str, Any]:
-        return {"block_size": self.block_size, "draft_vocab": self.head.size if self.head is not None else None}
+        return {"family": self.draft.family, "block_size": self.block_size,
+                "draft_vocab": self.head.size if self.head is not None else None}
+
+
+def make_proposer(draft: DFlashDraftModel, target: TargetAdapter, max_batch: int, capacity: int,
+                  use_draft_vocab: bool = True) -> DFlashProposer:
+    """The proposer of `draft`'s family (runtime/drafter_family.py names it, from the checkpoint)."""
+    from dflash_trt.runtime.drafter_family import FAMILIES
+
+    return FAMILIES[draft.family].proposer_class()(draft, target, max_batch, capacity, use_draft_vocab)

@@ -28,7 +28,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.gqa_attention import grouped_attention
 from dflash_trt.runtime.lean_forward import LayerFunctions
-from dflash_trt.runtime.sampling import sampling_probs
+from dflash_trt.runtime.sampling import draw, sampling_probs
 from dflash_trt.runtime_options import dtype_name
 
 CONFIG_NAME = "config.json"
@@ -101,11 +101,6 @@ class DFlashSettings:
             check_number(where, "output_multiplier", multiplier, positive=True),
             softcap if softcap is not None and softcap > 0 else None,  # z-lab: <= 0 turns it off
         )
-
-    @property
-    def plain_logits(self) -> bool:
-        """True when the draft logits are the target head's own (no multiplier, no softcapping)."""
-        return self.output_multiplier == 1.0 and self.final_logit_softcapping is None
 
 
 def check_is_drafter(cfg: dict[str, Any], where: Any) -> None:
@@ -289,6 +284,8 @@ class DFlashDraftModel(nn.Module):
     (runtime/dflash2.py) subclasses it."""
 
     family = "dflash"  # runtime/drafter_family.py: the family this class runs, detected from config.json
+    # its layers' two halves around their attention, eager (runtime/compiled_layers.py compiles these)
+    eager_layer_functions: LayerFunctions = DRAFT_EAGER
 
     def __init__(self, config: Qwen3Config | dict[str, Any]) -> None:
         super().__init__()
@@ -342,14 +339,10 @@ class DFlashDraftModel(nn.Module):
     def reference_only_reason(self) -> str | None:
         """Why only the reference loop runs this drafter as it is (None: every runtime does).
 
-        The batched runtime builds one bidirectional mask per drafter pass and takes its drafts as
-        the argmax of the target's head; a causal layer or transformed logits would be run as
-        something they are not there."""
+        The batched runtime builds one bidirectional mask per drafter pass: a causal layer would be
+        run as something it is not there."""
         if any(layer.self_attn.is_causal for layer in self.layers):
             return "the drafter has causal attention layers (the batched runtime's drafter mask is bidirectional)"
-        if not self.settings.plain_logits:
-            return ("the drafter transforms its logits (output_multiplier / final_logit_softcapping), which the "
-                    "batched runtime's draft head does not")
         return None
 
     @torch.no_grad()
@@ -424,8 +417,7 @@ class DFlashDraftModel(nn.Module):
         if temperature <= 0:
             return logits.argmax(-1), None
         q = sampling_probs(logits, temperature, top_p)  # [n, k, V]
-        drafts = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator).view(q.shape[:-1])
-        return drafts, q
+        return draw(q.reshape(-1, q.shape[-1]), generator).view(q.shape[:-1]), q
 
     # -- z-lab checkpoint I/O -------------------------------------------------------------------
     def to_config_dict(self) -> dict[str, Any]:

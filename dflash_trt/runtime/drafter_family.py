@@ -1,7 +1,8 @@
 """Drafter families, and the ONE place a checkpoint's family and format are told apart.
 
 A family is data (:class:`DrafterFamily`) plus the module that runs it: DFlash v1
-(runtime/draft_model.py) and DFlash2 (runtime/dflash2.py). The rule is z-lab's and vLLM's
+(runtime/draft_model.py) and DFlash2 (runtime/dflash2.py), each with the batched runtime's proposer
+for it (runtime/dflash_proposer.py, runtime/dflash2_proposer.py). The rule is z-lab's and vLLM's
 (dflash 0.1.0 benchmark.py; vLLM's model registry):
 
 - a config.json with a ``speculators_model_type`` key is the speculators format, whatever its
@@ -42,10 +43,13 @@ class DrafterFamily:
     recipe_keys: tuple[str, ...]  # dflash_config keys the family requires (and no other family carries)
     tensor_parts: tuple[str, ...]  # parameter-name parts of the weights only this family has
     model: str  # "module:Class" that runs it
+    proposer: str  # "module:Class" that drafts with it in the batched runtime
 
     def model_class(self) -> type:
-        module, name = self.model.split(":")
-        return getattr(importlib.import_module(module), name)
+        return _imported(self.model)
+
+    def proposer_class(self) -> type:
+        return _imported(self.proposer)
 
     def check(self, cfg: dict[str, Any], where: Any) -> None:
         """One line for the first field of `cfg` (z-lab layout) this family cannot run."""
@@ -56,9 +60,15 @@ class DrafterFamily:
             dflash2.DFlash2Recipe.from_config_dict(cfg, str(where), settings.block_size)
 
 
-DFLASH = DrafterFamily("dflash", "DFlashDraftModel", "dflash", (), (), "dflash_trt.runtime.draft_model:DFlashDraftModel")
+def _imported(where: str) -> type:
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+DFLASH = DrafterFamily("dflash", "DFlashDraftModel", "dflash", (), (), "dflash_trt.runtime.draft_model:DFlashDraftModel",
+                       "dflash_trt.runtime.dflash_proposer:DFlashProposer")
 DFLASH2 = DrafterFamily("dflash2", "DFlash2DraftModel", "dflash2", dflash2.RECIPE_KEYS, dflash2.TENSOR_PARTS,
-                        "dflash_trt.runtime.dflash2:DFlash2DraftModel")
+                        "dflash_trt.runtime.dflash2:DFlash2DraftModel", "dflash_trt.runtime.dflash2_proposer:DFlash2Proposer")
 FAMILIES: dict[str, DrafterFamily] = {f.name: f for f in (DFLASH, DFLASH2)}
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 

@@ -27,7 +27,11 @@ generator state it draws the same tokens (tests/test_zlab_oracle.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from dflash_trt.runtime.sampling import StepSampling, checked_probs, draw
 
 
 def one_hot_q(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -55,4 +59,34 @@ def rejection_sample(
     # Where p <= q everywhere but the mass still rejected (only by rounding), draw from p itself.
     residual = torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p_a)
     final = torch.where((accepted == k)[:, None], p_a, residual)  # all accepted: the bonus from p_k
-    return accepted, torch.multinomial(final, 1, generator=generator)[:, 0]
+    return accepted, draw(final, generator)  # [n]
+
+
+def committed_tokens(drafts: torch.Tensor, accepted: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
+    """[n, k+1]: each row's drafts with its next token at index a (drafts[0..a-1] and the token
+    after them are what the row commits; what follows index a is never read)."""
+    tokens = torch.cat([drafts, next_token[:, None]], dim=1)  # [n, k+1]
+    return tokens.scatter(1, accepted[:, None], next_token[:, None])
+
+
+def rejection_rows(
+    drafts: torch.Tensor,  # [n, k]
+    logits: torch.Tensor,  # [n, k+1, V] the target's verification logits
+    draft_probs: Sequence[torch.Tensor] | None,  # q [m, k, V] of each sampling group; None: argmax drafts
+    sampling: StepSampling,
+    tokens: torch.Tensor,  # [n, k+1] the greedy rows' posterior (argmax), overwritten for sampled rows
+    accepted: torch.Tensor,  # [n] the greedy rows' exact-match counts, overwritten likewise
+) -> torch.Tensor:  # bad [n]: rows whose target distribution did not exist (they fail alone)
+    """The rejection test for every sampled row of a batched step, group by group (each seeded row
+    alone with its generator: the reference loop's draws for it, in the same order and shapes), into
+    `tokens` and `accepted` in place. No host sync."""
+    bad = torch.zeros(drafts.shape[0], dtype=torch.bool, device=drafts.device)
+    for i, g in enumerate(sampling):
+        p, ok = checked_probs(logits[g.rows], g.temperature, g.top_p)  # [m, k+1, V]
+        x = drafts[g.rows]
+        q = one_hot_q(x, p.shape[-1]) if draft_probs is None else draft_probs[i]  # one-hot: draft method greedy
+        a, nxt = rejection_sample(x, p, q, g.generator)
+        tokens[g.rows] = committed_tokens(x, a, nxt)
+        accepted[g.rows] = a.to(accepted.dtype)
+        bad[g.rows] = ~ok.all(dim=-1)
+    return bad

@@ -12,18 +12,25 @@ host sends one small table per step.
     ids      = [pending, draft_1..k]                 [N, k+1]
     post[j]  = the target's token after ids[j]       [N, k+1]
     accepted = longest prefix with draft_j == post[j-1]    (exact match: lossless at temperature 0)
+
+A step whose rows sample verifies each sampled row by exact match against its own samples (draft
+method match) or by rejection sampling against the proposal's q (greedy, probabilistic;
+runtime/rejection.py), whose committed tokens take the place of the posterior: drafts 1..a, then
+the residual's or the bonus's draw at index a.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from dflash_trt.checkpoints.placement import home_device
 from dflash_trt.runtime.batched_cache import BatchedKVCache, additive_mask
 from dflash_trt.runtime.host_transfers import HostTransfers
-from dflash_trt.runtime.sampling import sample_rows
+from dflash_trt.runtime.dflash_proposer import DraftReader, Proposal
+from dflash_trt.runtime.rejection import rejection_rows
+from dflash_trt.runtime.sampling import StepSampling, sample_rows
 from dflash_trt.runtime.scheduling import LIVE, PENDING, START, BatchedSequence, prefill_runs
 from dflash_trt.runtime.step_shapes import EAGER_WIDTH_MULTIPLE, round_up
 from dflash_trt.runtime.target import TargetAdapter
@@ -99,7 +106,8 @@ class TargetPasses:
         rows = slice(new[0].slot, new[-1].slot + 1)
         logits = self.forward(rows, ids_t, pos_t, write_t, additive_mask(visible, self.target.dtype),
                               logits_to_keep=1)  # [m, 1, V]
-        tokens, bad = sample_rows(logits, [s.request.params for s in new], [s.generator for s in new])
+        sampling = StepSampling([s.request.params for s in new], [s.generator for s in new], ids_t.device)
+        tokens, bad = sample_rows(logits, sampling)
         return tokens[:, -1], bad
 
     # -- verification ---------------------------------------------------------------------------
@@ -124,19 +132,30 @@ class TargetPasses:
         post = logits.argmax(-1)  # [N, k+1]
         return torch.cat([post, accepted_lengths(ids, post)[:, None]], dim=1)
 
-    def verify_sampled(self, table: torch.Tensor, drafts: torch.Tensor | None, width: int,
-                       seqs: Sequence[BatchedSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Verification of rows that sample (each with its own parameters) -> ([n, k+2] as
-        verify_greedy, bad [n] | None: rows whose sampling had no distribution)."""
+    def verify_sampled(self, table: torch.Tensor, proposal: Proposal | None, width: int, sampling: StepSampling,
+                       rejection: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verification of a step whose rows sample (each with its own parameters) -> ([n, k+2] as
+        verify_greedy, bad [n]: rows whose sampling had no distribution). Greedy rows take the argmax
+        and the exact match; sampled rows the exact match against their own samples, or with
+        `rejection` the rejection test against the proposal's q (one-hot where its drafts are
+        argmaxes: draft method greedy). Every draw on the device: no host sync."""
+        drafts = proposal.drafts if proposal is not None else None
         ids, logits = self.verify_logits(table, drafts, width)
-        post, bad = sample_rows(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
-        return torch.cat([post, accepted_lengths(ids, post)[:, None]], dim=1), bad
+        if not rejection or drafts is None:  # k = 0 is plain sampling, whatever the method
+            post, bad = sample_rows(logits, sampling)
+            accepted = accepted_lengths(ids, post)
+        else:
+            post = logits.argmax(-1)  # [n, k+1]: the greedy rows'; rejection_rows fills in the sampled ones
+            accepted = accepted_lengths(ids, post)
+            bad = rejection_rows(drafts, logits, proposal.probs, sampling, post, accepted)
+        if proposal is not None and proposal.bad is not None:  # its drafts had no distribution to come from
+            bad = proposal.bad if bad is None else bad | proposal.bad
+        return torch.cat([post, accepted[:, None]], dim=1), bad
 
-    def verify_chunked(self, table: torch.Tensor, hidden: torch.Tensor, tokens: Callable[[torch.Tensor], torch.Tensor],
-                       width: int, chunk: int) -> torch.Tensor:
+    def verify_chunked(self, table: torch.Tensor, drafts: DraftReader, k: int, width: int, chunk: int) -> torch.Tensor:
         """Greedy verification as :meth:`verify_greedy`, in chunks of `chunk` positions: a row goes on
-        to its next chunk only while every draft so far was accepted, and its drafts are read from the
-        drafter's hidden states [n, k, H] (`tokens`: the draft head) only as far as it gets.
+        to its next chunk only while every draft so far was accepted, and its k drafts are read
+        (`drafts`: the proposer's reader over the pass's hidden states) only as far as it gets.
 
         For a compute-bound CPU and a long fixed k: the gate verifies K = 15 drafts a step and accepts
         ~1 (tau ~1.9 with the embedded pair), so one pass computes 16 positions a row where ~2 decide
@@ -146,7 +165,7 @@ class TargetPasses:
         one-pass verify writes their K/V too; nothing ever reads it). Positions left unverified hold
         0 in the posterior, past every row's accepted prefix and bonus. Each chunk after the first
         waits for the last one's acceptance (a host sync, counted)."""
-        n, k = hidden.shape[0], hidden.shape[1]
+        n = table.shape[0]
         dev = table.device
         start = table[:, START]
         ids = torch.zeros((n, k + 1), dtype=torch.long, device=dev)  # [n, k+1]: pending, then drafts as needed
@@ -159,7 +178,7 @@ class TargetPasses:
         while True:
             hi = min(lo + chunk, k + 1)
             if hi - 1 > lo:  # drafts of slots lo+1..hi-1 (slot lo: the pending token or a draft already accepted)
-                ids[rows, lo + 1 : hi] = tokens(hidden[rows, lo : hi - 1])
+                ids[rows, lo + 1 : hi] = drafts(rows, lo, hi - 1)
             positions = start[rows, None] + torch.arange(lo, hi, device=dev)  # [m, c]
             mask = additive_mask(keys[None, None, None, :] <= positions[:, None, :, None], self.target.dtype)
             post[rows, lo:hi] = self.forward(rows, ids[rows, lo:hi], positions, positions, mask).argmax(-1)
@@ -169,7 +188,7 @@ class TargetPasses:
                 break
             rows = rows[got == hi - 1 - lo]  # every draft of the chunk accepted: the next slot decides
             if rows.numel():
-                ids[rows, hi] = tokens(hidden[rows, hi - 1 : hi])[:, 0]
+                ids[rows, hi] = drafts(rows, hi - 1, hi)[:, 0]
                 rows = rows[ids[rows, hi] == post[rows, hi - 1]]
                 accepted[rows] = hi
             self.transfers.syncs += 1  # the row count above is read on the host
