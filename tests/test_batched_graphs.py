@@ -9,8 +9,9 @@ without a GPU what the GPU run needs:
   calibration included, meets no other (misses == 0) and captures none (the first GPU run captured
   lazily, inside the timed runs);
 - a step reads the device once (one sync), sends it one table (plus one per prefill pass), and
-  nothing in it reads a tensor's value on the host (``.item()``, ``int(t)``, ``bool(t)``: a hidden
-  sync each on a GPU);
+  nothing in it reads a tensor's value on the host (``.item()``, ``int(t)``, ``bool(t)``,
+  ``torch.multinomial``: a hidden sync each on a GPU), greedy or sampled, for both drafter
+  families (DFlash2's selector walk included) and every draft method;
 - the policy's costs come from replayed steps only (no prefill, no eager catch-up in them).
 """
 
@@ -28,8 +29,10 @@ from dflash_trt.runtime.policy import AdaptivePolicy, Decision
 from dflash_trt.runtime.policy_calibration import calibrate
 from dflash_trt.runtime.scheduling import prefill_runs
 from dflash_trt.runtime.step_shapes import GRAPH_WIDTH_BASE, StepShapes, row_buckets
+from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.speculation import DRAFT_METHODS, SpeculationSettings
 
 from tests.test_batched_runtime import PROMPTS, _pair
 
@@ -83,7 +86,9 @@ class _HostReads(TorchDispatchMode):
     """Counts ops that read a tensor's value on the host (a sync on a GPU) and host data turned
     into tensors (an upload)."""
 
-    HIDDEN_SYNCS = ("aten.item", "aten._local_scalar_dense", "aten.is_nonzero")
+    # torch.multinomial checks its distribution on the host (a sync per call on a GPU): the runtime
+    # draws with sampling.draw instead
+    HIDDEN_SYNCS = ("aten.item", "aten._local_scalar_dense", "aten.is_nonzero", "aten.multinomial")
 
     def __init__(self) -> None:
         super().__init__()
@@ -99,13 +104,20 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# (family, draft method, sampled): greedy steps of both families, and seeded sampled steps of every method
+STEP_KINDS = [("dflash", "match", False), ("dflash2", "match", False),
+              *[(family, method, True) for family in ("dflash", "dflash2") for method in DRAFT_METHODS]]
+
+
+@pytest.mark.parametrize("family,method,sampled", STEP_KINDS, ids=["-".join(map(str, k)) for k in STEP_KINDS])
 @pytest.mark.parametrize("static", [True, False], ids=["static", "eager"])
-def test_a_step_syncs_once_and_uploads_one_table(static):
-    target, draft = _pair("qwen3", seed=14)
-    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=static),
-                        None, RuntimeExtras(policy=AdaptivePolicy(draft.block_size))).start()
-    for p, m in zip(PROMPTS[:3], [14, 9, 20]):
-        rt.add(SequenceRequest(p, SamplingParams(max_tokens=m)))
+def test_a_step_syncs_once_and_uploads_one_table(static, family, method, sampled):
+    target = tiny_target("qwen3", seed=14).double()
+    draft = random_draft(target.config, block_size=4, seed=14, family=family).double()
+    spec = SpeculationSettings.for_block(draft.block_size, policy="adaptive", draft_method=method)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=static), spec).start()
+    for i, (p, m) in enumerate(zip(PROMPTS[:3], [14, 9, 20])):
+        rt.add(SequenceRequest(p, SamplingParams(max_tokens=m, temperature=0.8 if sampled else 0.0, seed=i)))
     steps = 0
     while rt.has_work():
         passes = len(prefill_runs(sorted(len(s.request.prompt_ids) for s in rt.waiting), rt.prefill_pad_limit))

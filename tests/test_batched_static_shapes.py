@@ -97,11 +97,14 @@ class TracingPasses(StaticPasses):
         torch.compile(fn, fullgraph=True, backend="eager")(*inputs)
 
 
-@pytest.mark.integration  # dynamo traces every captured pass: ~20 s
-def test_every_captured_pass_traces_as_one_graph_and_stays_lossless(monkeypatch):
+@pytest.mark.integration  # dynamo traces every captured pass: ~20 s a family
+@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+def test_every_captured_pass_traces_as_one_graph_and_stays_lossless(monkeypatch, family):
+    """DFlash2's draft pass includes the selector's walk: k steps on the device, in the same graph."""
     import dflash_trt.runtime.batched as batched
 
-    target, draft = _pair("qwen3", seed=12)
+    target = tiny_target("qwen3", seed=12).double()
+    draft = random_draft(target.config, block_size=4, seed=12, family=family).double()
     prompts, budgets = PROMPTS[:3], [6, 4, 7]
     ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(prompts, budgets)]
     monkeypatch.setattr(batched, "static_passes", lambda device: TracingPasses())

@@ -1,4 +1,5 @@
-"""The target's layers through torch.compile (runtime/compiled_layers.py) decode as the reference loop.
+"""The target's and the drafter's layers through torch.compile (runtime/compiled_layers.py) decode as the
+reference loop, DFlash2's convolutions included.
 
 Inductor's CPU backend compiles the same two layer functions its GPU backend does (C++ here,
 Triton there), so the compiled path runs here for real: in float64, where a fused kernel's other
@@ -23,6 +24,8 @@ from dflash_trt.runtime.compiled_layers import (
     compiled_draft_functions,
     compiled_functions,
 )
+from dflash_trt.runtime.dflash2 import DFLASH2_EAGER
+from dflash_trt.runtime.draft_model import DRAFT_EAGER
 from dflash_trt.runtime.lean_forward import EAGER
 from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.tiny import tiny_target
@@ -42,7 +45,7 @@ def test_compiled_layers_decode_as_the_reference_loop(arch):
     rt = BatchedRuntime(target, draft,
                         RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=True, torch_compile=True)).start()
     assert TargetAdapter(target).lean.functions == compiled_functions()
-    assert draft.layer_functions == compiled_draft_functions()
+    assert draft.layer_functions == compiled_draft_functions(DRAFT_EAGER)
     assert rt.steps == 0 and rt.graph_stats()["replays"] == 0  # the start-up's warm-up left no trace
     compiled = counters["stats"]["unique_graphs"]
     handles = [rt.add(SequenceRequest(list(p), SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS, BUDGETS)]
@@ -50,6 +53,25 @@ def test_compiled_layers_decode_as_the_reference_loop(arch):
     assert [h.result.output_ids for h in handles] == ref
     assert rt.graph_stats()["torch_compile"] is True
     assert counters["stats"]["unique_graphs"] == compiled  # everything compiled at start-up, nothing in requests
+
+
+def test_compiled_dflash2_layers_decode_as_the_reference_loop():
+    """A DFlash2 drafter's layers compile with their convolutions (their own halves, not v1's), at
+    start-up: the same tokens and per-step acceptance as the reference loop, nothing compiled in
+    requests."""
+    from tests.test_batched_dflash2 import rigged_pair
+
+    target, draft = rigged_pair("dflash2+fields")
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)) for p, m in zip(PROMPTS, BUDGETS)]
+    rt = BatchedRuntime(target, draft,
+                        RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=True, torch_compile=True)).start()
+    assert draft.layer_functions == compiled_draft_functions(DFLASH2_EAGER) != compiled_draft_functions(DRAFT_EAGER)
+    compiled = counters["stats"]["unique_graphs"]
+    handles = [rt.add(SequenceRequest(list(p), SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS, BUDGETS)]
+    rt.run()
+    assert [h.result.output_ids for h in handles] == [r.output_ids for r in ref]
+    assert [h.result.stats.acceptance_lengths for h in handles] == [r.stats.acceptance_lengths for r in ref]
+    assert counters["stats"]["unique_graphs"] == compiled
 
 
 def test_one_compiled_graph_serves_every_layer():

@@ -144,11 +144,13 @@ def _oracle_class(base: type) -> type:
             self.pinv = torch.linalg.pinv(lm_head_weight.double())  # [H, V]
 
         def forward(self, target_hidden, noise_embedding, position_ids, cache=None, attn_mask=None, outputs=None):
-            s = noise_embedding.shape[1]
-            onehot = torch.zeros(s, self.pinv.shape[1], dtype=torch.float64)
-            for j, pos in enumerate(position_ids[0, -s:].tolist()):
-                onehot[j, self.sequence[pos] if pos < len(self.sequence) else 0] = self.strength
-            return (onehot @ self.pinv.T)[None].to(noise_embedding.dtype)
+            n, s = noise_embedding.shape[:2]  # every row of a batched pass too (padding rows included)
+            onehot = torch.zeros(n, s, self.pinv.shape[1], dtype=torch.float64)
+            for i in range(n):
+                for j, pos in enumerate(position_ids[i, -s:].tolist()):
+                    onehot[i, j, self.sequence[pos] if pos < len(self.sequence) else 0] = self.strength
+            hidden = (onehot @ self.pinv.T).to(noise_embedding.dtype)  # [n, s, H]
+            return hidden if outputs is None else hidden[:, outputs]
 
     return Oracle
 
@@ -158,10 +160,8 @@ def _next_probs(target, ids: list[int]) -> torch.Tensor:
         return sampling_probs(target(torch.tensor([ids])).logits[0, -1], T, TOP_P).double()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", DRAFT_METHODS)
-@pytest.mark.parametrize("family", ["dflash", "dflash2"])
-def test_every_draft_method_keeps_the_targets_distribution(family, method):
+def oracle_pair(family: str):
+    """(target, drafter) of part 2: the softened tiny target and the oracle-like drafter of `family`."""
     from dflash_trt.runtime import autoregressive_generate
 
     target = tiny_target("llama", seed=11, vocab_size=VOCAB, hidden_size=32, num_heads=2, num_kv_heads=1)
@@ -174,8 +174,12 @@ def test_every_draft_method_keeps_the_targets_distribution(family, method):
     cfg["architectures"] = ["DFlash2DraftModel" if family == "dflash2" else "DFlashDraftModel"]
     draft = _oracle_class(base)(cfg, target.get_output_embeddings().weight.detach(), greedy)
     draft.reset_parameters(seed=1)
-    spec = SpeculationSettings.for_block(4, draft_method=method)
-    exact = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)  # P(2nd, 3rd token)
+    return target, draft
+
+
+def second_and_third(target) -> torch.Tensor:
+    """The target's exact joint distribution [V, V] of the 2nd and 3rd tokens after PROMPT."""
+    exact = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     p1 = _next_probs(target, PROMPT)
     for a in range(VOCAB):
         if p1[a] > 0:
@@ -183,6 +187,16 @@ def test_every_draft_method_keeps_the_targets_distribution(family, method):
             for b in range(VOCAB):
                 if p2[b] > 0:
                     exact[b] += p1[a] * p2[b] * _next_probs(target, PROMPT + [a, b])
+    return exact
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", DRAFT_METHODS)
+@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+def test_every_draft_method_keeps_the_targets_distribution(family, method):
+    target, draft = oracle_pair(family)
+    spec = SpeculationSettings.for_block(4, draft_method=method)
+    exact = second_and_third(target)
     counts = torch.zeros(VOCAB, VOCAB)
     accepted_third = 0
     for seed in range(RUNS):

@@ -39,7 +39,7 @@ import torch
 
 from dflash_trt.checkpoints.placement import home_device
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.draft_model import DRAFT_EAGER, DFlashDraftModel
+from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.lean_forward import LayerFunctions, attention_inputs, layer_output
 from dflash_trt.runtime.target import TargetAdapter
 
@@ -83,7 +83,7 @@ def compiled_functions() -> LayerFunctions:
 
 
 @functools.cache
-def compiled_draft_functions(eager: LayerFunctions = DRAFT_EAGER) -> LayerFunctions:
+def compiled_draft_functions(eager: LayerFunctions) -> LayerFunctions:
     """A drafter family's layer halves (`eager`: the model class's ``eager_layer_functions``, DFlash
     v1's in runtime/draft_model.py, DFlash2's with its convolutions in runtime/dflash2.py), compiled
     as the target's, once per family and process."""
