@@ -82,3 +82,19 @@ def test_top_p_keeps_the_nucleus_only():
     p = sampling_probs(logits, 1.0, top_p=0.8)
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
     assert torch.allclose(sampling_probs(logits, 1.0, top_p=0.4), torch.tensor([1.0, 0, 0, 0]))
+
+
+def test_draw_is_torch_multinomials_own_draw_without_its_host_checks():
+    """sampling.draw takes torch.multinomial(p, 1)'s exponential race: from the same generator state
+    the same tokens (so seeds keep their meaning and z-lab 0.1.0's draws stay ours: test_zlab_oracle)
+    and the same state after, over shapes, dtypes and zero-probability cells."""
+    from dflash_trt.runtime.sampling import draw
+
+    for seed, (dtype, shape) in enumerate([(torch.float32, (7, 50)), (torch.float64, (3, 5, 11)), (torch.float32, (1, 3))]):
+        probs = torch.softmax(3 * torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype), -1)
+        probs[..., 1] = 0  # a cell the draw must never take
+        ours, theirs = torch.Generator().manual_seed(100 + seed), torch.Generator().manual_seed(100 + seed)
+        for _ in range(20):
+            want = torch.multinomial(probs.reshape(-1, shape[-1]), 1, generator=theirs).view(shape[:-1])
+            assert torch.equal(draw(probs, ours), want) and not (want == 1).any()
+        assert torch.equal(ours.get_state(), theirs.get_state())

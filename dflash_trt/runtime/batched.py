@@ -7,14 +7,26 @@ One step over the n running rows (slots 0..n-1 of preallocated caches, see batch
     k       = policy.choose(n, K)                      0 = plain decoding (no draft pass)
     table   ONE host-to-device copy: each row's start, drafter position, pending token
     draft   one drafter pass over [each row's unconsumed context ; anchor, MASK x (B-1)]
-            (the full trained block; slots 1..k are this step's drafts)     dflash_proposer.py
+            (the full trained block; slots 1..k are this step's drafts), by the proposer of the
+            drafter's family: v1's argmaxes, DFlash2's selector walk    dflash_proposer.py,
+                                                                       dflash2_proposer.py
     verify  one target pass over [pending, draft_1..k] per row      -> posterior [n, k+1]
     accept  a_i = longest prefix with draft == posterior (on device)
     sync    ONE device-to-host copy: posteriors, a_i, newcomers' first tokens
     commit  posterior[0..a_i] per row, capped at the tokens its budget has left; stop tokens,
             callbacks per row; rows that finished free their slot (the last row moves into the hole)
 
-A row whose sampling parameters give no distribution (see sampling.sample_checked) fails alone:
+Sampled rows (temperature > 0) follow the speculation settings' draft method (speculation.py):
+``match`` verifies argmax drafts by exact match against the row's own samples of the target;
+``greedy`` verifies them by rejection sampling with a one-hot q; ``probabilistic`` draws the
+drafts from the drafter's q (v1: each slot from its tempered nucleus distribution; DFlash2: the
+walk from softmax(scores / T) over its candidates) and verifies them by rejection sampling against
+it (rejection.py), whose accepted drafts and residual or bonus draw take the posterior's place.
+Greedy rows of the same step take the argmax and the exact match whatever the method. Every draw
+happens on the device (sampling.draw: no host sync), a seeded row with its own generator in the
+reference loop's order and shapes, so a seed gives the reference loop's tokens.
+
+A row whose sampling parameters give no distribution (see sampling.checked_probs) fails alone:
 it ends with ``error`` set and nothing committed from that step, the other rows of the step go on.
 
 Rows differ in length, acceptance, budget and sampling parameters; every row drafts the full
@@ -37,8 +49,8 @@ reference would. At temperature > 0 each row samples with its own generator, as 
 
 Unsupported here (runtime/opener.open_runtime opens the reference loop instead and says why, see
 :func:`unsupported_reason`): targets with sliding-window layers or attention sinks (GptOss),
-drafters with sliding-window layers, and attention implementations that reject a 4D mask
-(flash_attention_2).
+drafters with sliding-window or causal layers (one bidirectional mask per drafter pass), and
+attention implementations that reject a 4D mask (flash_attention_2).
 """
 
 from __future__ import annotations
