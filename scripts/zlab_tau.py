@@ -8,9 +8,16 @@ the acceptance rate, and how many of each pass's steps are identical to z-lab's 
 both decode in full blocks (at temperature 0 every pass; above it only `probabilistic` is z-lab's
 method). z-lab's oracle comes from the project's cache (scripts/setup_oracles.sh).
 
+With ``--runtime batched`` our passes run on the batched runtime as `serve` runs it (the pair as
+load_pair loads it, the drafter's draft vocabulary unless ``--full-vocab``), CONCURRENCY prompts at a
+time; a seeded row draws what the reference loop draws for it, so its steps differ from the
+reference loop's only where batched kernels round differently. Each of our passes after the first
+also prints its tau relative to the first's, paired by prompt (engine/gate.drop_interval).
+
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 flock /tmp/dflash-bench.lock .venv/bin/python scripts/zlab_tau.py \\
         --temperature 0 --passes zlab,match
     ... --temperature 1 --passes zlab,match,greedy,probabilistic --json out.json
+    ... --temperature 1 --passes match,greedy,probabilistic --runtime batched --concurrency 8
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ def main() -> None:
                     help="zlab and/or our draft methods, in this order [zlab,match,greedy,probabilistic]")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads [1]")
+    ap.add_argument("--runtime", choices=["reference", "batched"], default="reference",
+                    help="where our passes run: the reference loop, or the batched runtime as `serve` runs it")
+    ap.add_argument("--concurrency", type=int, default=8, help="--runtime batched: prompts decoded together [8]")
+    ap.add_argument("--full-vocab", action="store_true",
+                    help="--runtime batched: draft over the whole vocabulary (the reference loop's), not draft_vocab.json")
     ap.add_argument("--json", dest="json_out", help="also write every pass's per-prompt figures here")
     args = ap.parse_args()
 
@@ -42,7 +54,7 @@ def main() -> None:
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.embedded import pair_dirs_or_default
     from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
-    from dflash_trt.engine.gate import TauSample
+    from dflash_trt.engine.gate import TauSample, drop_interval
     from dflash_trt.runtime.drafter_family import load_drafter
     from dflash_trt.runtime.generate import dflash_generate
     from dflash_trt.runtime.loading import load_tokenizer
@@ -58,8 +70,15 @@ def main() -> None:
     unknown = [p for p in passes if p != "zlab" and p not in DRAFT_METHODS]
     if unknown:
         ap.error(f"unknown pass {unknown[0]!r}: use zlab or one of {', '.join(DRAFT_METHODS)}")
-    target = load_checkpoint(tdir, dtype).eval()
-    draft = load_drafter(ddir, dtype)
+    if args.runtime == "batched":  # as `serve` loads it (CPU-packed layers, the lean pass)
+        from dflash_trt.pairs import PairSource, load_pair
+        from dflash_trt.runtime_options import RuntimeOptions
+
+        pair = load_pair(PairSource(target=tdir, draft=ddir), RuntimeOptions(dtype=args.dtype))
+        target, draft = pair.target, pair.draft
+    else:
+        target = load_checkpoint(tdir, dtype).eval()
+        draft = load_drafter(ddir, dtype)
     tokenizer = load_tokenizer(tdir)
     stop = stop_token_ids_of(tokenizer, target.config)
     ids = encode_prompts(tokenizer, load_calibration_prompts(None, args.num_prompts, split="eval"),
@@ -69,6 +88,7 @@ def main() -> None:
           f"{args.dtype}, {args.threads} thread(s), {type(draft).__name__} B={B}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machine)", flush=True)
     steps: dict[str, list[list[int]]] = {}
+    samples: dict[str, TauSample] = {}  # our passes'
     report: dict[str, dict] = {}
     for name in passes:
         t0, sample, per_prompt = time.perf_counter(), TauSample(), []
@@ -86,13 +106,17 @@ def main() -> None:
                 per_prompt.append(acc)
         else:
             spec = SpeculationSettings.for_block(B, draft_method=name)
-            for i, p in enumerate(ids):
-                params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                                        top_p=args.top_p, seed=args.seed + i, stop_token_ids=tuple(stop))
-                s = dflash_generate(draft, target, p, params, spec).stats
+            params = [SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                     seed=args.seed + i, stop_token_ids=tuple(stop)) for i in range(len(ids))]
+            if args.runtime == "batched":
+                stats = batched_stats(target, draft, ids, params, spec, args.concurrency, not args.full_vocab)
+            else:
+                stats = [dflash_generate(draft, target, p, sp, spec).stats for p, sp in zip(ids, params)]
+            for s in stats:
                 sample.add(sum(s.acceptance_lengths), s.num_steps, s.total_draft_tokens,
                            s.total_accepted_draft_tokens)
                 per_prompt.append(list(s.acceptance_lengths))
+            samples[name] = sample
         steps[name] = per_prompt
         lo, hi = sample.interval()
         line = (f"{name:>13}: tau {sample.tau:.3f} [{lo:.3f}, {hi:.3f}] over {sum(sample.steps)} steps"
@@ -103,10 +127,28 @@ def main() -> None:
             same, compared, whole = identical_steps(steps["zlab"], per_prompt, args.max_new_tokens, B)
             line += f"; steps identical to z-lab's: {same} of {compared} ({whole} of {len(ids)} prompts throughout)"
             report[name]["identical_to_zlab"] = {"steps": same, "compared": compared, "prompts": whole}
+        first = next(iter(samples), None)
+        if first is not None and name not in (first, "zlab"):  # paired by prompt
+            drop, low, high = drop_interval(samples[first], sample)
+            line += f"; vs {first} {1 - drop:.3f} [{1 - high:.3f}, {1 - low:.3f}]"
+            report[name][f"vs_{first}"] = {"ratio": 1 - drop, "low": 1 - high, "high": 1 - low}
         print(line, flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "passes": report}, f)
+
+
+def batched_stats(target, draft, ids, params, spec, concurrency: int, draft_vocab: bool) -> list:
+    """Each prompt's GenerationStats from the batched runtime, `concurrency` rows at a time."""
+    from dflash_trt.runtime.batched import RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.opener import open_runtime
+    from dflash_trt.runtime_options import RuntimeOptions
+
+    options = RuntimeOptions(max_batch=concurrency, max_seq_len=max(map(len, ids)) + params[0].max_tokens)
+    runtime = open_runtime(target, draft, options, spec, RuntimeExtras(use_draft_vocab=draft_vocab), choice="batched")
+    seqs = [runtime.add(SequenceRequest(list(p), sp)) for p, sp in zip(ids, params)]
+    runtime.run()
+    return [s.result.stats for s in seqs]
 
 
 def identical_steps(theirs: list[list[int]], ours: list[list[int]], budget: int, B: int) -> tuple[int, int, int]:
