@@ -90,6 +90,9 @@ def test_a_dflash2_drafter_made_from_a_dflash_one_starts_where_it_is(tmp_path):
     v1.save_pretrained(tmp_path / "v1", dtype=torch.float32)
     v2 = _dflash2_from(tmp_path / "v1", target).eval()
     assert type(v2) is DFlash2DraftModel and v2.recipe.selector_top_k == 4
+    with torch.no_grad():  # whatever the codebooks, a zero projection leaves the walk the plain argmax
+        v2.candidate_selector.predecessor_codebook.mul_(1e3)
+        v2.candidate_selector.successor_codebook.mul_(1e3)
     T = 40
     ids = torch.randint(0, target.config.vocab_size - 1, (T,), generator=torch.Generator().manual_seed(3))
     adapter = TargetAdapter(target)
@@ -110,6 +113,71 @@ def test_a_dflash2_drafter_made_from_a_dflash_one_starts_where_it_is(tmp_path):
     loss2.backward()
     torch.optim.AdamW(v2.parameters(), lr=1e-3).step()
     assert v2.candidate_selector.hidden_projection.weight.abs().sum() > 0  # the walk now learns
+
+
+def test_the_objectives_walk_is_the_runtime_walk():
+    """tau_est of a DFlash2 drafter's loss (teacher-forced: each slot's predecessor is the true
+    previous token) is what the runtime's walk (DFlash2DraftModel.propose, one block at a time
+    through the draft KV cache) accepts on the same blocks: the objective trains the walk that runs."""
+    from dflash_trt.runtime.draft_model import DraftKVCache
+
+    target, _ = _tiny()
+    draft = random_draft(target.config, family="dflash2", num_layers=2, seed=2, target_layer_ids=[0, 2, 3])
+    T, B = 40, draft.block_size
+    ids = torch.randint(0, target.config.vocab_size - 1, (T,), generator=torch.Generator().manual_seed(3))
+    adapter = TargetAdapter(target)
+    with torch.no_grad():
+        _, feats = adapter.forward(ids[None], torch.arange(T)[None], adapter.new_cache(), draft.target_layer_ids)
+    emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+    anchors = torch.tensor([10, 14, 19, 23, 27, 32])  # whole blocks: every slot has a label
+    draft.train()
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    for _ in range(60):  # half-memorised: long runs, and misses
+        loss, _ = dflash_loss(draft, emb, head, ids, feats[0], anchors, 4.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    draft.eval()
+    with torch.no_grad():
+        sel = draft.candidate_selector
+        sel.predecessor_codebook.mul_(30)  # a selector that often overrules the unary argmax
+        _, stats = dflash_loss(draft, emb, head, ids, feats[0], anchors, 4.0)
+        accepted, overruled = [], 0
+        for a in anchors.tolist():
+            block = torch.full((1, B), draft.mask_token_id)
+            block[0, 0] = ids[a]
+            h = draft(feats[:, :a], emb(block), torch.arange(a + B)[None], DraftKVCache())[:, 1:]  # [1, B-1, H]
+            path = draft.propose(h, ids[a:a + 1], head)[0][0]
+            hits = (path == ids[a + 1:a + B]).long()
+            accepted.append(int(hits.cumprod(0).sum()))
+            overruled += int((path != draft.compute_logits(h, head).argmax(-1)[0]).sum())
+    assert overruled > 0 and sum(accepted) > len(anchors)  # the walk mattered, and was accepted
+    assert stats["tau_est"] == pytest.approx(1 + sum(accepted) / len(accepted), abs=1e-6)
+
+
+def test_a_sampled_head_scores_the_selector_by_token_id():
+    """A sampled head (train/step.FrozenHead) whose rows are the whole vocabulary, shuffled, gives
+    the full head's loss, the selector's included: its codebooks are read at each candidate's
+    token id (FrozenHead.ids), not at its column."""
+    from dflash_trt.train.step import FrozenHead
+
+    target, _ = _tiny()
+    draft = random_draft(target.config, family="dflash2", num_layers=2, seed=2, target_layer_ids=[0, 2, 3])
+    with torch.no_grad():  # a selector that matters
+        draft.candidate_selector.predecessor_codebook.mul_(300)
+    T, V = 40, target.config.vocab_size
+    ids = torch.randint(0, V - 1, (T,), generator=torch.Generator().manual_seed(3))
+    adapter = TargetAdapter(target)
+    with torch.no_grad():
+        _, feats = adapter.forward(ids[None], torch.arange(T)[None], adapter.new_cache(), draft.target_layer_ids)
+    emb, anchors = target.get_input_embeddings(), torch.tensor([4, 11, 20, 30])
+    full, sampled = FrozenHead(target, None, "cpu"), FrozenHead(target, 0, "cpu")
+    sampled.draw(torch.randperm(V, generator=torch.Generator().manual_seed(5)), torch.Generator())
+    assert not torch.equal(sampled.ids, torch.arange(V))
+    loss_f, stats_f = dflash_loss(draft, emb, full, ids, feats[0], anchors, 4.0)
+    loss_s, stats_s = dflash_loss(draft, emb, sampled, ids, feats[0], anchors, 4.0, sampled.label_map, sampled.ids)
+    torch.testing.assert_close(loss_s, loss_f, rtol=1e-4, atol=1e-4)
+    assert stats_s["selector_loss"] == pytest.approx(stats_f["selector_loss"], rel=1e-4)
 
 
 def test_the_family_comes_from_the_flags_or_the_init_drafter_and_bad_recipes_get_one_line(tmp_path):

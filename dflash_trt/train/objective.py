@@ -114,6 +114,7 @@ def dflash_loss(
     anchors: torch.Tensor,  # [A]
     gamma: float,
     label_map: torch.Tensor | None = None,  # [V] full id -> column of lm_head's output (-1: not there)
+    column_ids: torch.Tensor | None = None,  # [V'] token id of each column (with label_map)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted CE of one sequence's blocks, plus per-slot accuracy figures for logging.
 
@@ -121,7 +122,8 @@ def dflash_loss(
     labels are translated into that subset; a label outside it is dropped from the loss.
     """
     lens = torch.tensor([ids.shape[0]], device=ids.device)
-    return dflash_loss_batch(draft, embed, lm_head, ids[None], lens, feats[None], anchors[None], None, gamma, label_map)
+    return dflash_loss_batch(draft, embed, lm_head, ids[None], lens, feats[None], anchors[None], None, gamma, label_map,
+                             column_ids)
 
 
 def dflash_loss_batch(
