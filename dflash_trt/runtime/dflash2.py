@@ -257,6 +257,22 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.candidate_selector = CandidateSelector(int(config.vocab_size), config.hidden_size, self.recipe)
 
     @torch.no_grad()
+    def start_as_dflash(self) -> None:
+        """Make this drafter propose exactly what its DFlash (v1) body proposes, the point training
+        starts from (train/drafter.py): every convolution the identity (speculators' init:
+        base[:, 0] = 1, the other taps 0, kernel_projection 0, so y = x on both sides of each
+        sublayer) and the selector's hidden_projection 0 (g = 0: every transition score is 0, the
+        walk scores each slot's top-k by its unary logits alone, and its argmax is the plain argmax).
+        The codebooks keep their random values: the score is a product of three factors, and only
+        with two of them non-zero does the third (the projection) get a gradient at the start."""
+        for layer in self.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.zero_()
+                conv.base_kernel[:, 0] = 1.0
+                conv.kernel_projection.weight.zero_()
+        self.candidate_selector.hidden_projection.weight.zero_()
+
+    @torch.no_grad()
     def reset_parameters(self, seed: int | None = None, std: float | None = None) -> None:
         """Random init, each convolution near the identity (speculators starts it exactly there:
         base[:, 0] = 1, the rest 0), so a random DFlash2 drafter still passes its inputs on."""
@@ -295,10 +311,22 @@ def scatter_q(q: torch.Tensor, candidates: torch.Tensor, vocab_size: int) -> tor
     return torch.zeros(*q.shape[:-1], vocab_size, dtype=q.dtype, device=q.device).scatter(-1, candidates, q)
 
 
+def as_dflash2_config(cfg: dict[str, Any], recipe: dict[str, int]) -> dict[str, Any]:
+    """A DFlash (v1) drafter config (runtime/draft_model.make_draft_config) made DFlash2, in z-lab's
+    released layout: the architecture, the recipe and block_size inside dflash_config."""
+    from dflash_trt.runtime.drafter_config import draft_value
+    from dflash_trt.runtime.drafter_family import DFLASH2
+
+    out = {k: v for k, v in cfg.items() if k != "block_size"}
+    out["architectures"] = [DFLASH2.architecture]
+    out["dflash_config"] = {**(cfg.get("dflash_config") or {}), **recipe, "block_size": draft_value(cfg, "block_size")}
+    return out
+
+
 def rename_codebooks(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Codebooks saved with a `.weight` suffix (z-lab's nn.Embedding names) under their bare names."""
     return {k.removesuffix(".weight") if k.removesuffix(".weight") in CODEBOOKS else k: v for k, v in state.items()}
 
 
 __all__ = ["CandidateSelector", "DFlash2DraftModel", "DFlash2Recipe", "DraftKVCache", "GroupedDynamicCausalConv",
-           "RECIPE_KEYS", "grouped_dynamic_conv"]
+           "RECIPE_KEYS", "as_dflash2_config", "grouped_dynamic_conv"]

@@ -70,15 +70,13 @@ def random_draft(target_config: Any, seed: int = 0, family: str = "dflash", dfla
 
     if family not in FAMILIES:
         raise ValueError(f"unknown drafter family {family!r}; use one of {', '.join(FAMILIES)}")
-    fields = dict(kw.pop("dflash_fields", None) or {})
     if family == "dflash2":
-        fields.update(dflash2_recipe or TINY_DFLASH2_RECIPE)
+        from dflash_trt.runtime.dflash2 import as_dflash2_config
+
         kw.setdefault("block_size", 8)
-        fields["block_size"] = kw.pop("block_size")  # every DFlash2 key inside dflash_config
-    cfg = make_draft_config(target_config, dflash_fields=fields, **kw)
-    if family == "dflash2":
-        cfg.pop("block_size")
-    cfg["architectures"] = [FAMILIES[family].architecture]
+        cfg = as_dflash2_config(make_draft_config(target_config, **kw), dflash2_recipe or TINY_DFLASH2_RECIPE)
+    else:
+        cfg = make_draft_config(target_config, **kw)
     model = FAMILIES[family].model_class()(cfg)
     model.reset_parameters(seed=seed)
     return model.eval()

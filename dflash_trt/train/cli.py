@@ -67,10 +67,19 @@ def setup_default(rebuild: bool) -> None:
 @click.option("--extra-data", multiple=True, type=click.Path(dir_okay=False, exists=True),
               help="More sequences to train on (an answer file from `dflash-trt train-data`); repeatable.")
 @click.option("--save-dtype", type=click.Choice(DTYPE_NAMES), help="Weights dtype on disk [bfloat16].")
+@click.option("--family", type=click.Choice(["dflash", "dflash2"]),
+              help="Drafter family: dflash (v1) or dflash2 (convolutions + candidate selector) [--init-from's, else dflash].")
+@click.option("--conv-kernel-size", type=click.IntRange(min=1), help="DFlash2: convolution taps [--init-from's, else 2].")
+@click.option("--conv-group-size", type=click.IntRange(min=1),
+              help="DFlash2: channels sharing a dynamic coefficient; divides the hidden size [--init-from's, else 16].")
+@click.option("--selector-rank", type=click.IntRange(min=1), help="DFlash2: rank of the selector's codebooks [--init-from's, else 256].")
+@click.option("--selector-top-k", type=click.IntRange(min=2), help="DFlash2: candidates the selector walks per slot [--init-from's, else 16].")
+@click.option("--selector-loss-weight", type=click.FloatRange(min=0),
+              help="DFlash2: weight of the selector's loss beside the block loss [1.0].")
 @no_progress_option()
 @friendly_errors
 def train_draft(target: str | None, out: str, config_file: str | None, no_progress: bool, **flags) -> None:
-    """Train a DFlash drafter for TARGET on its own greedy answers to the project's train prompts."""
+    """Train a DFlash or DFlash2 drafter for TARGET on its own greedy answers to the project's train prompts."""
     from dflash_trt.config import config_line
     from dflash_trt.train.trainer import train_draft as run
 

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_trt.runtime_options import DtypeName
 
+# speculators 0.9.0's DFlash2SpeculatorConfig defaults, the recipe a DFlash2 run starts from
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
 
 class TrainConfig(BaseModel):
     """Every knob of a drafter training run (recorded in MANIFEST.json)."""
@@ -68,6 +71,21 @@ class TrainConfig(BaseModel):
     # More sequences (responses.pt files as written by dflash_trt.train.data/.sampled), e.g. the
     # target's sampled answers to the same train prompts; trained on alongside the greedy ones.
     extra_data: list[str] = Field(default_factory=list)
+    # The drafter family: "dflash" (v1) or "dflash2" (convolutions + candidate selector,
+    # runtime/dflash2.py). None: the family of the `init_from` drafter, else "dflash".
+    family: Literal["dflash", "dflash2"] | None = None
+    # DFlash2's recipe (dflash_config keys). None: the `init_from` drafter's own when it is a
+    # DFlash2 drafter, else speculators 0.9.0's defaults (DFLASH2_DEFAULTS).
+    conv_kernel_size: int | None = Field(None, ge=1)
+    conv_group_size: int | None = Field(None, ge=1)
+    selector_rank: int | None = Field(None, ge=1)
+    selector_top_k: int | None = Field(None, ge=2)  # one candidate leaves the walk no choice
+    # DFlash2: loss = block loss + this x the selector's loss (speculators' selector_loss_alpha)
+    selector_loss_weight: float = Field(1.0, ge=0)
+
+    def recipe_flags(self) -> dict[str, int]:
+        """The DFlash2 recipe fields this run sets (the others come from --init-from or the defaults)."""
+        return {k: getattr(self, k) for k in DFLASH2_DEFAULTS if getattr(self, k) is not None}
 
     @property
     def data_dir_path(self) -> Path:

@@ -1,9 +1,15 @@
-"""The drafter a training run starts from: its shape, its mask token, its initial weights.
+"""The drafter a training run starts from: its family, its shape, its mask token, its initial weights.
 
 The target is frozen; its embedding and lm_head are shared with the drafter (which has none), so
 the drafter's config is the target's plus the DFlash settings (block size, the target layers it
-reads, the mask token). A bad layer id or mask id is refused BEFORE the long data generation,
-with the pair loader's own checks (runtime/validate.py).
+reads, the mask token) and, for a DFlash2 drafter, its recipe (convolution taps and group size,
+selector rank and top-k; runtime/dflash2.py). A bad layer id, mask id or recipe is refused BEFORE
+the long data generation, with the pair loader's own checks (runtime/validate.py).
+
+A DFlash2 drafter starts as the DFlash drafter it contains (DFlash2DraftModel.start_as_dflash):
+its convolutions the identity and its selector's walk the plain argmax. So ``--family dflash2
+--init-from <a v1 drafter>`` starts exactly where that drafter is -- the same proposals, step for
+step -- and training moves on from there.
 """
 
 from __future__ import annotations
@@ -54,9 +60,54 @@ def feature_layer_ids(cfg: TrainConfig, target_config: Any) -> list[int]:
     return cfg.target_layer_ids or sorted(set(build_target_layer_ids(n_layers, cfg.num_target_features)))
 
 
+def training_family(cfg: TrainConfig) -> tuple[str, dict[str, int] | None]:
+    """(the family this run trains, its DFlash2 recipe or None): `cfg.family`, else the
+    `--init-from` drafter's; the recipe from the flags, else that drafter's, else speculators'
+    defaults."""
+    from dflash_trt.train.config import DFLASH2_DEFAULTS
+
+    source_family, source_recipe = "dflash", {}
+    if cfg.init_from:
+        from dflash_trt.checkpoints.files import read_json
+        from dflash_trt.runtime.drafter_family import CONFIG_NAME, DFLASH2, detect_family, zlab_config
+
+        where = Path(cfg.init_from) / CONFIG_NAME
+        raw = read_json(where, what="--init-from drafter config")
+        source = detect_family(raw, where)
+        source_family = source.name
+        if source is DFLASH2:
+            dcfg = zlab_config(raw, where)["dflash_config"]
+            source_recipe = {k: dcfg[k] for k in DFLASH2_DEFAULTS}
+    family = cfg.family or source_family
+    if family == "dflash":
+        if source_family == "dflash2":
+            raise DFlashError(f"--init-from {cfg.init_from} is a DFlash2 drafter and --family dflash drops its "
+                              "convolutions and selector (other proposals); train it as --family dflash2")
+        if cfg.recipe_flags():
+            flag = next(iter(cfg.recipe_flags())).replace("_", "-")
+            raise DFlashError(f"--{flag} is a DFlash2 setting but this run trains a DFlash (v1) drafter; "
+                              "add --family dflash2 or drop it")
+        return family, None
+    return family, {**DFLASH2_DEFAULTS, **source_recipe, **cfg.recipe_flags()}
+
+
+def check_recipe(recipe: dict[str, int], hidden_size: int, block_size: int, vocab_size: int) -> None:
+    """One line for a DFlash2 recipe the target's sizes cannot take (the ranges are TrainConfig's)."""
+    g, k, top_k = recipe["conv_group_size"], recipe["conv_kernel_size"], recipe["selector_top_k"]
+    if hidden_size % g:
+        raise DFlashError(f"train-draft: conv_group_size {g} does not divide the target's hidden_size {hidden_size}; "
+                          f"pass --conv-group-size with a divisor of {hidden_size}")
+    if k > block_size:
+        raise DFlashError(f"train-draft: conv_kernel_size {k} is longer than the block ({block_size}); its taps "
+                          f"never cross a block, pass --conv-kernel-size <= {block_size}")
+    if top_k > vocab_size:
+        raise DFlashError(f"train-draft: selector_top_k {top_k} exceeds the vocabulary ({vocab_size}); pass a "
+                          "smaller --selector-top-k")
+
+
 def drafter_config(cfg: TrainConfig, target_config: Any, layer_ids: list[int], mask_id: int | None = None) -> Any:
-    """The drafter's config, checked against the target (`mask_id` None: a placeholder, to
-    check the shape before the mask token is known)."""
+    """The drafter's config in z-lab's layout, checked against the target (`mask_id` None: a
+    placeholder, to check the shape before the mask token is known)."""
     from dflash_trt.runtime.draft_model import make_draft_config
     from dflash_trt.runtime.validate import validate_pair
 
@@ -64,6 +115,12 @@ def drafter_config(cfg: TrainConfig, target_config: Any, layer_ids: list[int], m
     dcfg = make_draft_config(target_config, mask_token_id=mask, num_layers=cfg.num_layers,
                              block_size=cfg.block_size, target_layer_ids=layer_ids,
                              intermediate_size=cfg.intermediate_size)
+    _, recipe = training_family(cfg)
+    if recipe is not None:
+        from dflash_trt.runtime.dflash2 import as_dflash2_config
+
+        check_recipe(recipe, int(target_config.hidden_size), cfg.block_size, int(target_config.vocab_size))
+        dcfg = as_dflash2_config(dcfg, recipe)
     validate_pair(dcfg, target_config, where="train-draft")
     return dcfg
 
@@ -77,34 +134,44 @@ def mask_token_for(cfg: TrainConfig, tokenizer: Any, vocab_size: int, seen: set[
 
 
 def new_drafter(cfg: TrainConfig, dcfg: Any, device: Any) -> Any:
-    """The drafter to train, on `device` in train mode: seeded random weights (`cfg.seed`), or
-    `cfg.init_from`'s where given."""
+    """The drafter to train (the family `dcfg` names), on `device` in train mode: seeded random
+    weights (`cfg.seed`; a DFlash2 drafter's extra parts started as DFlash), or `cfg.init_from`'s
+    where given."""
     import torch
 
-    from dflash_trt.runtime.draft_model import DFlashDraftModel
+    from dflash_trt.runtime.drafter_family import detect_family
 
     torch.manual_seed(cfg.seed)
-    draft = DFlashDraftModel(dcfg)
+    draft = detect_family(dcfg, "train-draft").model_class()(dcfg)
     draft.reset_parameters(seed=cfg.seed)
+    if draft.family == "dflash2":
+        draft.start_as_dflash()
     if cfg.init_from:
         init_from(draft, Path(cfg.init_from))
     return draft.to(device).train()
 
 
 def init_from(draft: Any, source: Path) -> None:
-    """Copy a trained drafter's weights into `draft` (e.g. grow 1 layer into 2 and keep training).
+    """Copy a trained drafter's weights into `draft` (e.g. grow 1 layer into 2 and keep training,
+    or make a DFlash2 drafter of a DFlash one).
 
     Every tensor of `source` must exist in `draft` with the same shape, and both must agree on
     mask token, target layer ids and block size (otherwise the copied weights would mean
     something else). Layers `source` lacks keep their random init except their two output
     projections (attention o_proj, MLP down_proj), which are zeroed: a residual block with zero
     output is the identity, so training starts exactly from the source drafter's predictions.
+    A DFlash2 `draft` from a DFlash `source` takes every shared tensor (layers, fc, norms); its
+    convolutions and selector stay as :func:`new_drafter` started them (the identity, the plain
+    argmax), so it proposes what `source` proposes.
     """
     import torch
 
-    from dflash_trt.runtime.draft_model import DFlashDraftModel
+    from dflash_trt.runtime.drafter_family import load_drafter
 
-    src = DFlashDraftModel.from_pretrained(source)
+    src = load_drafter(source)
+    if src.family == "dflash2" and draft.family != "dflash2":
+        raise DFlashError(f"--init-from {source} is a DFlash2 drafter but this run trains a DFlash (v1) one, which "
+                          "would drop its convolutions and selector; train it as --family dflash2")
     for what in ("mask_token_id", "target_layer_ids", "block_size"):
         if getattr(src, what) != getattr(draft, what):
             raise DFlashError(f"--init-from {source}: {what} is {getattr(src, what)} there but "
@@ -121,5 +188,7 @@ def init_from(draft: Any, source: Path) -> None:
         for i in range(len(src.layers), len(draft.layers)):
             draft.layers[i].self_attn.o_proj.weight.zero_()
             draft.layers[i].mlp.down_proj.weight.zero_()
-    log(f"initialised from {source}: {len(theirs)} tensors copied, "
-        f"{len(draft.layers) - len(src.layers)} new layer(s) start as identity")
+    grown = src.family != draft.family
+    log(f"initialised from {source} ({src.family}): {len(theirs)} tensors copied, "
+        f"{len(draft.layers) - len(src.layers)} new layer(s) start as identity"
+        + (", the convolutions as the identity and the selector as the plain argmax" if grown else ""))

@@ -1,5 +1,7 @@
-"""A trained drafter on disk: z-lab format (config.json + model.safetensors), the frequent-token
-draft vocabulary (draft_vocab.json) and MANIFEST.json (what was trained, on what, how, how
+"""A trained drafter on disk: z-lab's released format (config.json + model.safetensors; a DFlash2
+drafter with every recipe key inside ``dflash_config`` and its codebooks stored bare, as z-lab
+0.1.0, vLLM, SGLang and TensorRT-LLM read them: runtime/dflash2.py), the frequent-token draft
+vocabulary (draft_vocab.json, DFlash only) and MANIFEST.json (what was trained, on what, how, how
 long), written as one directory atomically: an interrupted save leaves nothing half-written.
 """
 
@@ -15,14 +17,27 @@ from dflash_trt.train import log
 from dflash_trt.train.config import TrainConfig
 from dflash_trt.train.drafter import MASK_TOKEN_NOTE
 
+DFLASH2_INIT_NOTE = (
+    "Started as the DFlash drafter it contains (--init-from's weights where given): every convolution the "
+    "identity (base[:, 0] = 1, other taps and kernel_projection 0, speculators' init) and the selector's "
+    "hidden_projection 0, so every transition score is 0 and the walk starts as the plain argmax; the codebooks "
+    "random (normal, initializer_range), so the projection has a gradient from the first step."
+)
+
 
 def training_manifest(cfg: TrainConfig, target_config: Any, tokenizer: Any, mask_id: int, layer_ids: list[int],
-                      data: dict[str, Any], run: dict[str, Any], machine: dict[str, Any]) -> dict[str, Any]:
+                      data: dict[str, Any], run: dict[str, Any], machine: dict[str, Any],
+                      recipe: dict[str, int] | None = None) -> dict[str, Any]:
     """MANIFEST.json: `data` (sequence counts), `run` (steps, history, times) and `machine` as
-    the trainer measured them, around the target, the mask token, the layers and the config."""
+    the trainer measured them, around the target, the family (`recipe`: a DFlash2 drafter's),
+    the mask token, the layers and the config."""
     tcfg = target_config
+    family = {"family": "dflash"} if recipe is None else {
+        "family": "dflash2", "dflash2": {**recipe, "selector_loss_weight": cfg.selector_loss_weight,
+                                         "init": DFLASH2_INIT_NOTE}}
     return {
-        "what": "DFlash drafter (z-lab format) trained by dflash-trt train-draft",
+        "what": f"{'DFlash2' if recipe else 'DFlash'} drafter (z-lab format) trained by dflash-trt train-draft",
+        **family,
         "target": {"path": str(cfg.target), "architectures": list(getattr(tcfg, "architectures", None) or []),
                    "num_hidden_layers": int(tcfg.num_hidden_layers), "hidden_size": int(tcfg.hidden_size),
                    "vocab_size": int(tcfg.vocab_size)},

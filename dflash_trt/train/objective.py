@@ -14,6 +14,26 @@ This reproduces exactly what a block sees at inference: the draft KV cache holds
 K/V of every committed position before the block's first token, and the block attends to
 itself bidirectionally. Early slots get more weight because a block is only accepted up to its
 first miss, so slot 1 matters in every step and slot 15 only in the best ones.
+
+A DFlash2 drafter (runtime/dflash2.py) proposes by its candidate selector's walk, so its loss
+adds the selector's objective, as speculators 0.9.0 trains it (``models/dflash2/metrics.py``):
+a teacher-forced K-way cross-entropy over the runtime's own candidate set. For slot k of block i,
+with h its final hidden state, U = its draft logits and y = its label:
+
+    C         = top-K ids of U (the candidates the walk sees; no gradient through the choice),
+                with y put in place of the weakest when it is missing (y then sits at rank K)
+    prev      = ids[a_i + k - 1]     (the anchor for k = 1: the TRUE previous token)
+    s_c       = U_c + sum_r A[prev, r] * g_r * Bc[c, r],   g = hidden_projection(h),  c in C
+    sel_k     = -log softmax(s)_y    (cross-entropy over the K candidates)
+    loss      = block loss + alpha * sum_k w_k sel_k / sum_k w_k      (alpha: selector_loss_weight)
+
+The gradient reaches the codebooks A, Bc, the projection, and through U_c and h the drafter's
+body too (as in speculators: U is not detached). Teacher forcing is exact for what matters: the
+walk's step k only counts while slots 1..k-1 were accepted, i.e. while its predecessor IS the
+true previous token. Hard labels: the labels are the target's greedy answers (its argmax), the
+hard target speculators takes as well (``targets.argmax``). The figures then follow the walk:
+slot k is a hit when y is among the top-K and wins the selector's scores, so tau_est is the
+expected acceptance length of the walk's proposals (speculators' ``eal``).
 """
 
 from __future__ import annotations
@@ -94,6 +114,7 @@ def dflash_loss(
     anchors: torch.Tensor,  # [A]
     gamma: float,
     label_map: torch.Tensor | None = None,  # [V] full id -> column of lm_head's output (-1: not there)
+    column_ids: torch.Tensor | None = None,  # [V'] token id of each column (with label_map)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted CE of one sequence's blocks, plus per-slot accuracy figures for logging.
 
@@ -101,7 +122,8 @@ def dflash_loss(
     labels are translated into that subset; a label outside it is dropped from the loss.
     """
     lens = torch.tensor([ids.shape[0]], device=ids.device)
-    return dflash_loss_batch(draft, embed, lm_head, ids[None], lens, feats[None], anchors[None], None, gamma, label_map)
+    return dflash_loss_batch(draft, embed, lm_head, ids[None], lens, feats[None], anchors[None], None, gamma, label_map,
+                             column_ids)
 
 
 def dflash_loss_batch(
@@ -115,10 +137,13 @@ def dflash_loss_batch(
     anchor_ok: torch.Tensor | None,  # [S, A] bool, or None when every anchor is real
     gamma: float,
     label_map: torch.Tensor | None = None,
+    column_ids: torch.Tensor | None = None,  # [V'] token id of each column of lm_head's output (sampled head)
+    selector_weight: float = 1.0,  # DFlash2: alpha of the selector's loss (module docstring)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """:func:`dflash_loss` over S sequences in ONE drafter forward (the GPU trainer's step).
 
     Every label of every sequence weighs the same: the loss is the weighted mean over all of them.
+    A DFlash2 drafter adds its selector's loss (:func:`selector_loss`).
     """
     B, C, dev = draft.block_size, feats.shape[1], feats.device
     S = ids.shape[0]
@@ -129,24 +154,64 @@ def dflash_loss_batch(
         noise = embed(tokens.flatten(1))  # [S, A*B, H]
     hidden = draft(feats.float(), noise, position_ids, None, mask)  # [S, A*B, H]
     sel = valid.reshape(-1)
-    logits = lm_head(hidden.reshape(-1, hidden.shape[-1])[sel])  # [N, V]: only masked slots pay for the big head
+    h = hidden.reshape(-1, hidden.shape[-1])[sel]  # [N, H]: only masked slots pay for the big head
+    logits = draft.compute_logits(h, lm_head)  # [N, V] as the runtime's proposals see them
     target = labels.reshape(-1)[sel]
+    # the true previous token of each slot: the anchor for slot 1 (labels[..., 0] is the anchor), else slot k-1's label
+    prev = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).reshape(-1)[sel]  # [N]
     k = torch.arange(B, device=dev).expand_as(valid).reshape(-1)[sel]  # slot index 1..B-1
     if label_map is not None:
         target = label_map[target]
         keep = target >= 0
-        logits, target, k = logits[keep], target[keep], k[keep]
+        logits, target, k, h, prev = logits[keep], target[keep], k[keep], h[keep], prev[keep]
         valid = valid.masked_scatter(valid, keep)  # the dropped labels count as misses in the stats below
     w = torch.exp(-(k - 1).float() / gamma)
     ce = F.cross_entropy(logits.float(), target, reduction="none")
     loss = (w * ce).sum() / w.sum()
+    selector = getattr(draft, "candidate_selector", None)
+    figures: dict[str, float] = {}
+    if selector is None:
+        with torch.no_grad():
+            hit = logits.argmax(-1) == target
+    else:
+        sel_ce, hit = selector_loss(selector, h, logits, target, prev, column_ids)
+        sel_loss = (w * sel_ce).sum() / w.sum()
+        loss = loss + selector_weight * sel_loss
+        figures["selector_loss"] = float(sel_loss.detach())
     with torch.no_grad():
-        hit = (logits.argmax(-1) == target).float()
+        hit = hit.float()
         # expected accepted length under "accept until first miss" for these blocks
         hits = torch.zeros_like(valid, dtype=torch.float)
         hits[valid] = hit
         run = torch.cumprod(torch.where(valid, hits, torch.zeros_like(hits))[..., 1:], dim=-1).sum(-1)  # [S, A]
         real = anchor_ok if anchor_ok is not None else torch.ones_like(run, dtype=torch.bool)
         stats = {"acc1": float(hit[k == 1].mean()) if (k == 1).any() else math.nan,
-                 "tau_est": float(1 + run[real].mean())}
+                 "tau_est": float(1 + run[real].mean()), **figures}
     return loss, stats
+
+
+def selector_loss(
+    selector: torch.nn.Module,  # runtime/dflash2.CandidateSelector
+    hidden: torch.Tensor,  # [N, H] the slots' final hidden states
+    logits: torch.Tensor,  # [N, V'] their draft logits (V' columns: the whole vocabulary or a sample)
+    target: torch.Tensor,  # [N] the labels, as columns of `logits`
+    prev: torch.Tensor,  # [N] token id of each slot's true previous token
+    column_ids: torch.Tensor | None,  # [V'] token id of each column; None: column = token id
+) -> tuple[torch.Tensor, torch.Tensor]:  # cross-entropy over the candidates [N], the walk's hits [N] bool
+    """The selector's teacher-forced K-way cross-entropy (the module docstring's sel_k), and
+    whether the walk, from the true previous token, would propose the label."""
+    K = selector.top_k
+    cand = logits.detach().topk(K, dim=-1).indices  # [N, K], strongest first: the weakest sits at rank K
+    match = cand == target[:, None]
+    present = match.any(-1)  # [N] the label is among the candidates the walk sees at run time
+    cand[:, -1] = torch.where(present, cand[:, -1], target)
+    position = torch.where(present, match.long().argmax(-1), K - 1)  # [N] the label's column in cand
+    tokens = cand if column_ids is None else column_ids[cand]  # [N, K] token ids, for the codebooks
+    g = selector.hidden_projection(hidden)  # [N, r]
+    context = selector.predecessor_codebook[prev] * g  # [N, r]
+    transition = torch.einsum("nr,nkr->nk", context, selector.successor_codebook[tokens])  # [N, K]
+    scores = logits.gather(-1, cand).float() + transition.float()  # [N, K]
+    ce = F.cross_entropy(scores, position, reduction="none")
+    with torch.no_grad():
+        hit = present & (scores.argmax(-1) == position)
+    return ce, hit

@@ -37,6 +37,7 @@ class FrozenHead:
         self.sampled_vocab, self.device = sampled_vocab, device
         self.rows = self.weight  # the rows scored this step
         self.label_map: Any = None  # [V] full id -> row of `rows` (-1: not scored), sampled only
+        self.ids: Any = None  # [rows] token id of each row of `rows`, sampled only (DFlash2's codebooks)
 
     def __call__(self, h: Any) -> Any:  # [N, H] -> [N, V or the sampled rows]
         import torch
@@ -56,7 +57,8 @@ class FrozenHead:
         rows = torch.cat([seen, extra])
         label_map = torch.full((self.vocab,), -1, dtype=torch.long)
         label_map[rows] = torch.arange(rows.numel())
-        self.rows, self.label_map = self.weight[rows.to(self.device)], label_map.to(self.device)
+        self.ids = rows.to(self.device)
+        self.rows, self.label_map = self.weight[self.ids], label_map.to(self.device)
 
 
 def make_optimizer(cfg: TrainConfig, draft: Any) -> Any:
@@ -88,9 +90,9 @@ def online_features(adapter: Any, ids: Any, layer_ids: list[int]) -> Any:
 
 
 def train_step(draft: Any, embed: Any, head: FrozenHead, opt: Any, batch: dict[str, Any], lr: float,
-               gamma: float) -> tuple[float, dict[str, float]]:
+               gamma: float, selector_weight: float = 1.0) -> tuple[float, dict[str, float]]:
     """One optimiser step on `batch` (make_batch's tensors, feats included) at `lr`; returns the
-    loss and the objective's per-step statistics (acc1, tau_est)."""
+    loss and the objective's per-step statistics (acc1, tau_est; DFlash2: selector_loss)."""
     import torch
 
     from dflash_trt.train.objective import dflash_loss_batch
@@ -98,7 +100,8 @@ def train_step(draft: Any, embed: Any, head: FrozenHead, opt: Any, batch: dict[s
     for g in opt.param_groups:
         g["lr"] = lr
     loss, stats = dflash_loss_batch(draft, embed, head, batch["ids"], batch["lens"], batch["feats"],
-                                    batch["anchors"], batch["anchor_ok"], gamma, head.label_map)
+                                    batch["anchors"], batch["anchor_ok"], gamma, head.label_map, head.ids,
+                                    selector_weight)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

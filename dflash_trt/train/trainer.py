@@ -5,13 +5,15 @@
 1. data (dataset.py): the target's greedy answers to the project's TRAIN prompts, generated once
    into ``<data_dir>/responses.pt`` (answers.py) and reused, plus ``--extra-data``; their
    features cached (the target runs ONCE per sequence) or made in every step (online);
-2. model (drafter.py): the drafter's config checked against the target before any long work,
-   the mask token, seeded weights or ``--init-from``;
+2. model (drafter.py): the family (DFlash or DFlash2, ``--family``, else ``--init-from``'s), the
+   drafter's config checked against the target before any long work, the mask token, seeded
+   weights or ``--init-from`` (a DFlash2 drafter from a DFlash one starts where that one is);
 3. steps (step.py, below): the optimiser and its schedule, one step per batch of sequences with
    up to ``anchors_per_seq`` random anchors each (objective.py), the running figures kept as
    the history;
-4. export (export.py): the drafter in z-lab format (bf16 by default), draft_vocab.json and
-   MANIFEST.json, atomically.
+4. export (export.py): the drafter in z-lab's released format (bf16 by default; DFlash2: every
+   recipe key in ``dflash_config``, the codebooks stored bare), draft_vocab.json (DFlash only)
+   and MANIFEST.json, atomically.
 
 The target is frozen; its embedding and lm_head are shared with the drafter (which has none).
 One seed fixes the run: the same config on the same machine writes the same weights.
@@ -95,32 +97,39 @@ def load_frozen_target(target_dir: str, device: Any) -> tuple[Any, Any]:
 
 
 class TrainingLog:
-    """The run's figures: means of loss, acc1 and tau_est over every `log_every` steps (steps
-    whose figure is NaN, e.g. no slot-1 label, left out), the history MANIFEST.json records."""
+    """The run's figures: means of loss, acc1, tau_est (and DFlash2's selector_loss) over every
+    `log_every` steps (steps whose figure is NaN, e.g. no slot-1 label, left out), the history
+    MANIFEST.json records."""
+
+    DIGITS = {"loss": 4, "acc1": 4, "tau_est": 3, "selector_loss": 4}
 
     def __init__(self, log_every: int, steps: int) -> None:
         self.log_every, self.steps = log_every, steps
-        self.window: list[tuple[float, float, float]] = []
+        self.window: list[dict[str, float]] = []
         self.history: list[dict[str, float]] = []
 
     def add(self, step: int, loss: float, stats: dict[str, float], elapsed_s: float) -> dict[str, float] | None:
         """Record a step; returns the history row when this step closes a window."""
-        self.window.append((loss, stats["acc1"], stats["tau_est"]))
+        self.window.append({"loss": loss, **stats})
         if (step + 1) % self.log_every and step != self.steps - 1:
             return None
-        l, a, t = (sum(x[j] for x in self.window if not math.isnan(x[j]))
-                   / max(1, sum(not math.isnan(x[j]) for x in self.window)) for j in range(3))
-        row = {"step": step + 1, "loss": round(l, 4), "acc1": round(a, 4), "tau_est": round(t, 3),
-               "elapsed_s": round(elapsed_s, 1)}
+        row = {"step": step + 1, **self._means(self.DIGITS), "elapsed_s": round(elapsed_s, 1)}
         self.history.append(row)
         self.window = []
         return row
 
+    def _means(self, names: dict[str, int]) -> dict[str, float]:
+        out = {}
+        for name, digits in names.items():
+            xs = [x[name] for x in self.window if name in x and not math.isnan(x[name])]
+            if name in self.window[0]:
+                out[name] = round(sum(xs) / max(1, len(xs)), digits)
+        return out
+
     def close(self, done: int, elapsed_s: float) -> None:
         """A run stopped by its time limit mid-window keeps that window's mean loss."""
         if self.window:
-            loss = sum(x[0] for x in self.window) / len(self.window)
-            self.history.append({"step": done, "loss": round(loss, 4), "elapsed_s": round(elapsed_s, 1)})
+            self.history.append({"step": done, **self._means({"loss": 4}), "elapsed_s": round(elapsed_s, 1)})
 
 
 def run_steps(cfg: TrainConfig, draft: Any, target: Any, data: TrainingSet, device: Any,
@@ -156,7 +165,7 @@ def run_steps(cfg: TrainConfig, draft: Any, target: Any, data: TrainingSet, devi
                 batch["feats"] = online_features(adapter, batch["ids"], data.layer_ids)
             lr = lr_at(cfg, step, time.time() - t_train)
             head.draw(seen_ids, gen)
-            loss, stats = train_step(draft, embed, head, opt, batch, lr, gamma)
+            loss, stats = train_step(draft, embed, head, opt, batch, lr, gamma, cfg.selector_loss_weight)
             done += 1
             bar.update(1)
             row = figures.add(step, loss, stats, time.time() - t_train)
@@ -178,9 +187,14 @@ def export(cfg: TrainConfig, draft: Any, target: Any, tokenizer: Any, mask_id: i
     machine = {"torch_threads": torch.get_num_threads(), "torch": torch.__version__, "device": str(device),
                "features": "online" if data.online else "cached",
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-    manifest = training_manifest(cfg, target.config, tokenizer, mask_id, layer_ids, data.summary(), run, machine)
+    recipe = draft.recipe.to_dict() if draft.family == "dflash2" else None
+    manifest = training_manifest(cfg, target.config, tokenizer, mask_id, layer_ids, data.summary(), run, machine,
+                                 recipe)
     vocab = None
-    if cfg.draft_vocab_size:
+    if cfg.draft_vocab_size and draft.family == "dflash2":
+        # loaders refuse one beside a DFlash2 drafter: its selector ranks the whole vocabulary
+        log("no draft_vocab.json for a DFlash2 drafter (its candidate selector ranks the whole vocabulary)")
+    elif cfg.draft_vocab_size:
         vocab = draft_vocab_from_data(data.seqs, int(target.config.vocab_size), cfg.draft_vocab_size,
                                       always=stop_token_ids_of(tokenizer, target.config))
     save_drafter(Path(cfg.out), draft, manifest, save_dtype, vocab)
