@@ -1,5 +1,5 @@
 """What every command module shares: the error contract, JSON output, the flags that must mean the
-same on every command (``--max-draft-len``, ``--policy``) and the comma-separated list flags.
+same on every command (``--max-draft-len``, ``--policy``, ``--draft-method``) and the comma-separated list flags.
 
 The command modules (``dflash_trt/cli.py``, ``generation_cli.py`` and each area's ``cli.py``)
 import this; nothing below the command layer does.
@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.speculation import POLICIES
+from dflash_trt.speculation import DEFAULT_DRAFT_METHOD, DRAFT_METHODS, POLICIES
 
 
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,6 +52,19 @@ def max_draft_len_option(help: str = MAX_DRAFT_LEN_HELP) -> Callable[[Callable[.
 def policy_option(default: str | None, help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return click.option("--policy", type=click.Choice(POLICIES), default=default, show_default=default is not None,
                         help=help)
+
+
+DRAFT_METHOD_HELP = ("What a sampled step (temperature > 0) drafts and how it verifies: match = argmax drafts, "
+                     "exact match against the target's samples; greedy = argmax drafts, rejection sampling with a "
+                     "one-hot q; probabilistic = drafts sampled from the drafter's q, rejection sampling against it "
+                     "(z-lab 0.1.0). All lossless; temperature 0 is the same for all.")
+
+
+def draft_method_option(help: str = DRAFT_METHOD_HELP + f" [default: {DEFAULT_DRAFT_METHOD}]"
+                        ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--draft-method, None when not given: SpeculationSettings' default (DEFAULT_DRAFT_METHOD) or
+    the backend's own (serving/backends.tensorrt_llm_draft_method)."""
+    return click.option("--draft-method", type=click.Choice(DRAFT_METHODS), default=None, help=help)
 
 
 def int_list(example: str) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from dflash_trt.cli_helpers import emit_json, friendly_errors, max_draft_len_option, policy_option
+from dflash_trt.cli_helpers import draft_method_option, emit_json, friendly_errors, max_draft_len_option, policy_option
 from dflash_trt.runtime_options import DTYPE_CHOICES
 
 
@@ -30,6 +30,7 @@ from dflash_trt.runtime_options import DTYPE_CHOICES
 @max_draft_len_option()
 @policy_option("fixed", "fixed: the reference loop, K drafts every step; adaptive: the batched runtime "
                         "chooses k <= K per step from measured costs (as `serve` does).")
+@draft_method_option()
 @click.option("--raw", is_flag=True, help="Do not apply the tokenizer's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, statistics).")
 @click.option("--compare/--no-compare", default=False, show_default=True,
@@ -40,7 +41,7 @@ from dflash_trt.runtime_options import DTYPE_CHOICES
 @friendly_errors
 def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_dir: str | None, tiny: bool,
              max_new_tokens: int, temperature: float, top_p: float, seed: int, max_draft_len: int | None,
-             policy: str, raw: bool, as_json: bool, compare: bool, dtype: str, allow_pickle: bool) -> None:
+             policy: str, draft_method: str | None, raw: bool, as_json: bool, compare: bool, dtype: str, allow_pickle: bool) -> None:
     """Generate text for PROMPT with DFlash and print it with acceptance statistics."""
     from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime.batched import batched_generate
@@ -54,7 +55,8 @@ def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_
     from dflash_trt.runtime_options import RuntimeOptions
 
     source = PairSource(target_dir, draft_dir, engine=engine_dir, tiny=tiny, allow_pickle=allow_pickle)
-    pair = load_pair(source, RuntimeOptions(dtype=dtype), max_draft_len=max_draft_len, policy=policy)
+    pair = load_pair(source, RuntimeOptions(dtype=dtype), max_draft_len=max_draft_len, policy=policy,
+                     draft_method=draft_method)
     ids = pair.codec.encode(prompt, raw=raw)
     pair.codec.check_room(ids, max_new_tokens)  # an engine's max_seq_len bounds prompt + output
     params = params.with_stop_token_ids(pair.codec.stop_token_ids)
@@ -81,7 +83,8 @@ def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_
         f"\n[dflash] tokens={s.num_output_tokens} steps={s.num_steps} tau={s.tau:.2f} "
         f"acceptance_rate={s.acceptance_rate:.2f} ttft={s.ttft_s * 1e3:.0f}ms tpot={s.tpot_s * 1e3:.1f}ms "
         f"tokens/s={s.tokens_per_s:.1f} finish={s.finish_reason} "
-        f"K={pair.speculation.max_draft_len} policy={pair.speculation.policy}", err=True,
+        f"K={pair.speculation.max_draft_len} policy={pair.speculation.policy} "
+        f"draft_method={pair.speculation.draft_method}", err=True,
     )
     if compare:
         click.echo(

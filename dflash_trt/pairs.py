@@ -23,7 +23,8 @@ pair must never be loaded on CPU and then moved.
 
 The result carries what every caller needs next to the weights: the tokenizer contract
 (:class:`~dflash_trt.runtime.tokens.TextCodec`) and the :class:`SpeculationSettings` of this run
-(K from the engine or the drafter, lowered by ``--max-draft-len``, and the ``--policy``).
+(K from the engine or the drafter, lowered by ``--max-draft-len``, the ``--policy`` and the
+``--draft-method``).
 """
 
 from __future__ import annotations
@@ -69,10 +70,11 @@ class LoadedPair:
 
 
 def load_pair(source: PairSource = PairSource(), options: RuntimeOptions = RuntimeOptions(), *,
-              max_draft_len: int | None = None, policy: str | None = None) -> LoadedPair:
+              max_draft_len: int | None = None, policy: str | None = None,
+              draft_method: str | None = None) -> LoadedPair:
     """Load the pair `source` names for `options` (see the module docstring). `max_draft_len`
     lowers K (an engine's is refused above what it was built for, before anything loads);
-    `policy` names the SpeculationSettings' policy."""
+    `policy` and `draft_method` name the SpeculationSettings' (None: its defaults)."""
     from dflash_trt.checkpoints.placement import runtime_device
 
     runtime_device(options.device, kinds=("cpu", "cuda", "meta"))  # before anything loads: a bad --device is one line
@@ -83,7 +85,7 @@ def load_pair(source: PairSource = PairSource(), options: RuntimeOptions = Runti
 
         root = Path(source.engine)
         manifest = load_manifest(root)
-        speculation = SpeculationSettings.from_manifest(manifest, max_draft_len, policy)  # refused before loading
+        speculation = SpeculationSettings.from_manifest(manifest, max_draft_len, policy, draft_method)  # refused before loading
         if source.verify:  # every file's sha256: a tampered or half-copied engine names its bad file
             from dflash_trt.engine.verify import verify_engine
 
@@ -106,7 +108,7 @@ def load_pair(source: PairSource = PairSource(), options: RuntimeOptions = Runti
         target, draft, tokenizer = _load_models(Path(target_dir), Path(draft_dir), options,
                                                 allow_pickle=source.allow_pickle)
     if speculation is None:
-        speculation = SpeculationSettings.for_block(draft.block_size, max_draft_len, policy)
+        speculation = SpeculationSettings.for_block(draft.block_size, max_draft_len, policy, draft_method)
     limit = manifest.limits.max_seq_len if manifest is not None else None  # prompts are checked against it
     codec = TextCodec.for_model(tokenizer, target.config, limit)
     return LoadedPair(target, draft, tokenizer, codec, speculation, manifest)

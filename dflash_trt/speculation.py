@@ -29,7 +29,7 @@ The vocabulary (the same letters in code, CLI help, manifest, README):
   samples (temperature > 0; at temperature 0 every method drafts the argmax and accepts the
   longest exact match, which is what they all reduce to). All three are lossless:
   - ``match``: argmax drafts, exact-match acceptance against the target's own samples (April's
-    z-lab, TensorRT-LLM's default, this project's default);
+    z-lab, TensorRT-LLM's default and only method);
   - ``greedy``: argmax drafts verified by rejection sampling with a one-hot q (z-lab PR #169,
     vLLM's ``draft_sample_method: greedy``). Step by step the same distribution of accepted
     counts and tokens as ``match`` (accept x with probability p(x), else draw from p without x);
@@ -37,7 +37,8 @@ The vocabulary (the same letters in code, CLI help, manifest, README):
   - ``probabilistic``: drafts sampled from the drafter's own distribution q and verified by
     rejection sampling against it (z-lab 0.1.0, vLLM's ``probabilistic``): DFlash v1 samples each
     slot independently from its tempered/nucleus logits, DFlash2's selector samples its walk
-    from softmax(scores / T) over its top-k candidates.
+    from softmax(scores / T) over its top-k candidates. This project's default
+    (``DEFAULT_DRAFT_METHOD``): the highest tau measured on the batched runtime.
   runtime/rejection.py holds the test; runtime/generate.py picks by this setting.
 
 At the end of a request's budget a step still drafts and verifies its k tokens and only what it
@@ -65,6 +66,12 @@ DRAFT_METHODS: tuple[str, ...] = ("match", "greedy", "probabilistic")
 MATCH: DraftMethod = "match"
 GREEDY_DRAFTS: DraftMethod = "greedy"
 PROBABILISTIC: DraftMethod = "probabilistic"
+# The default draft method, everywhere a run does not name one (generate, bench, serve's pytorch
+# backend, the reference loop): the method with the highest tau on the batched runtime
+# (docs/runtime.md, "Draft methods": the embedded pair at T = 0.6 and 1, paired by prompt). All
+# three are lossless, so the default changes which seeded text a request gets, never its
+# distribution. TensorRT-LLM's engine verifies by exact match only: its backend runs MATCH.
+DEFAULT_DRAFT_METHOD: DraftMethod = PROBABILISTIC
 
 
 def samples_drafts(method: str) -> bool:
@@ -85,7 +92,7 @@ class SpeculationSettings:
     block_size: int  # B
     max_draft_len: int  # K
     policy: Policy = FIXED
-    draft_method: DraftMethod = MATCH
+    draft_method: DraftMethod = DEFAULT_DRAFT_METHOD
     schedule: DraftLenSchedule | None = None  # k by batch size (policy schedule; TensorRT-LLM's draft_len_schedule)
 
     def __post_init__(self) -> None:
@@ -109,13 +116,13 @@ class SpeculationSettings:
     def for_block(cls, block_size: int, max_draft_len: int | None = None, policy: str | None = None,
                   draft_method: str | None = None) -> "SpeculationSettings":
         """Settings for a drafter of block `block_size`: K defaults to B-1, the policy to fixed,
-        the draft method to match."""
+        the draft method to DEFAULT_DRAFT_METHOD."""
         K = block_size - 1 if max_draft_len is None else int(max_draft_len)
-        return cls(int(block_size), K, policy or FIXED, draft_method or MATCH)  # type: ignore[arg-type]
+        return cls(int(block_size), K, policy or FIXED, draft_method or DEFAULT_DRAFT_METHOD)  # type: ignore[arg-type]
 
     @classmethod
-    def from_manifest(cls, manifest: Any, max_draft_len: int | None = None, policy: str | None = None
-                      ) -> "SpeculationSettings":
+    def from_manifest(cls, manifest: Any, max_draft_len: int | None = None, policy: str | None = None,
+                      draft_method: str | None = None) -> "SpeculationSettings":
         """Settings of an engine (its manifest's draft.block_size and limits.max_draft_len).
 
         `max_draft_len` may lower K for this run, never raise it: the engine's memory plan (and
@@ -125,7 +132,7 @@ class SpeculationSettings:
         if K > built:
             raise DFlashError(f"--max-draft-len {K} is above the {built} this engine was built for (its memory plan "
                               f"holds {built} drafts per step); use at most {built} or rebuild with --max-draft-len {K}")
-        return cls.for_block(int(manifest.draft.block_size), K, policy)
+        return cls.for_block(int(manifest.draft.block_size), K, policy, draft_method)
 
     def replace(self, **changes: Any) -> "SpeculationSettings":
         from dataclasses import replace

@@ -74,6 +74,8 @@ def test_unreachable_url():
     (["--runtime", "reference,batched", "--policy", "fixed:0"], "needs --runtime batched"),
     (["--policy", "fixed:3", "--max-draft-len", "4"], "disagree"),
     (["--url", "127.0.0.1:1", "--peer", "vllm"], "in process only"),
+    (["--url", "127.0.0.1:1", "--draft-method", "greedy"], "in process only"),
+    (["--draft-method", "beam"], "'beam' is not one of"),
     (["--peer", "vllm", "--temperature", "0.7"], "greedy"),
     (["--peer", "vllm", "--tau-only"], "drop --peer"),
     (["--metrics-url", "http://127.0.0.1:1/metrics"], "OpenAI endpoint"),

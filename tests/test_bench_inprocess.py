@@ -16,6 +16,7 @@ from PIL import Image
 from dflash_trt.bench.runners import RequestRecord
 from dflash_trt.bench.summary import summarize_records
 from dflash_trt.cli import main
+from dflash_trt.speculation import DEFAULT_DRAFT_METHOD
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -196,13 +197,14 @@ def test_policies_and_max_draft_len(tiny_pair_dirs, tmp_path):
     base = ["--target", str(tdir), "--draft", str(ddir), "--num-prompts", "2", "--max-new-tokens", "10", "--no-plots"]
     result, _ = _bench(tmp_path / "k3", *base, "--max-draft-len", "3")
     assert result["source"]["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed",
-                                               "draft_method": "match"}
+                                               "draft_method": DEFAULT_DRAFT_METHOD}
     assert result["source"]["runtimes"] == ["reference"]
     assert len(_rows(result, "reference", "dflash")[0]["per_position_acceptance"]) == 3
     assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3
     # fixed:2 on the batched runtime: exactly 2 drafts every step (1 at the budget's tail)
-    result, _ = _bench(tmp_path / "f2", *base, "--runtime", "batched", "--policy", "fixed:2")
+    result, _ = _bench(tmp_path / "f2", *base, "--runtime", "batched", "--policy", "fixed:2", "--draft-method", "greedy")
     assert result["source"]["batched_policy"] == "fixed:2" and result["source"]["speculation"]["max_draft_len"] == 2
+    assert result["source"]["speculation"]["draft_method"] == "greedy"  # --draft-method reaches the runtime's settings
     steps = list(_rows(result, "batched", "dflash")[0]["info"]["step_timing"])
     assert steps == ["2"] and result["identical_all"] is True
     # fixed:0: the DFlash runtime decoding plainly (its own overhead against the plain runtime)

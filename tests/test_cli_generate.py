@@ -26,6 +26,24 @@ def test_generate_json_fields_match_plain_greedy(tiny_pair_dirs):
     assert abs(out["tau"] - (1 + out["total_accepted_draft_tokens"] / len(out["acceptance_lengths"]))) < 1e-9
 
 
+def test_generate_takes_the_draft_method(tiny_pair_dirs):
+    """--draft-method reaches the speculation settings whole, on the reference loop and the batched
+    runtime, and a seed gives both the same text (a seeded row draws what the reference loop draws)."""
+    tdir, ddir = tiny_pair_dirs
+    outs = []
+    for policy in ("fixed", "adaptive"):
+        res = CliRunner().invoke(main, ["generate", "--target", str(tdir), "--draft", str(ddir), "--json", "--policy",
+                                        policy, "--draft-method", "probabilistic", "--temperature", "0.9",
+                                        "--seed", "5", "--max-new-tokens", "12", "hello"])
+        assert res.exit_code == 0, res.output
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        assert out["speculation"]["draft_method"] == "probabilistic" and out["speculation"]["policy"] == policy
+        outs.append(out["output_ids"])
+    assert outs[0] == outs[1]
+    res = CliRunner().invoke(main, ["generate", "--target", str(tdir), "--draft", str(ddir), "--draft-method", "beam", "x"])
+    assert res.exit_code == 2 and "'beam' is not one of 'match', 'greedy', 'probabilistic'" in res.output
+
+
 def test_generate_bad_input_is_one_line_and_nonzero(tiny_pair_dirs, tmp_path):
     tdir, _ = tiny_pair_dirs
     res = CliRunner().invoke(main, ["generate", "--target", str(tdir), "--draft", str(tmp_path), "x"])

@@ -28,7 +28,7 @@ from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime.validate import validate_pair
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
-from dflash_trt.speculation import SpeculationSettings
+from dflash_trt.speculation import DEFAULT_DRAFT_METHOD, SpeculationSettings
 
 try:
     from tests.engine_fixtures import make_tiny_engine
@@ -179,7 +179,7 @@ def test_an_engine_with_a_smaller_max_draft_len_is_served_with_it(tmp_path):
     res = runner.invoke(main, ["generate", "--engine", str(engine), "--json", "--max-new-tokens", "10", "Hello"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed", "draft_method": "match"}
+    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed", "draft_method": DEFAULT_DRAFT_METHOD}
     assert len(out["per_position_acceptance"]) <= 3
     res = runner.invoke(main, ["generate", "--engine", str(engine), "--max-draft-len", "4", "Hello"])
     assert res.exit_code == 2 and res.output.startswith("error: ") and "above the 3" in res.output
@@ -201,5 +201,5 @@ def test_generate_adaptive_runs_the_batched_runtime_and_stays_lossless(tiny_pair
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "adaptive",
-                                  "draft_method": "match"}
+                                  "draft_method": DEFAULT_DRAFT_METHOD}
     assert out["identical_to_plain"] is True and len(out["per_position_acceptance"]) <= 3

@@ -27,6 +27,7 @@ from dflash_trt.resources import resource_dir
 from dflash_trt.runtime.tokens import TextCodec
 from dflash_trt.serving.detokenizer import IncrementalDetokenizer
 from dflash_trt.serving.repository import TritonRepoSettings, generate_repository, parse_config, render_config
+from dflash_trt.speculation import DEFAULT_DRAFT_METHOD
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,8 @@ def test_generated_config_parses_strictly_and_matches_model_py(engine, tmp_path)
     assert 1 <= int(params["default_max_tokens"]) <= manifest.limits.max_seq_len
     # K is recorded resolved: the engine's limits.max_draft_len unless lowered; serving's policy is adaptive
     assert int(params["max_draft_len"]) == manifest.limits.max_draft_len and params["policy"] == "adaptive"
+    # a CPU engine is served by the pytorch backend, sampled steps by the default draft method
+    assert params["draft_method"] == DEFAULT_DRAFT_METHOD
     assert params["cuda_graphs"] == "auto"  # on for a CUDA device, off on a CPU (model.py reads it as None)
     assert params["torch_compile"] == "false"  # opt-in
 
@@ -87,16 +90,16 @@ def test_generated_config_parses_strictly_and_matches_model_py(engine, tmp_path)
 def test_flags_reach_the_config_and_paths_are_escaped(engine):
     odd = '/data/engines/my "quoted" dir\\x'
     settings = TritonRepoSettings(model_name="smol", backend="reference", default_max_tokens=17, max_queue=3,
-                                  policy="fixed", max_draft_len=3, device="cuda", cuda_graphs=True,
-                                  torch_compile=True, engine_path=odd)
+                                  policy="fixed", max_draft_len=3, draft_method="greedy", device="cuda",
+                                  cuda_graphs=True, torch_compile=True, engine_path=odd)
     cfg = parse_config(render_config(engine, settings))
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert cfg.name == "smol"
     assert params["engine_dir"] == odd  # round-trips through text-format escaping
     # `reference` is the old name of the pytorch backend: the repository records the current one
     assert (params["backend"], params["default_max_tokens"], params["max_queue"], params["policy"],
-            params["max_draft_len"], params["device"], params["cuda_graphs"], params["torch_compile"]) == (
-        "pytorch", "17", "3", "fixed", "3", "cuda", "true", "true")
+            params["max_draft_len"], params["draft_method"], params["device"], params["cuda_graphs"],
+            params["torch_compile"]) == ("pytorch", "17", "3", "fixed", "3", "greedy", "cuda", "true", "true")
 
 
 def test_max_draft_len_above_the_engine_is_refused(engine):
@@ -256,6 +259,30 @@ def test_deploy_triton_takes_device_and_dtype_from_the_engines_gpu_not_this_mach
     params = {k: v.string_value for k, v in parse_config((tmp_path / "r2" / "dflash" / "config.pbtxt").read_text())
               .parameters.items()}
     assert res.exit_code == 0 and (params["device"], params["dtype"]) == ("cpu", "float32")
+
+
+def test_the_draft_method_follows_the_backend_and_tensorrt_llm_runs_exact_match_only(tmp_path_factory, tmp_path):
+    """A GPU engine's repository is TensorRT-LLM's, which verifies sampled steps by exact match: that
+    is recorded; another method is refused in one line naming the way out (by load_backend too, for
+    `auto` on a node whose TensorRT-LLM loads); the pytorch backend takes any method, and `auto`
+    leaves the default to the backend that loads."""
+    engine = shared_gpu_tiny_engine(tmp_path_factory, "h100", "bfloat16")
+
+    def params(*flags: str) -> dict[str, str]:
+        out = tmp_path / f"repo{len(list(tmp_path.iterdir()))}"
+        res = CliRunner().invoke(main, ["deploy", "triton", str(engine), "--out", str(out), *flags])
+        assert res.exit_code == 0, res.output
+        return {k: v.string_value for k, v in parse_config((out / "dflash" / "config.pbtxt").read_text()).parameters.items()}
+
+    assert params("--backend", "tensorrt_llm")["draft_method"] == "match"
+    assert params("--backend", "pytorch")["draft_method"] == DEFAULT_DRAFT_METHOD
+    assert params("--backend", "pytorch", "--draft-method", "greedy")["draft_method"] == "greedy"
+    assert params()["draft_method"] == ""  # --backend auto: TensorRT-LLM's match, else DEFAULT_DRAFT_METHOD
+    res = CliRunner().invoke(main, ["deploy", "triton", str(engine), "--out", str(tmp_path / "no"),
+                                    "--backend", "tensorrt_llm", "--draft-method", "probabilistic"])
+    assert res.exit_code == 2 and "Traceback" not in res.output and not (tmp_path / "no").exists()
+    assert res.output.splitlines()[-1].startswith("error: --draft-method probabilistic: the tensorrt_llm backend verifies sampled "
+                                 "steps as TensorRT-LLM's engine does (exact match); use --backend pytorch")
 
 
 def test_a_cpu_engine_repository_for_tensorrt_llm_is_refused(engine, tmp_path):

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli_helpers import friendly_errors, int_list, max_draft_len_option, str_list
+from dflash_trt.cli_helpers import DRAFT_METHOD_HELP, draft_method_option, friendly_errors, int_list, max_draft_len_option, str_list
 from dflash_trt.runtime_options import DTYPE_NAMES
+from dflash_trt.speculation import DEFAULT_DRAFT_METHOD
 
 
 def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
@@ -33,6 +34,7 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
                                "fixed:0 = the DFlash runtime decoding plainly). The reference loop is always fixed.")
 @max_draft_len_option("In process: K, the most drafts a step verifies (1..block_size-1) [default: the engine's "
                       "limits.max_draft_len, else the drafter's block_size - 1]; also vLLM's num_speculative_tokens.")
+@draft_method_option("In process: " + DRAFT_METHOD_HELP + f" [default: {DEFAULT_DRAFT_METHOD}]")
 @click.option("--peer", type=click.Choice(["vllm"]),
               help="Also run the same prompt ids through vLLM's DFlash (the peer from `make peer`, its own process and "
                    "environment), plain and DFlash, in the same run.")

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from dflash_trt.runtime_options import RuntimeChoices
+from dflash_trt.speculation import DraftMethod
 
 RUNTIMES = ("reference", "batched")
 POLICY_HINT = "use adaptive, fixed (K drafts every step) or fixed:k (k drafts every step, 0 <= k <= K)"
@@ -66,6 +67,7 @@ class BenchConfig(RuntimeChoices):
     # K (drafts verified per step, default the engine's or block_size - 1) and the batched runtime's policy
     max_draft_len: int | None = Field(None, ge=1)
     policy: str | None = None
+    draft_method: DraftMethod | None = None  # how sampled steps draft and verify [None: DEFAULT_DRAFT_METHOD]
     tau_only: bool = False  # DFlash only: acceptance figures, no plain decoding, no speed ratios
     concurrency: list[int] = Field(default_factory=lambda: [1])
     repeats: int = Field(1, ge=1)  # timed runs per (side, mode, C), alternating; the fastest counts
@@ -116,9 +118,9 @@ class BenchConfig(RuntimeChoices):
             raise ValueError("--engine already holds the target and drafter; drop --target/--draft")
         if bool(self.target) != bool(self.draft):
             raise ValueError("pass both --target and --draft, or neither (to use the embedded default pair)")
-        if self.url and (self.max_draft_len or self.policy or self.runtime or self.peer):
-            raise ValueError("--max-draft-len, --policy, --runtime and --peer apply in process only; a server has its "
-                             "own (set them on `dflash-trt serve` / `deploy triton` / `vllm serve`)")
+        if self.url and (self.max_draft_len or self.policy or self.draft_method or self.runtime or self.peer):
+            raise ValueError("--max-draft-len, --policy, --draft-method, --runtime and --peer apply in process only; a "
+                             "server has its own (set them on `dflash-trt serve` / `deploy triton` / `vllm serve`)")
         if self.plain_url and not self.url:
             raise ValueError("--plain-url is for endpoint mode; add --url (in process runs plain decoding itself)")
         if self.metrics_url and not (self.url or "").startswith(("http://", "https://")):

@@ -131,7 +131,7 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
     kind, k = parse_policy(cfg.policy) if cfg.policy else ("fixed", None)
     options = RuntimeOptions.of(cfg)
     pair = load_pair(PairSource(cfg.target, cfg.draft, engine=cfg.engine), options, max_draft_len=cfg.max_draft_len,
-                     policy="adaptive" if kind == "adaptive" else "fixed")
+                     policy="adaptive" if kind == "adaptive" else "fixed", draft_method=cfg.draft_method)
     spec = pair.speculation
     source: dict[str, Any] = {"kind": "in_process", "engine": cfg.engine, "target": cfg.target, "draft": cfg.draft,
                               "engine_manifest_sha256": None, "speculation": spec.to_dict()}

@@ -11,6 +11,9 @@
 
 The choice and its reason are logged: silently serving with the slow path is a failure mode.
 K comes from the engine manifest (``limits.max_draft_len``), lowered by ``max_draft_len`` if set.
+Sampled requests draft and verify by ``draft_method``: the pytorch backend runs any method
+(speculation.DEFAULT_DRAFT_METHOD unless told otherwise); TensorRT-LLM's engine verifies by exact
+match only, and another method asked of it is one line naming ``--backend pytorch``.
 A device that is not there (``cuda`` without a GPU) is one line naming the flag that changes it.
 """
 
@@ -25,7 +28,7 @@ from pydantic import ConfigDict, Field, field_validator
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime_options import RuntimeChoices
 from dflash_trt.serving.protocol import Backend
-from dflash_trt.speculation import Policy
+from dflash_trt.speculation import MATCH, DraftMethod, Policy
 
 log = logging.getLogger("dflash_trt.serving")
 
@@ -62,11 +65,23 @@ class BackendSettings(RuntimeChoices):
     # (reproducible tau, e.g. for benchmarks comparing transports)
     policy: Policy = "adaptive"
     max_draft_len: int | None = Field(None, ge=1)  # K; None: the engine's limits.max_draft_len
+    # how sampled steps draft and verify (speculation.py); None: the backend's own -- the pytorch
+    # backend's is DEFAULT_DRAFT_METHOD, TensorRT-LLM's exact match (tensorrt_llm_draft_method)
+    draft_method: DraftMethod | None = None
 
     @field_validator("backend", mode="before")
     @classmethod
     def _alias(cls, v: object) -> object:
         return BACKEND_ALIASES.get(v, v) if isinstance(v, str) else v
+
+
+def tensorrt_llm_draft_method(method: str | None) -> DraftMethod:
+    """The draft method of the tensorrt_llm backend: exact match, the only rule TensorRT-LLM's
+    engine verifies sampled steps by; another method asked of it is one line naming the way out."""
+    if method not in (None, MATCH):
+        raise DFlashError(f"--draft-method {method}: the tensorrt_llm backend verifies sampled steps as TensorRT-LLM's "
+                          f"engine does (exact match); use --backend pytorch for {method}, or --draft-method match")
+    return MATCH
 
 
 def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None,
@@ -80,7 +95,8 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
     settings = settings or BackendSettings()
     engine_dir = Path(engine_dir).resolve()
     manifest = load_manifest(engine_dir)
-    speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy)
+    speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy,
+                                                    settings.draft_method)
     limit = manifest.limits.max_seq_len
     default = default_max_tokens_for(limit, settings.default_max_tokens)
     from dflash_trt.engine.llm_api import tensorrt_llm_refusal
@@ -97,6 +113,7 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
     if usable and settings.backend != "pytorch":
         from dflash_trt.serving.tensorrt_llm_backend import TensorRTLLMBackend
 
+        speculation = speculation.replace(draft_method=tensorrt_llm_draft_method(settings.draft_method))
         log.info("engine %s: TensorRT-LLM LLM API (%s)", engine_dir, why)
         return TensorRTLLMBackend(engine_dir, manifest, speculation, _codec(engine_dir, manifest), default,
                                   llm_kwargs)
@@ -115,10 +132,10 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
     options = RuntimeOptions.of(settings, max_batch=manifest.limits.max_batch_size, max_seq_len=limit)
     # the loader re-checks every file's sha256 and dequantizes FP8/NVFP4 targets
     pair = load_pair(PairSource(engine=engine_dir), options, max_draft_len=settings.max_draft_len,
-                     policy=settings.policy)
+                     policy=settings.policy, draft_method=settings.draft_method)
     if pair.tokenizer is None:
         raise DFlashError(_no_tokenizer(engine_dir, manifest))
-    runtime = open_runtime(TargetAdapter(pair.target), pair.draft, options, speculation)
+    runtime = open_runtime(TargetAdapter(pair.target), pair.draft, options, pair.speculation)
     return PyTorchBackend(engine_dir=engine_dir, runtime=runtime, codec=pair.codec, default_max_tokens=default,
                           max_queue=settings.max_queue)
 

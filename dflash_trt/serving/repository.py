@@ -17,8 +17,10 @@ Defaults follow the engine, not the machine that runs ``deploy`` (often a login 
 GPU): a GPU engine (manifest ``gpu`` != cpu) is served by TensorRT-LLM (``backend tensorrt_llm``;
 the pytorch fallback runs on cuda in the engine's bfloat16/float16), and never falls back to the
 CPU runtime unless ``--backend`` / ``--device`` say so; a CPU engine by the pytorch backend on the
-CPU in float32, and never by TensorRT-LLM (engine/llm_api.tensorrt_llm_refusal). ``decoupled``
-defaults to False, as upstream's model.yaml.
+CPU in float32, and never by TensorRT-LLM (engine/llm_api.tensorrt_llm_refusal). The draft method
+follows the backend too: the pytorch backend's default is speculation.DEFAULT_DRAFT_METHOD,
+TensorRT-LLM's exact match (another method asked of it is refused). ``decoupled`` defaults to
+False, as upstream's model.yaml.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from pydantic import Field
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime_options import DtypeChoice, engine_runtime_defaults
-from dflash_trt.serving.backends import BackendSettings
+from dflash_trt.serving.backends import BackendSettings, tensorrt_llm_draft_method
+from dflash_trt.speculation import DEFAULT_DRAFT_METHOD
 
 TEMPLATE_MODEL = "dflash"  # folder name inside triton_repo/
 REPO_RECORD = "dflash_trt_repo.json"
@@ -63,10 +66,15 @@ class TritonRepoSettings(BackendSettings):
             raise DFlashError(f"--backend tensorrt_llm: {refusal}")
         # The engine's GPU decides, never the machine that runs `deploy` (runtime_options)
         runs = engine_runtime_defaults(gpu, manifest.quantization.dtype)
+        backend = self.backend or ("tensorrt_llm" if gpu else "pytorch")
+        # the backend's own draft method when none is given (auto: decided when the model loads)
+        method = (tensorrt_llm_draft_method(self.draft_method) if backend == "tensorrt_llm"
+                  else self.draft_method or (DEFAULT_DRAFT_METHOD if backend == "pytorch" else None))
         return self.model_copy(update={
-            "backend": self.backend or ("tensorrt_llm" if gpu else "pytorch"),
+            "backend": backend,
             "dtype": self.dtype or runs["dtype"],
             "device": self.device or runs["device"],
+            "draft_method": method,
         })
 
 
@@ -113,6 +121,7 @@ def render_config(engine_dir: Path, settings: TritonRepoSettings) -> str:
         "max_queue": settings.max_queue,
         "policy": speculation.policy,
         "max_draft_len": speculation.max_draft_len,
+        "draft_method": settings.draft_method or "",  # "": the backend's own (--backend auto)
         "dtype": settings.dtype,
         "device": settings.device,
         "cuda_graphs": {None: "auto", True: "true", False: "false"}[settings.cuda_graphs],

@@ -42,8 +42,8 @@ OUTPUTS = ("text_output", "finish_reason", "stop_reason", "cumulative_logprob", 
            "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
            "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
            "tau", "num_output_tokens", "queue_time_ms", "decode_time_ms")
-PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "policy", "max_draft_len", "dtype", "device",
-              "cuda_graphs", "torch_compile")
+PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "policy", "max_draft_len", "draft_method",
+              "dtype", "device", "cuda_graphs", "torch_compile")
 # upstream's override of the model.yaml path (relative to this folder)
 MODEL_YAML = os.environ.get("LLM_CONFIG_PATH", "model.yaml")
 CANCELLED = "Request cancelled by client"
@@ -93,6 +93,7 @@ class TritonPythonModel:
             backend=params["backend"], dtype=params["dtype"], device=params["device"],
             default_max_tokens=int(params["default_max_tokens"]), max_queue=int(params["max_queue"]),
             policy=params["policy"], max_draft_len=int(params["max_draft_len"]),
+            draft_method=params["draft_method"] or None,  # "": the backend's own
             cuda_graphs={"true": True, "false": False}.get(params["cuda_graphs"]),  # "auto": on for CUDA
             torch_compile=params["torch_compile"] == "true",
         )
