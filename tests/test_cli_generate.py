@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from dflash_trt.cli import main
 from dflash_trt.runtime import autoregressive_generate
 from dflash_trt.runtime.loading import load_target
 from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.speculation import DEFAULT_DRAFT_METHOD, DRAFT_METHODS
 
 
 def test_generate_json_fields_match_plain_greedy(tiny_pair_dirs):
@@ -26,18 +28,20 @@ def test_generate_json_fields_match_plain_greedy(tiny_pair_dirs):
     assert abs(out["tau"] - (1 + out["total_accepted_draft_tokens"] / len(out["acceptance_lengths"]))) < 1e-9
 
 
-def test_generate_takes_the_draft_method(tiny_pair_dirs):
-    """--draft-method reaches the speculation settings whole, on the reference loop and the batched
-    runtime, and a seed gives both the same text (a seeded row draws what the reference loop draws)."""
+@pytest.mark.parametrize("method", [m for m in DRAFT_METHODS if m != DEFAULT_DRAFT_METHOD])
+def test_generate_takes_the_draft_method(tiny_pair_dirs, method):
+    """--draft-method (each method but the default, so that dropping the flag shows) reaches the
+    speculation settings whole, on the reference loop and the batched runtime, and a seed gives
+    both the same text (a seeded row draws what the reference loop draws)."""
     tdir, ddir = tiny_pair_dirs
     outs = []
     for policy in ("fixed", "adaptive"):
         res = CliRunner().invoke(main, ["generate", "--target", str(tdir), "--draft", str(ddir), "--json", "--policy",
-                                        policy, "--draft-method", "probabilistic", "--temperature", "0.9",
+                                        policy, "--draft-method", method, "--temperature", "0.9",
                                         "--seed", "5", "--max-new-tokens", "12", "hello"])
         assert res.exit_code == 0, res.output
         out = json.loads(res.stdout.strip().splitlines()[-1])
-        assert out["speculation"]["draft_method"] == "probabilistic" and out["speculation"]["policy"] == policy
+        assert out["speculation"]["draft_method"] == method and out["speculation"]["policy"] == policy
         outs.append(out["output_ids"])
     assert outs[0] == outs[1]
     res = CliRunner().invoke(main, ["generate", "--target", str(tdir), "--draft", str(ddir), "--draft-method", "beam", "x"])

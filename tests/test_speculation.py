@@ -153,10 +153,13 @@ def test_an_engine_with_a_smaller_max_draft_len_is_served_with_it(tmp_path):
     from dflash_trt.serving.repository import parse_config
 
     engine = make_tiny_engine(tmp_path, block_size=8, max_draft_len=3)
-    for policy in ("adaptive", "fixed"):
-        backend = load_backend(engine, BackendSettings(backend="pytorch", policy=policy))
+    for policy, method in (("adaptive", None), ("fixed", "greedy")):
+        backend = load_backend(engine, BackendSettings(backend="pytorch", policy=policy, draft_method=method))
         try:
             assert backend.speculation.max_draft_len == 3 and backend.runtime.max_draft_len == 3
+            # the draft method reaches the runtime: the one asked for, else the default
+            assert backend.runtime.speculation.draft_method == (method or DEFAULT_DRAFT_METHOD)
+            assert f"draft method {method or DEFAULT_DRAFT_METHOD}" in backend.describe()
             gens = [backend.submit(GenerateRequest(p, params=SamplingParams(max_tokens=12)))
                     for p in ("Hello world", "Paris", "abc")]
             finals = [g.text()[1] for g in gens]

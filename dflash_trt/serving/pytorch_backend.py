@@ -114,9 +114,9 @@ class PyTorchBackend:
         s = self.speculation
         if self.why_serial is None:
             return (f"pytorch backend: batched runtime, up to {self.max_batch} requests per pass, policy {s.policy}, "
-                    f"K={s.max_draft_len} of block {s.block_size}")
+                    f"K={s.max_draft_len} of block {s.block_size}, draft method {s.draft_method}")
         return (f"pytorch backend: reference loop, one request at a time ({self.why_serial}), policy fixed, "
-                f"K={s.max_draft_len} of block {s.block_size}")
+                f"K={s.max_draft_len} of block {s.block_size}, draft method {s.draft_method}")
 
     # -- submission (synchronous validation: the caller gets the error before anything is queued)
     def submit(self, request: GenerateRequest) -> Generation:
