@@ -135,13 +135,15 @@ def shared_gpu_tiny_engine(tmp_path_factory, gpu: str = "h100", dtype: str = "bf
 
 
 def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
-                     raw: bool = False) -> str:
+                     raw: bool = False, draft_method: str | None = None) -> str:
     """The text the reference runtime gives for `prompt` (one user turn through the chat template;
-    `raw`: the bare text, as OpenAI's /v1/completions sends it), computed without the serving code."""
+    `raw`: the bare text, as OpenAI's /v1/completions sends it), computed without the serving code;
+    `draft_method`: the draft method (None: the default)."""
     from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime.generate import dflash_generate
     from dflash_trt.runtime.target import TargetAdapter
     from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.speculation import SpeculationSettings
 
     if "pair" not in _ENGINES or _ENGINES.get("pair_of") != engine:
         pair = load_pair(PairSource(engine=engine))
@@ -150,5 +152,7 @@ def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: fl
     codec = TextCodec.of_pair(pair)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                             stop_token_ids=codec.stop_token_ids)
-    result = dflash_generate(pair.draft, target, codec.encode(prompt, raw=raw), params)
+    # dflash_generate's own settings (K = B-1, fixed), with `draft_method` when one is given
+    speculation = SpeculationSettings.for_block(pair.draft.block_size, draft_method=draft_method)
+    result = dflash_generate(pair.draft, target, codec.encode(prompt, raw=raw), params, speculation)
     return codec.decode(result.output_ids)

@@ -369,6 +369,20 @@ def test_metrics_and_statistics_count_what_was_sent(fresh_server):
     assert st.inference_stats.success.ns > stats_before.inference_stats.success.ns
 
 
+def test_the_repositorys_draft_method_reaches_the_served_runtime(engine, tmp_path):
+    """model.py hands the repository's draft_method to the backend: a seeded sampled answer is the
+    reference loop's under that method (greedy, not the default, so that dropping it shows)."""
+    repo = generate_repository(engine, tmp_path / "repo", TritonRepoSettings(draft_method="greedy"))
+    srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=None).start()
+    try:
+        text = generate(f"127.0.0.1:{srv.grpc_port}", PROMPTS[5], max_tokens=MAX_TOKENS, temperature=1.0, seed=7,
+                        timeout_s=60).text
+    finally:
+        srv.stop(grace=2.0)
+    assert text == reference_answer(engine, PROMPTS[5], MAX_TOKENS, temperature=1.0, seed=7, draft_method="greedy")
+    assert text != reference_answer(engine, PROMPTS[5], MAX_TOKENS, temperature=1.0, seed=7)  # the default's
+
+
 def test_stop_finishes_in_flight_requests_then_refuses(engine, tmp_path):
     """Graceful shutdown: a request in flight when stop() starts still gets its full answer."""
     repo = generate_repository(engine, tmp_path / "repo")
