@@ -9,8 +9,9 @@ without a GPU what the GPU run needs:
   calibration included, meets no other (misses == 0) and captures none (the first GPU run captured
   lazily, inside the timed runs);
 - a step reads the device once (one sync), sends it one table (plus one per prefill pass), and
-  nothing in it reads a tensor's value on the host (``.item()``, ``int(t)``, ``bool(t)``: a hidden
-  sync each on a GPU);
+  nothing else in it reads a tensor's value on the host (``.tolist()``, ``.item()``, ``int(t)``,
+  ``bool(t)``, a copy to the host: a hidden sync each on a GPU; tests/device_harness.HostReads sees
+  them, on the CPU and on meta);
 - the policy's costs come from replayed steps only (no prefill, no eager catch-up in them).
 """
 
@@ -31,6 +32,7 @@ from dflash_trt.runtime.step_shapes import GRAPH_WIDTH_BASE, StepShapes, row_buc
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 
+from tests.device_harness import HostReads
 from tests.test_batched_runtime import PROMPTS, _pair
 
 # prompts long enough that rows cross the first static width (128) while they decode
@@ -79,11 +81,12 @@ def test_every_shape_is_captured_at_start_up_and_a_run_captures_none():
     assert {k[3] for k in keys} == {128, 256, 304}
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts ops that read a tensor's value on the host (a sync on a GPU) and host data turned
-    into tensors (an upload)."""
+class _DeviceWork(TorchDispatchMode):
+    """Counts host data turned into tensors (an upload) and ops whose output's size depends on the
+    values (a sync each on a GPU that no host read shows)."""
 
-    HIDDEN_SYNCS = ("aten.item", "aten._local_scalar_dense", "aten.is_nonzero")
+    SIZED_BY_VALUES = ("aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique", "aten.repeat_interleave.Tensor",
+                       "aten._local_scalar_dense", "aten.is_nonzero")
 
     def __init__(self) -> None:
         super().__init__()
@@ -92,17 +95,23 @@ class _HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if name.startswith(self.HIDDEN_SYNCS):
+        if name.startswith(self.SIZED_BY_VALUES):
             self.syncs.append(name)
         if name.startswith("aten.lift_fresh"):
             self.uploads += 1
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("static", [True, False], ids=["static", "eager"])
-def test_a_step_syncs_once_and_uploads_one_table(static):
+def test_a_step_syncs_once_and_uploads_one_table(static, device):
+    """Every host read of a step (tests/device_harness.HostReads: `.tolist()`, `.item()`, `int(t)`,
+    ..., and on meta every copy to the host, `.cpu()`, `.to("cpu")`) is the one download. On the
+    CPU a tensor's read dispatches no aten op, so only the recorder sees it; on meta the reads
+    answer zeros and the runtime decodes on (every token 0)."""
     target, draft = _pair("qwen3", seed=14)
-    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=static),
+    rt = BatchedRuntime(target.to(device), draft.to(device),
+                        RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=static),
                         None, RuntimeExtras(policy=AdaptivePolicy(draft.block_size))).start()
     for p, m in zip(PROMPTS[:3], [14, 9, 20]):
         rt.add(SequenceRequest(p, SamplingParams(max_tokens=m)))
@@ -110,13 +119,14 @@ def test_a_step_syncs_once_and_uploads_one_table(static):
     while rt.has_work():
         passes = len(prefill_runs(sorted(len(s.request.prompt_ids) for s in rt.waiting), rt.prefill_pad_limit))
         before = rt.transfers.to_dict()
-        with _HostReads() as reads:
+        with _DeviceWork() as work, HostReads() as reads:
             rt.step()
         after = rt.transfers.to_dict()
         decoding = rt.steps > 1
         assert after["syncs"] - before["syncs"] == 1
-        assert after["uploads"] - before["uploads"] == passes + decoding == reads.uploads
-        assert reads.syncs == []
+        assert reads.where() == ["host_transfers.HostTransfers.download"]
+        assert after["uploads"] - before["uploads"] == passes + decoding == work.uploads
+        assert work.syncs == []
         steps += 1
     assert steps > 3
 
