@@ -58,6 +58,7 @@ class TauSample:
     steps: list[int] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
+    runtime: str = ""  # what decoded it: "batched", or "reference loop (why)" (kept in the gate's record)
 
     def add(self, committed: int, steps: int, drafted: int, accepted: int) -> None:
         self.committed.append(committed)
@@ -88,7 +89,7 @@ class TauSample:
         lo, hi = self.interval()
         return {"tau": self.tau, "tau_low": lo, "tau_high": hi, "prompts": self.n, "steps": sum(self.steps),
                 "tokens": sum(self.committed),
-                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0}
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0, "runtime": self.runtime}
 
 
 def drop_interval(before: TauSample, after: TauSample) -> tuple[float, float, float]:
@@ -116,12 +117,13 @@ def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_to
     a CPU its per-prompt tau equals the reference loop's: tests/test_gate_batched.py), at a
     fraction of the time (one pass over the weights for every prompt of a step). Otherwise
     (gpt-oss, a target spread over GPUs: see runtime.batched.unsupported_reason) the reference loop
-    decodes one prompt at a time. `batched` pins one (None: the opener's choice)."""
+    decodes one prompt at a time. `batched` pins one (None: the opener's choice); the sample names
+    the one that ran (TauSample.runtime, kept in the gate's record)."""
     import torch
     from tqdm import tqdm
 
     from dflash_trt.checkpoints.placement import home_device
-    from dflash_trt.runtime.batched import RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest
     from dflash_trt.runtime.opener import open_runtime
     from dflash_trt.runtime.policy import FixedPolicy
     from dflash_trt.runtime_options import RuntimeOptions
@@ -146,7 +148,7 @@ def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_to
     failed = next((s.error for s in seqs if s.error), None)
     if failed:
         raise DFlashError(f"acceptance gate: decoding a prompt failed ({failed})")
-    sample = TauSample()
+    sample = TauSample(runtime="batched" if isinstance(runtime, BatchedRuntime) else f"reference loop ({runtime.reason})")
     for s in (seq.result.stats for seq in seqs):
         sample.add(sum(s.acceptance_lengths), s.num_steps, s.total_draft_tokens, s.total_accepted_draft_tokens)
     return sample
