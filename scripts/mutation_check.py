@@ -7,14 +7,15 @@ rules). The mutants are kept as data so that they keep proving it: for each one 
    code moved, the entry must follow it; an entry is never retired silently);
 2. writes the mutant into a scratch copy of the tree (tracked and untracked files as they are on
    disk, uncommitted edits included; this tree is never touched) and runs its `tests` there with
-   pytest, that copy's `dflash_trt` first on the path;
+   pytest, in a forked child of this process (torch and transformers imported once, before the
+   forks: they were most of a small guard's run) that imports the copy's `dflash_trt`;
 3. counts it KILLED when a test fails, SURVIVED when they pass (the guard does not catch what it
    claims), and an ERROR when they cannot say (a collection error, a node id that names no test,
    a hang past --timeout); SKIPPED when every test skipped here (say, no C++ compiler).
 
-Before the mutants, a baseline runs every mutant's tests on the unmutated copy: a guard failing
-on the tree itself would "kill" its mutants for nothing. Exit status 1 when any mutant survived or
-any entry is an error. Figures on a shared machine are noisy: the table's seconds are per mutant.
+Beside the mutants, a baseline runs every mutant's tests on an unmutated copy: a guard failing on
+the tree itself would "kill" its mutants for nothing. Exit status 1 when any mutant survived, any
+entry is an error, or the baseline fails. The table's seconds are per mutant, on a shared machine noisy.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/mutation_check.py              # all (make mutants)
     PYTHONPATH=$PWD .venv/bin/python scripts/mutation_check.py -k host-read  # names containing it
@@ -24,11 +25,11 @@ any entry is an error. Figures on a shared machine are noisy: the table's second
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import contextlib
 import os
-import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -104,35 +105,117 @@ def scratch_copy(dest: Path, files: list[str], root: Path = ROOT) -> Path:
     return dest
 
 
-def _env(copy: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-    return env
+# Imported once here, before any fork, with pytest's plugins (hypothesis' alone is 2.4 s): each
+# mutant's pytest starts in a forked child that has them already (seconds a mutant, most of a small
+# guard's run). Never dflash_trt: every child imports it from its own scratch copy.
+PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "safetensors.torch", "pydantic", "click",
+           "numpy", "yaml", "pytest", "_pytest.assertion.rewrite")
 
 
-def check_imports_copy(copy: Path) -> None:
-    """The copy's package is the one its tests import (else every mutant would survive)."""
-    r = subprocess.run([sys.executable, "-c", "import dflash_trt; print(dflash_trt.__file__)"], cwd=copy,
-                       env=_env(copy), capture_output=True, text=True)
-    got = Path(r.stdout.strip() or "?").resolve()
-    if r.returncode != 0 or copy.resolve() not in got.parents:
-        raise SystemExit(f"mutation check: the scratch copy imports dflash_trt from {got}, not from {copy} "
-                         f"({r.stderr.strip()[-300:]})")
+def preload() -> None:
+    import importlib
+    from importlib.metadata import entry_points
+
+    for name in (*PRELOAD, *(ep.module for ep in entry_points(group="pytest11"))):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    if any(m == "dflash_trt" or m.startswith("dflash_trt.") for m in sys.modules):
+        raise SystemExit("mutation check: dflash_trt was imported before the forks; the mutants would not be seen")
 
 
-def run_tests(copy: Path, tests: tuple[str, ...], timeout: float, stop_at_first: bool = True) -> tuple[int | None, str]:
-    """pytest's exit status over `tests` in the copy (None: past the timeout) and its output."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *(["-x"] if stop_at_first else []),
-           *tests]
+@dataclass
+class Job:
+    """One pytest run in a scratch copy: a mutant's (mutant set) or the baseline's (None)."""
+
+    mutant: Mutant | None
+    tests: tuple[str, ...]
+    timeout: float
+
+
+@dataclass
+class Running:
+    job: Job
+    copy: Path
+    log: Path
+    started: float
+    restore: str | None  # the mutated file's original text
+
+
+def _child(copy: Path, job: Job, log: Path) -> None:
+    """In the forked child: pytest over the job's tests, the copy's dflash_trt first; never returns."""
+    status = 3
     try:
-        r = subprocess.run(cmd, cwd=copy, env=_env(copy), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, ""
-    return r.returncode, r.stdout + r.stderr
+        os.setpgid(0, 0)  # its own process group: a timeout kills the tests' subprocesses too
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.chdir(copy)
+        os.environ.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        sys.dont_write_bytecode = True
+        this_tree = {ROOT, ROOT / "scripts"}  # PYTHONPATH=$PWD and this script's folder: the copy's instead
+        sys.path[:] = [str(copy)] + [p for p in sys.path if p and Path(p).resolve() not in this_tree]
+        import dflash_trt
+
+        if not Path(dflash_trt.__file__).resolve().is_relative_to(copy.resolve()):
+            print(f"the scratch copy imports dflash_trt from {dflash_trt.__file__}, not from {copy}")
+        else:
+            import pytest
+
+            args = ["-q", "-rfEs", "-p", "no:cacheprovider", *(["-x"] if job.mutant is not None else []), *job.tests]
+            status = int(pytest.main(args))
+    except BaseException as e:  # noqa: BLE001 -- a child must exit, whatever happened
+        print(f"mutation check child: {type(e).__name__}: {e}")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def run_jobs(jobs: list[Job], copies: list[Path], logs: Path, on_done) -> None:
+    """Run `jobs` in forked children, one per free copy; `on_done(job, status, output, seconds)` as
+    each ends (status None: killed past its timeout)."""
+    pending, free = list(jobs), list(copies)
+    running: dict[int, Running] = {}
+    while pending or running:
+        while pending and free:
+            job, copy = pending.pop(0), free.pop()
+            restore = None
+            if job.mutant is not None:
+                path = copy / job.mutant.file
+                restore = path.read_text()
+                path.write_text(restore.replace(job.mutant.original, job.mutant.mutant, 1))
+            log = logs / f"{len(running)}-{os.getpid()}-{time.monotonic_ns()}.log"
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(copy, job, log)
+            running[pid] = Running(job, copy, log, time.perf_counter(), restore)
+        pid, wait_status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            for child, r in running.items():
+                if time.perf_counter() - r.started > r.job.timeout:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(child, signal.SIGKILL)
+            time.sleep(0.1)
+            continue
+        r = running.pop(pid)
+        seconds = time.perf_counter() - r.started
+        code = os.waitstatus_to_exitcode(wait_status)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)  # anything the tests left running
+        if r.restore is not None:
+            (r.copy / r.job.mutant.file).write_text(r.restore)
+        output = r.log.read_text(errors="replace") if r.log.exists() else ""
+        on_done(r.job, None if code == -signal.SIGKILL else code, output, seconds)
+        free.append(r.copy)
 
 
 def _first_failure(output: str) -> str:
-    found = re.search(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", output, re.M)
+    found = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - (.*))?$", output, re.M)
     if not found:
         return "a test failed"
     return found.group(1) + (f" ({found.group(2)[:100]})" if found.group(2) else "")
@@ -151,18 +234,6 @@ def judge(m: Mutant, status: int | None, output: str, seconds: float) -> Outcome
         return Outcome(m, "SURVIVED", f"{', '.join(m.tests)} pass with it: {m.why}", seconds)
     tail = " | ".join(output.strip().splitlines()[-3:])
     return Outcome(m, "ERROR", f"pytest exit status {status} (not a test failure): {tail[-300:]}", seconds)
-
-
-def mutate_and_run(m: Mutant, copy: Path, timeout: float) -> Outcome:
-    path = copy / m.file
-    original = path.read_text()
-    path.write_text(original.replace(m.original, m.mutant, 1))
-    t = time.perf_counter()
-    try:
-        status, output = run_tests(copy, m.tests, timeout)
-    finally:
-        path.write_text(original)
-    return judge(m, status, output, time.perf_counter() - t)
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -193,42 +264,44 @@ def main() -> int:
     runnable = [m for m in mutants if locate(m) is None]
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
-    with tempfile.TemporaryDirectory(prefix="dflash-mutants-") as tmp:
-        files = tree_files()
-        jobs = max(1, min(args.jobs, len(runnable)))
-        paths = [scratch_copy(Path(tmp) / f"copy{i}", files) for i in range(jobs)]
-        copies: queue.Queue[Path] = queue.Queue()
-        for copy in paths:
-            copies.put(copy)
-        check_imports_copy(paths[0])
-        if not args.no_baseline and runnable:
-            tests = tuple(dict.fromkeys(t for m in runnable for t in m.tests))
-            t = time.perf_counter()
-            status, output = run_tests(paths[0], tests, args.timeout * 2, stop_at_first=False)
-            print(f"baseline: {len(tests)} guard tests on the unmutated tree, {time.perf_counter() - t:.0f} s", flush=True)
-            if status != 0:
-                print(output[-3000:], file=sys.stderr)
-                print("mutation check: the guards fail on the unmutated tree; fix that first", file=sys.stderr)
-                return 1
+    baseline: list[tuple[int | None, str]] = []
+    jobs = [Job(m, m.tests, args.timeout) for m in runnable]
+    if not args.no_baseline and jobs:
+        # every guard on the unmutated tree, side by side with the first mutants (judged at the end)
+        jobs.insert(0, Job(None, tuple(dict.fromkeys(t for m in runnable for t in m.tests)), args.timeout * 2))
 
-        def one(m: Mutant) -> Outcome:
-            copy = copies.get()
-            try:
-                return mutate_and_run(m, copy, args.timeout)
-            finally:
-                copies.put(copy)
+    def done(job: Job, status: int | None, output: str, seconds: float) -> None:
+        if job.mutant is None:
+            baseline.append((status, output))
+            print(f"baseline: {len(job.tests)} guard tests on the unmutated tree, {seconds:.0f} s "
+                  f"({'pass' if status == 0 else 'FAIL'})", flush=True)
+            return
+        outcome = judge(job.mutant, status, output, seconds)
+        print(f"{outcome.verdict:>8}  {outcome.mutant.name} ({seconds:.0f} s)", flush=True)
+        outcomes.append(outcome)
 
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            for outcome in pool.map(one, runnable):
-                print(f"{outcome.verdict:>8}  {outcome.mutant.name} ({outcome.seconds:.0f} s)", flush=True)
-                outcomes.append(outcome)
+    n_jobs = max(1, min(args.jobs, len(jobs)))
+    if jobs:
+        preload()
+        with tempfile.TemporaryDirectory(prefix="dflash-mutants-") as tmp:
+            files = tree_files()
+            copies = [scratch_copy(Path(tmp) / f"copy{i}", files) for i in range(n_jobs)]
+            (Path(tmp) / "logs").mkdir()
+            run_jobs(jobs, copies, Path(tmp) / "logs", done)
+    if baseline and baseline[0][0] != 0:
+        print(baseline[0][1][-3000:], file=sys.stderr)
+        print("mutation check: the guards fail on the unmutated tree (above); no mutant's verdict means anything "
+              "until they pass", file=sys.stderr)
+        return 1
+    order = {m.name: i for i, m in enumerate(runnable)}
+    outcomes.sort(key=lambda o: order[o.mutant.name])
     outcomes = misplaced + outcomes
     print()
     print(table(outcomes))
     bad = [o for o in outcomes if o.verdict in ("SURVIVED", "ERROR")]
     print(f"\n{len(outcomes)} mutants: {sum(o.verdict == 'KILLED' for o in outcomes)} killed, "
           f"{sum(o.verdict == 'SKIPPED' for o in outcomes)} skipped here, {len(bad)} survived or in error; "
-          f"{time.perf_counter() - t0:.0f} s with {jobs if runnable else 0} job(s)")
+          f"{time.perf_counter() - t0:.0f} s, {n_jobs} side by side")
     for o in bad:
         print(f"{o.verdict}: [{o.mutant.name}] {o.detail}", file=sys.stderr)
     return 1 if bad else 0

@@ -32,10 +32,11 @@ MISSING_GPU = "sees no CUDA GPU" if NO_CUDA else "CUDA GPU(s) visible"
 
 
 LACKING = [
-    pytest.param("cuda", "sees no CUDA GPU", marks=pytest.mark.skipif(not NO_CUDA, reason="a GPU is visible here")),
-    ("cuda:99", MISSING_GPU),
-    ("tpu", "give cpu, cuda or cuda:N"),
-    ("mps", "the runtime runs on cpu or cuda[:N]"),
+    pytest.param("cuda", "sees no CUDA GPU", marks=pytest.mark.skipif(not NO_CUDA, reason="a GPU is visible here"),
+                 id="cuda"),
+    pytest.param("cuda:99", MISSING_GPU, id="cuda:99"),
+    pytest.param("tpu", "give cpu, cuda or cuda:N", id="tpu"),
+    pytest.param("mps", "the runtime runs on cpu or cuda[:N]", id="mps"),
 ]
 
 
