@@ -20,6 +20,7 @@ entry is an error, or the baseline fails. The table's seconds are per mutant, on
     PYTHONPATH=$PWD .venv/bin/python scripts/mutation_check.py              # all (make mutants)
     PYTHONPATH=$PWD .venv/bin/python scripts/mutation_check.py -k host-read  # names containing it
     PYTHONPATH=$PWD .venv/bin/python scripts/mutation_check.py --list
+    PYTHONPATH=$PWD .venv/bin/python scripts/mutation_check.py --data my_mutants.toml  # another file
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ def load_mutants(path: Path = DATA) -> list[Mutant]:
         doc = tomllib.load(f)
     mutants = []
     for name, entry in doc.items():
+        entry = entry if isinstance(entry, dict) else {}
         missing = [k for k in FIELDS if k not in entry]
         extra = sorted(set(entry) - set(FIELDS))
-        if missing or extra or not isinstance(entry, dict):
+        if missing or extra:
             raise SystemExit(f"{path.name} [{name}]: fields {list(FIELDS)} (missing {missing}, unknown {extra})")
         tests = (entry["tests"],) if isinstance(entry["tests"], str) else tuple(entry["tests"])
         mutants.append(Mutant(name, entry["file"], entry["original"], entry["mutant"], tests, entry["why"]))
@@ -141,6 +143,7 @@ class Running:
     log: Path
     started: float
     restore: str | None  # the mutated file's original text
+    timed_out: bool = False
 
 
 def _child(copy: Path, job: Job, log: Path) -> None:
@@ -179,6 +182,15 @@ def run_jobs(jobs: list[Job], copies: list[Path], logs: Path, on_done) -> None:
     each ends (status None: killed past its timeout)."""
     pending, free = list(jobs), list(copies)
     running: dict[int, Running] = {}
+    try:
+        _schedule(pending, free, running, logs, on_done)
+    finally:  # interrupted: no child outlives the check
+        for child in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child, signal.SIGKILL)
+
+
+def _schedule(pending: list[Job], free: list[Path], running: dict[int, Running], logs: Path, on_done) -> None:
     while pending or running:
         while pending and free:
             job, copy = pending.pop(0), free.pop()
@@ -193,11 +205,14 @@ def run_jobs(jobs: list[Job], copies: list[Path], logs: Path, on_done) -> None:
             pid = os.fork()
             if pid == 0:
                 _child(copy, job, log)
+            with contextlib.suppress(OSError):
+                os.setpgid(pid, pid)  # as the child does: whichever runs first
             running[pid] = Running(job, copy, log, time.perf_counter(), restore)
         pid, wait_status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             for child, r in running.items():
                 if time.perf_counter() - r.started > r.job.timeout:
+                    r.timed_out = True
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(child, signal.SIGKILL)
             time.sleep(0.1)
@@ -210,7 +225,7 @@ def run_jobs(jobs: list[Job], copies: list[Path], logs: Path, on_done) -> None:
         if r.restore is not None:
             (r.copy / r.job.mutant.file).write_text(r.restore)
         output = r.log.read_text(errors="replace") if r.log.exists() else ""
-        on_done(r.job, None if code == -signal.SIGKILL else code, output, seconds)
+        on_done(r.job, None if r.timed_out else code, output, seconds)
         free.append(r.copy)
 
 
@@ -239,7 +254,8 @@ def judge(m: Mutant, status: int | None, output: str, seconds: float) -> Outcome
 def table(outcomes: list[Outcome]) -> str:
     rows = ["| mutant | file | verdict | killed by | s |", "|---|---|---|---|---:|"]
     for o in outcomes:
-        rows.append(f"| {o.mutant.name} | {o.mutant.file} | {o.verdict} | {o.detail} | {o.seconds:.1f} |")
+        detail = o.detail.replace("|", "\\|")  # a markdown cell
+        rows.append(f"| {o.mutant.name} | {o.mutant.file} | {o.verdict} | {detail} | {o.seconds:.1f} |")
     return "\n".join(rows)
 
 
@@ -250,11 +266,12 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300, help="seconds one mutant's tests may take [300]")
     ap.add_argument("--no-baseline", action="store_true", help="skip the run of every guard on the unmutated tree")
     ap.add_argument("--list", action="store_true", help="print the mutants and where they apply, run nothing")
+    ap.add_argument("--data", type=Path, default=DATA, help="the mutants' file [tests/mutants.toml]")
     args = ap.parse_args()
 
-    mutants = [m for m in load_mutants() if not args.select or any(s in m.name for s in args.select)]
+    mutants = [m for m in load_mutants(args.data) if not args.select or any(s in m.name for s in args.select)]
     if not mutants:
-        print(f"mutation check: no mutant in {DATA.relative_to(ROOT)} matches {args.select}", file=sys.stderr)
+        print(f"mutation check: no mutant in {args.data} matches {args.select}", file=sys.stderr)
         return 1
     misplaced = [Outcome(m, "ERROR", why) for m in mutants if (why := locate(m)) is not None]
     if args.list:
