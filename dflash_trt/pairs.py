@@ -15,7 +15,7 @@ through :func:`load_pair`. A pair comes from (first match wins, :class:`PairSour
 Loading, in this order, so that bad input fails before the weights are read: the device
 (checkpoints.placement.runtime_device), both configs and the pair's fit (runtime/validate.py),
 the tokenizer, the target's weights (an engine's with the engine's own strict streaming reader,
-a checkpoint's with transformers unless it is quantized), the drafter (runtime.loading.load_drafter:
+a checkpoint's with transformers unless it is quantized), the drafter (runtime.drafter_family.load_drafter:
 the one place that reads which drafter a checkpoint holds), then the compute-dtype upcast and the
 CPU packing of :class:`~dflash_trt.runtime_options.RuntimeOptions`. Models load straight onto the
 device: CPU-packed linear layers (runtime/cpu_packing.py) cannot be moved to a GPU afterwards, so a
@@ -120,7 +120,8 @@ def _load_models(target_dir: Path, draft_dir: Path, options: RuntimeOptions, *, 
     from dflash_trt.checkpoints.files import read_json
     from dflash_trt.checkpoints.streaming import load_checkpoint, model_config
     from dflash_trt.runtime.cpu_packing import pack_cpu_linears
-    from dflash_trt.runtime.loading import load_drafter, load_target, load_tokenizer
+    from dflash_trt.runtime.drafter_family import load_drafter
+    from dflash_trt.runtime.loading import load_target, load_tokenizer
     from dflash_trt.runtime.validate import validate_pair
 
     draft_cfg = read_json(draft_dir / "config.json", what="drafter config")

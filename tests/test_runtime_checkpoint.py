@@ -164,12 +164,17 @@ def test_missing_directory(tmp_path, pair):
 
 def test_sliding_attention_layers_follow_zlab_masking():
     """z-lab: with no `is_causal` in the config, sliding_attention layers are causal and windowed;
-    full layers see the whole block. A window of 2 then hides everything but the last 2 keys."""
+    full layers see the whole block. A window of 2 then hides everything but the last 2 keys.
+    Without use_sliding_window, transformers' Qwen3Config (which z-lab 0.1.0 and vLLM read the
+    window through) drops the window: that combination is refused rather than run either way."""
     from dflash_trt.runtime.draft_model import make_draft_config
 
     target = tiny_target("qwen3")
     cfg = make_draft_config(target.config, num_layers=2, block_size=4)
     cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=2)
+    with pytest.raises(DFlashError, match="sliding_window=2 but use_sliding_window is not true"):
+        DFlashDraftModel(cfg)
+    cfg["use_sliding_window"] = True
     draft = DFlashDraftModel(cfg)
     sliding, full = (layer.self_attn for layer in draft.layers)
     assert sliding.is_causal and sliding.sliding_window == 2

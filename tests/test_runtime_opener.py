@@ -101,3 +101,17 @@ def test_a_pinned_choice():
     llama, llama_draft = _llama()
     rt = open_runtime(llama, llama_draft, RuntimeOptions(max_seq_len=64), choice="reference")
     assert isinstance(rt, SerialRuntime) and rt.reason == "the reference loop was asked for"
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_a_draft_method_the_batched_runtime_does_not_verify_opens_the_reference_loop(method, caplog):
+    """Sampled steps of the batched runtime verify by exact match: a pair asked to verify by
+    rejection sampling runs where that method exists, with the reason said; never silently as match."""
+    target, draft = _llama()
+    spec = SpeculationSettings.for_block(draft.block_size, draft_method=method)
+    with caplog.at_level(logging.INFO, logger="dflash_trt.runtime"):
+        rt = open_runtime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64), spec)
+    assert isinstance(rt, SerialRuntime) and f"draft_method {method}" in rt.reason
+    assert len(_ours(caplog)) == 1
+    with pytest.raises(DFlashError, match=f"draft_method {method}"):
+        BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64), spec)

@@ -89,6 +89,7 @@ def _check_tokenizers(target_dir: Path, draft_dir: Path | None, vocab_size: int)
 def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
     """All checks that need only configs; the memory plan. Raises DFlashError on the first problem."""
     from dflash_trt.checkpoints.files import read_json
+    from dflash_trt.runtime.drafter_family import is_speculators
     from dflash_trt.runtime.validate import validate_pair
 
     target, draft = _resolve_dirs(spec)
@@ -109,6 +110,9 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
         if not ddir.is_dir():
             raise DFlashError(f"drafter directory {ddir} not found; pass --draft DIR with config.json and model.safetensors")
         draft_cfg = read_json(ddir / "config.json", what="drafter config")
+        if is_speculators(draft_cfg):  # the engine ships draft/ as it is; TensorRT-LLM reads z-lab's
+            raise DFlashError(f"{ddir} is a drafter in the speculators format, which TensorRT-LLM does not read; "
+                              f"convert it first: dflash-trt convert-draft {ddir} OUT --to zlab, then --draft OUT")
 
         class _Cfg:  # validate_pair reads attributes
             hidden_size, num_hidden_layers, vocab_size = arch.hidden_size, arch.num_layers, arch.vocab_size
@@ -232,7 +236,8 @@ def load_models(p: Prepared, dtype: Any, device: BuildDevice, compute: Any) -> B
     from dflash_trt.checkpoints.placement import home_device
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.devices import device_map_for
-    from dflash_trt.runtime.loading import load_drafter, load_tokenizer
+    from dflash_trt.runtime.drafter_family import load_drafter
+    from dflash_trt.runtime.loading import load_tokenizer
 
     assert p.target_dir is not None and p.draft_dir is not None
     placement = device_map_for(p.target_dir, dtype, device)

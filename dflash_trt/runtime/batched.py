@@ -104,7 +104,17 @@ def unsupported_reason(target: Any, draft: DFlashDraftModel | None = None) -> st
         return f"{cfg.model_type} has sliding-window layers (their mask is not built by the batched runtime)"
     if draft is not None and any(layer.self_attn.sliding_window for layer in draft.layers):
         return "the drafter has sliding-window layers (one mask per pass here)"
+    if draft is not None and (why := draft.reference_only_reason()) is not None:  # DFlash2, causal layers
+        return why
     return None
+
+
+def reference_only_method(speculation: SpeculationSettings | None) -> str | None:
+    """Why these speculation settings need the reference loop (None: the batched runtime runs them):
+    its sampled steps verify by exact match, so another draft method would be silently ignored."""
+    if speculation is None or speculation.draft_method == "match":
+        return None
+    return f"draft_method {speculation.draft_method} verifies sampled steps by rejection sampling in the reference loop only"
 
 
 @dataclass
@@ -177,6 +187,9 @@ class BatchedRuntime:
             if self.speculation.block_size != draft.block_size:
                 raise DFlashError(f"speculation settings are for block_size {self.speculation.block_size} but the "
                                   f"drafter's block is {draft.block_size}; build them from this drafter")
+            if self.speculation.draft_method != "match":  # sampled steps verify by exact match here
+                raise DFlashError(f"batched runtime: {reference_only_method(self.speculation)}; use dflash_generate "
+                                  "(the reference loop) for this pair")
         self.block_size = draft.block_size if draft is not None else 1  # B: what a draft pass covers
         self.max_draft_len = self.speculation.max_draft_len if self.speculation is not None else 0  # K
         self.policy: SpeculationPolicy = extras.policy or (make_policy(self.speculation) if self.speculation is not None

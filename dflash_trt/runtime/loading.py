@@ -13,7 +13,6 @@ from dflash_trt.checkpoints.files import PICKLE_SUFFIXES, read_json
 from dflash_trt.checkpoints.quiet import quiet_transformers
 from dflash_trt.checkpoints.streaming import check_safetensors, load_checkpoint
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.draft_model import DFlashDraftModel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -70,10 +69,3 @@ def load_tokenizer(directory: str | Path):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise DFlashError(f"{directory}: tokenizer files present but unreadable ({first}); re-export the "
                           "checkpoint's tokenizer (tokenizer.json, tokenizer_config.json)") from None
-
-
-def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 allow_pickle: bool = False) -> DFlashDraftModel:
-    """The drafter of `directory` in `dtype` on `device`: THE call that reads which drafter a
-    checkpoint holds (every loader goes through it; today one family, z-lab's DFlash)."""
-    return DFlashDraftModel.from_pretrained(directory, dtype=dtype, device=device, allow_pickle=allow_pickle)

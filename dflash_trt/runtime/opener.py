@@ -23,7 +23,7 @@ import logging
 from typing import Any, Literal
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, unsupported_reason
+from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, reference_only_method, unsupported_reason
 from dflash_trt.runtime.serial import SerialRuntime
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.speculation import SpeculationSettings
@@ -37,7 +37,8 @@ def open_runtime(target: Any, draft: Any, options: RuntimeOptions = RuntimeOptio
                  speculation: SpeculationSettings | None = None, extras: RuntimeExtras = RuntimeExtras(),
                  choice: Choice = "auto") -> BatchedRuntime | SerialRuntime:
     """The runtime for this pair (see the module docstring), ready for its first request."""
-    why = "the reference loop was asked for" if choice == "reference" else unsupported_reason(target, draft)
+    why = ("the reference loop was asked for" if choice == "reference"
+           else unsupported_reason(target, draft) or reference_only_method(speculation))
     if why is None:
         return BatchedRuntime(target, draft, options, speculation, extras).start()
     if choice == "batched" or draft is None or extras.capture_layer_ids is not None:
