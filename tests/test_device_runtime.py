@@ -11,6 +11,7 @@ multi-GPU ones need two.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -25,6 +26,7 @@ from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.speculation import SpeculationSettings
 
 try:
     from tests.device_harness import DEVICES, NO_GPU, HostReads, needs_cuda, strict_devices
@@ -32,6 +34,9 @@ except ImportError:  # tests/ is not a package
     from device_harness import DEVICES, NO_GPU, HostReads, needs_cuda, strict_devices
 
 LAYERS = [0, 2]
+
+
+LOOP = "generate.dflash_generate"  # where the reference loop's own host reads are made
 
 
 def _pair(device: str = "cpu", **draft_kw):
@@ -103,6 +108,42 @@ def test_the_reference_loop_drafts_and_verifies_on_the_models_device():
         result = dflash_generate(draft, target, [1, 2, 3, 4], SamplingParams(max_tokens=4))
     assert result.output_ids == [0, 0, 0, 0] and result.stats.num_steps == 3  # 3 draft + verify steps
     assert set(reads.where()) == {"generate.dflash_generate"}
+
+
+# family, draft method, temperature: DFlash2's walk (argmax, or sampled with its q scattered over
+# the vocabulary), the one-hot q of argmax drafts, and v1's sampled q, each verified as the method says
+METHODS = [("dflash2", "match", 0.0), ("dflash2", "probabilistic", 0.8), ("dflash2", "greedy", 0.8),
+           ("dflash", "probabilistic", 0.8)]
+
+
+@pytest.mark.parametrize("family, method, temperature", METHODS, ids=["-".join(map(str, m)) for m in METHODS])
+def test_each_drafter_family_and_draft_method_drafts_and_verifies_on_the_models_device(family, method, temperature):
+    """DFlash2's convolutions and candidate walk, and rejection sampling (runtime/rejection.py) against
+    each kind of q, on meta under strict_devices. The host reads are the loop's own three a step (the
+    accepted count, the next token, the accepted tokens) and the first token's: none in the drafter's
+    walk or the rejection test, where each would be one more wait for the GPU a step (or a slot)."""
+    target, draft = _pair("meta", family=family)
+    speculation = SpeculationSettings(block_size=4, max_draft_len=3, draft_method=method)
+    with strict_devices(), HostReads() as reads:
+        result = dflash_generate(draft, target, [1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=temperature),
+                                 speculation)
+    steps = result.stats.num_steps
+    assert result.output_ids == [0, 0, 0, 0] and steps == 3
+    assert Counter(reads.reads) == {("int", LOOP): 1 + 2 * steps, ("tolist", LOOP): steps}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dflash2s_convolution_over_blocks_laid_end_to_end_stays_on_their_device(device):
+    """Several blocks end to end (vLLM's and TensorRT-LLM's layout) mask each tap at the block's
+    start with a slot index made on the blocks' device; the reference loop runs one block, so it
+    never takes this path."""
+    from dflash_trt.runtime.dflash2 import grouped_dynamic_conv
+
+    gen = torch.Generator().manual_seed(0)
+    x, dynamic, base = (torch.randn(*shape, generator=gen).to(device) for shape in ((2, 8, 16), (2, 8, 2, 2), (2, 16)))
+    with strict_devices():
+        y = grouped_dynamic_conv(x, dynamic, base, group_size=8, block_size=4)  # [2, 8, 16]: two blocks of 4
+    assert y.device.type == device and y.shape == x.shape
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
