@@ -91,6 +91,12 @@ class DraftLenSchedule:
             raise DFlashError(f"{FLAG}: {', '.join(over)} exceed max_draft_len={max_draft_len}; every draft length "
                               f"must be <= {max_draft_len}")
 
+    def capped(self, max_draft_len: int) -> "DraftLenSchedule":
+        """Every value at most `max_draft_len` (a run that lowers K below the schedule's own): the
+        smallest key, which maps to the old K >= the new one, then maps to the new K, as upstream's
+        rule requires; equal neighbours are left as they are (still a valid schedule)."""
+        return DraftLenSchedule(tuple((b, min(k, max_draft_len)) for b, k in self.steps))
+
     def to_mapping(self) -> dict[int, int]:
         """Int keys in ascending order, as TensorRT-LLM's YAML wants them."""
         return dict(self.steps)
