@@ -82,27 +82,29 @@ def _vllm_lookup(ranges: list[list[int]], max_num_seqs: int, num_tokens: int) ->
 
 @pytest.fixture(scope="module")
 def derived_engine(tiny_pair_dirs, tmp_path_factory) -> Path:
-    """An h100 engine whose schedule comes from a given acceptance profile (no gate)."""
+    """An h100 engine whose schedule is derived from a given acceptance profile (no gate). The tiny
+    target's step costs the same at every batch and k (launch costs), so it drafts K everywhere."""
     t, d = tiny_pair_dirs
     return _build(tmp_path_factory.mktemp("derived") / "e", t, d, acceptance_profile="0.8,0.6,0.45,0.3,0.2,0.1,0.05",
                   max_batch_size=64)
 
 
-def test_build_writes_the_derived_schedule_with_int_keys_and_records_it(derived_engine):
+def test_a_derived_schedule_that_drafts_k_at_every_batch_is_recorded_not_written(derived_engine):
+    """{max_batch_size: K} is what no schedule does: writing it would only raise the minimum release."""
     opts, m = _yaml(derived_engine), load_manifest(derived_engine)
     sc = opts["speculative_config"]
-    schedule = sc["draft_len_schedule"]
-    assert schedule and all(type(b) is int and type(k) is int for b, k in schedule.items())
-    assert "draft_len_schedule: {" in (derived_engine / "llm_api_options.yaml").read_text()  # YAML int keys, unquoted
     K = sc["max_draft_len"]
-    assert schedule[min(schedule)] == K and all(k <= K for k in schedule.values())  # upstream's rules
-    assert m.limits.max_draft_len == K == m.speculation.max_draft_len
-    assert m.speculation.draft_len_schedule == schedule and m.speculation.source == "derived"
-    assert m.draft_len_schedule().to_mapping() == schedule
     model = m.speculation.model
+    assert [b["k"] for b in model["buckets"]] == [K] * len(model["buckets"])  # the model's verdict
+    assert model["buckets"][-1]["batch"] == m.limits.max_batch_size == 64
+    assert "draft_len_schedule" not in sc and m.speculation.draft_len_schedule is None
+    assert m.speculation.source == "derived" and m.draft_len_schedule() is None
+    assert any("no draft_len_schedule is written" in n for n in m.speculation.notes)
     assert model["acceptance"]["source"].startswith("--acceptance-profile 0.8,0.6")
-    assert model["gpu"]["name"] == "h100" and model["gpu"]["peak_tflops"]["bf16"] > 0 and model["buckets"]
-    assert m.min_tensorrt_llm_version == min_version(opts) == TRT_FIRST_SCHEDULE
+    assert model["gpu"]["name"] == "h100" and model["gpu"]["peak_tflops"]["bf16"] > 0
+    assert m.limits.max_draft_len == K == m.speculation.max_draft_len
+    assert m.min_tensorrt_llm_version == min_version(opts) == DFLASH_FIRST
+    assert "num_speculative_tokens_per_batch_size" not in (derived_engine / "launch/vllm.sh").read_text()
     verify_engine(derived_engine)
 
 
@@ -139,8 +141,14 @@ def test_a_given_schedule_reaches_trtllm_vllm_and_sglang_alike(tiny_pair_dirs, t
     t, d = tiny_pair_dirs
     engine = _build(tmp_path / "e", t, d, draft_len_schedule="2:5,4:3")
     opts, m = _yaml(engine), load_manifest(engine)
-    assert opts["speculative_config"]["draft_len_schedule"] == {2: 5, 4: 3} and m.limits.max_draft_len == 5
-    assert m.speculation.source == "given"
+    schedule = opts["speculative_config"]["draft_len_schedule"]
+    assert schedule == {2: 5, 4: 3} and all(type(b) is int and type(k) is int for b, k in schedule.items())
+    assert "draft_len_schedule: {2: 5, 4: 3}" in (engine / "llm_api_options.yaml").read_text()  # int keys, unquoted
+    assert opts["speculative_config"]["max_draft_len"] == m.limits.max_draft_len == 5  # K follows the smallest key
+    assert m.speculation.source == "given" and m.speculation.draft_len_schedule == schedule
+    assert m.draft_len_schedule().to_mapping() == schedule
+    assert m.min_tensorrt_llm_version == min_version(opts) == TRT_FIRST_SCHEDULE
+    verify_engine(engine)
     argv = _argv((engine / "launch/vllm.sh").read_text())
     cfg = json.loads(argv[argv.index("--speculative-config") + 1])
     assert set(cfg) <= set(LAUNCH_FLAGS["vllm"]["speculative_config_keys"])

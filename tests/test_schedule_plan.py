@@ -141,6 +141,17 @@ def test_drafting_is_switched_off_where_it_loses():
         assert choose_k("h100", target, draft, 1, 1, b.batch, 1, weak).k == 0
 
 
+def test_a_schedule_that_drafts_k_at_every_served_batch_is_not_written():
+    """{max_batch_size: K} is what TensorRT-LLM does with no schedule: none is written (the minimum
+    release stays DFlash's), the buckets stay on record; a wider engine gets a real schedule."""
+    narrow = _gptoss(max_batch_size=1)
+    assert [b.k for b in narrow.buckets] == [narrow.max_draft_len] and narrow.schedule is None
+    assert narrow.to_record()["draft_len_schedule"] is None and narrow.to_record()["model"]["buckets"]
+    assert any("no draft_len_schedule is written" in n for n in narrow.notes)
+    wide = _gptoss()
+    assert wide.schedule is not None and wide.schedule.max_draft_len == wide.max_draft_len == narrow.max_draft_len
+
+
 def test_a_drafter_that_never_pays_still_meets_upstreams_rule_and_says_so():
     d = _gptoss(profile=AcceptanceProfile((0.001,), "useless"))
     assert d.schedule.to_mapping() == {1: 1} and d.max_draft_len == 1

@@ -279,8 +279,10 @@ def _vllm_command(spec: Any, is_moe: bool, max_draft_len: int, block_size: int, 
     if schedule is not None:
         ranges = schedule.vllm_ranges(spec.max_batch_size)
         speculative["num_speculative_tokens_per_batch_size"] = [list(r) for r in ranges]
+        tail = ("; vLLM carries the last range past its end, so the batches above the largest key draft 0 "
+                "explicitly" if ranges[-1][2] == 0 and len(ranges) > len(schedule.steps) else "")
         notes.append(f"# The engine's draft_len_schedule {schedule.to_mapping()} as inclusive (start, end, drafts) "
-                     "batch-size ranges; vLLM carries the last range past its end, so the tail is written as 0.\n")
+                     f"batch-size ranges (TensorRT-LLM: smallest key >= the batch){tail}.\n")
     if spec.rejection_sampling:
         # TensorRT-LLM's use_rejection_sampling: sampled drafts verified against their probabilities
         # (vLLM's default "greedy" is rejection sampling with a one-hot draft, also lossless).

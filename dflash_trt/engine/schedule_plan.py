@@ -23,6 +23,10 @@ best k at batch 1 (k1) is below the requested K:
 - K given explicitly (--max-draft-len): K is kept and the schedule starts at K, as upstream
   requires; the predicted cost of that at batch 1 is printed.
 
+A derived schedule that drafts K at every batch size the engine serves ({max_batch_size: K}) is
+what TensorRT-LLM does without one: it is recorded in the manifest but not written, so the engine's
+minimum TensorRT-LLM release stays DFlash's own (draft_len_schedule is listed from 1.3.0rc27).
+
 A schedule whose k1 is 0 (drafting loses even at batch 1) still drafts at batch 1 (upstream's
 smallest key must map to max_draft_len >= 1): K goes to 1 (or stays at a given K) and the build
 says drafting does not pay on this GPU.
@@ -159,8 +163,14 @@ def derive(gpu: str, target: ModelDims, draft: ModelDims, tp: int, ep: int, max_
                      "(TensorRT-LLM: the smallest key maps to max_draft_len); pass --max-draft-len "
                      f"{max_draft_len} to keep it")
     values = [K] + [min(c.k, K) for c in chosen[1:]]
-    schedule = compress(keys, values)
+    schedule: DraftLenSchedule | None = compress(keys, values)
     schedule.check_against(K)
+    if schedule.steps == ((max_batch_size, K),):
+        # K at every batch the engine serves: what no schedule does, and releases before the
+        # field's first one serve it (the manifest's minimum version stays the DFlash one)
+        schedule = None
+        notes.append(f"every batch size up to max_batch_size {max_batch_size} drafts max_draft_len {K}: no "
+                     "draft_len_schedule is written (the same behaviour without one)")
     g = GPUS[gpu]
     inputs = {"gpu": {"name": gpu, "bandwidth_tb_s": g.bandwidth_tb_s, "peak_tflops": dict(g.peak_tflops),
                       "nvlink_gb_s": g.nvlink_gb_s},
@@ -184,10 +194,6 @@ def _dims(d: ModelDims) -> dict[str, Any]:
 
 def render(decision: ScheduleDecision, console: Any) -> None:
     """The schedule and, when derived, the model's table (stderr, as the plan)."""
-    if decision.schedule is None:
-        console.print(f"draft_len_schedule: none ({decision.source})" + "".join(f"\n  note: {n}" for n in decision.notes),
-                      markup=False, highlight=False)
-        return
     if decision.buckets:
         from rich.table import Table
 
@@ -204,8 +210,9 @@ def render(decision: ScheduleDecision, console: Any) -> None:
             shown = ", ".join(f"{p:.2f}" for p in decision.profile.survival[:8])
             console.print(f"  acceptance P(a>=1..): {shown}{' ...' if len(decision.profile.survival) > 8 else ''} "
                           f"({decision.profile.source})", markup=False, highlight=False)
-    console.print(f"draft_len_schedule ({decision.source}): {decision.schedule.to_mapping()}  max_draft_len "
-                  f"{decision.max_draft_len}", markup=False, highlight=False)
+    written = decision.schedule.to_mapping() if decision.schedule else "none"
+    console.print(f"draft_len_schedule ({decision.source}): {written}  max_draft_len {decision.max_draft_len}",
+                  markup=False, highlight=False)
     for n in decision.notes:
         console.print(f"  note: {n}", markup=False, highlight=False)
 
