@@ -309,6 +309,23 @@ def test_a_dflash2_engine_is_decoding_type_dflash_with_vanilla_attention_and_no_
     verify_engine(engine)
 
 
+def test_a_dflash2_engine_below_its_block_drafts_its_k_on_vllm_at_every_batch(dflash2_pair, tmp_path):
+    """vLLM's DFlash2 convolution runs on 1 + num_speculative_tokens slots, so the script keeps the
+    trained block there and hands the engine's lower K over as a per-batch-size range."""
+    t, d = dflash2_pair
+    engine = _build(tmp_path / "e", t, d, max_draft_len=3, draft_len_schedule="off")
+    assert _yaml(engine)["speculative_config"]["max_draft_len"] == 3
+    vllm = (engine / "launch/vllm.sh").read_text()
+    argv = _argv(vllm)
+    cfg = json.loads(argv[argv.index("--speculative-config") + 1])
+    max_num_seqs = int(argv[argv.index("--max-num-seqs") + 1])
+    assert cfg["num_speculative_tokens"] == 7
+    dense = _vllm_lookup(cfg["num_speculative_tokens_per_batch_size"], max_num_seqs, cfg["num_speculative_tokens"])
+    assert dense[1:] == [3] * max_num_seqs
+    assert "max_draft_len 3 at every batch size" in vllm and "draft_len_schedule" not in vllm
+    assert "--speculative-num-draft-tokens 8" in (engine / "launch/sglang.sh").read_text()
+
+
 @pytest.mark.parametrize("gpu, backend, match", [
     ("b300", "TRTLLM", "refuses drafters with non-causal sliding-window layers"),
     ("b300", "FA4", "FA4 runs on SM90"),

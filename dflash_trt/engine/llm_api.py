@@ -262,12 +262,14 @@ def _vllm_command(spec: Any, is_moe: bool, max_draft_len: int, block_size: int, 
 
     notes: list[str] = []
     tokens = max_draft_len
+    what = f"The engine's draft_len_schedule {schedule.to_mapping()}" if schedule is not None else ""
     if family == "dflash2":
         # The DFlash2 conv's block is 1 + num_speculative_tokens (qwen3_dflash2.py): the trained block,
         # whatever the engine's K; a K below it is then the per-batch-size schedule's job.
         tokens = block_size - 1
         if schedule is None and max_draft_len < tokens:
             schedule = DraftLenSchedule(((spec.max_batch_size, max_draft_len),))
+            what = f"The engine's max_draft_len {max_draft_len} at every batch size (below the drafter's block)"
         notes.append("# DFlash2 drafter: vLLM runs its candidate selector on Model Runner V2 only (V1 refuses "
                      "'DFlash candidate-head drafts', config/vllm.py); V2 needs Triton and a GPU.\n"
                      "export VLLM_USE_V2_MODEL_RUNNER=1\n")
@@ -281,8 +283,8 @@ def _vllm_command(spec: Any, is_moe: bool, max_draft_len: int, block_size: int, 
         speculative["num_speculative_tokens_per_batch_size"] = [list(r) for r in ranges]
         tail = ("; vLLM carries the last range past its end, so the batches above the largest key draft 0 "
                 "explicitly" if ranges[-1][2] == 0 and len(ranges) > len(schedule.steps) else "")
-        notes.append(f"# The engine's draft_len_schedule {schedule.to_mapping()} as inclusive (start, end, drafts) "
-                     f"batch-size ranges (TensorRT-LLM: smallest key >= the batch){tail}.\n")
+        notes.append(f"# {what} as inclusive (start, end, drafts) batch-size ranges (TensorRT-LLM: smallest key "
+                     f">= the batch){tail}.\n")
     if spec.rejection_sampling:
         # TensorRT-LLM's use_rejection_sampling: sampled drafts verified against their probabilities
         # (vLLM's default "greedy" is rejection sampling with a one-hot draft, also lossless).
