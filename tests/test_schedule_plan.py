@@ -199,3 +199,32 @@ def test_a_given_profile_drives_the_derivation():
     weak = _decide(acceptance_profile="0.4,0.1")
     assert strong.profile.source.startswith("--acceptance-profile tau:8")
     assert weak.max_draft_len <= 2 < strong.max_draft_len
+
+
+# -- through the CLI ------------------------------------------------------------------------------
+
+def _plan_cli(*extra: str) -> tuple[dict, str]:
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    r = CliRunner().invoke(main, ["plan", "--target", "gpt-oss-120b", "--tp", "8", "--gpu", "b300", "--json", *extra])
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout), r.stderr
+
+
+def test_plan_shows_the_schedule_for_gpt_oss_on_8_b300s_and_the_flag_overrides_or_turns_it_off():
+    out, err = _plan_cli()
+    record = out["speculation"]
+    schedule = DraftLenSchedule.from_mapping(record["draft_len_schedule"])
+    _upstream_valid(schedule, out["max_draft_len"])
+    assert record["source"] == "derived" and out["max_draft_len"] == record["max_draft_len"]
+    assert f"draft_len_schedule (derived): {schedule.to_mapping()}  max_draft_len {out['max_draft_len']}" in err
+    assert "Draft length by batch size on b300 x8" in err
+    assert [b["batch"] for b in record["model"]["buckets"]] == bucket_sizes(8)  # the spec's max_batch_size
+    given, err = _plan_cli("--draft-len-schedule", "4:7,16:3")
+    assert given["speculation"]["draft_len_schedule"] == {"4": 7, "16": 3} and given["max_draft_len"] == 7
+    assert "draft_len_schedule (given): {4: 7, 16: 3}" in err
+    off, err = _plan_cli("--draft-len-schedule", "off", "--max-draft-len", "9")
+    assert off["speculation"]["draft_len_schedule"] is None and off["max_draft_len"] == 9
+    assert "draft_len_schedule (off): none" in err
