@@ -221,6 +221,7 @@ def test_plan_shows_the_schedule_for_gpt_oss_on_8_b300s_and_the_flag_overrides_o
     assert record["source"] == "derived" and out["max_draft_len"] == record["max_draft_len"]
     assert f"draft_len_schedule (derived): {schedule.to_mapping()}  max_draft_len {out['max_draft_len']}" in err
     assert "Draft length by batch size on b300 x8" in err
+    assert "from the default acceptance profile: a build whose acceptance gate runs" in err  # which one is final
     assert [b["batch"] for b in record["model"]["buckets"]] == bucket_sizes(8)  # the spec's max_batch_size
     given, err = _plan_cli("--draft-len-schedule", "4:7,16:3")
     assert given["speculation"]["draft_len_schedule"] == {"4": 7, "16": 3} and given["max_draft_len"] == 7

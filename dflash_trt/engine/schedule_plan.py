@@ -38,11 +38,11 @@ there the schedule's 0 buckets verify one draft instead of none.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dflash_trt.draft_len_schedule import DraftLenSchedule
-from dflash_trt.engine.acceptance_profile import AcceptanceProfile
+from dflash_trt.engine.acceptance_profile import DEFAULT_SOURCE, AcceptanceProfile
 from dflash_trt.engine.hardware import GPUS
 from dflash_trt.engine.step_cost import CostAssumptions, ModelDims, step_cost
 
@@ -255,4 +255,9 @@ def decide(spec: Any, arch: Any, draft_shape: Any, block_size: int | None, max_d
     keep = tuple(recipe.keep_modules) if recipe is not None else ()
     target = ModelDims.from_arch(arch, spec.quant, recipe_name, spec.kv_cache_quant, keep, expert_format)
     draft = ModelDims.from_draft(draft_shape, arch.vocab_size, block_size or K + 1)
-    return derive(spec.gpu, target, draft, spec.tp, spec.ep, spec.max_batch_size, K, given_k, profile)
+    decided = derive(spec.gpu, target, draft, spec.tp, spec.ep, spec.max_batch_size, K, given_k, profile)
+    if profile.source == DEFAULT_SOURCE:  # say which schedule is final where a build prints two
+        decided = replace(decided, notes=decided.notes + (
+            "from the default acceptance profile: a build whose acceptance gate runs (--gate, on when quantizing) "
+            "derives it again from the drafter's measured acceptance; or give --acceptance-profile",))
+    return decided
