@@ -448,6 +448,16 @@ def _stand_in_tensorrt_llm(root: Path, with_dflash2: bool) -> Path:
     assert probe["module"] == "tensorrt_llm._torch.models.modeling_dflash"
     (pkg / "_torch" / "models" / "modeling_dflash.py").write_text(
         f"class {probe['attribute']}: pass\n" if with_dflash2 else "class DFlashForCausalLM: pass\n")
+    # SpeculativeDecodingMode as recorded: DFLASH in the enum, support_dynamic_draft_len() with or
+    # without is_dflash() (tensorrt_llm_speculation.json support_dynamic_draft_len)
+    dyn = TRT["support_dynamic_draft_len"]["capability_probe"]
+    (pkg / "_torch" / "speculative").mkdir()
+    (pkg / "_torch" / "speculative" / "__init__.py").write_text("")
+    supports = "self.is_eagle3_one_model() or self.is_dflash()" if with_dflash2 else "self.is_eagle3_one_model()"
+    (pkg / "_torch" / "speculative" / f"{dyn['module'].rsplit('.', 1)[1]}.py").write_text(
+        f"from enum import IntEnum, auto\nclass {dyn['enum']}(IntEnum):\n    EAGLE3_ONE_MODEL = auto()\n"
+        f"    {dyn['member']} = auto()\n    def is_eagle3_one_model(self): return self.name == 'EAGLE3_ONE_MODEL'\n"
+        f"    def is_dflash(self): return self.name == 'DFLASH'\n    def {dyn['method']}(self): return {supports}\n")
     dist = root / "tensorrt_llm-1.4.0rc1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: 1.4.0rc1\n")
@@ -466,4 +476,30 @@ def test_the_dflash2_probe_reads_the_installed_module(tmp_path, monkeypatch, wit
     _probe_trtllm(env)
     assert env.tensorrt_llm_error is None, env.tensorrt_llm_error
     assert env.dflash2 is with_dflash2 and "FA4" in env.dflash_attention_backends
+    assert env.dflash_dynamic_draft_len is with_dflash2  # the newer release applies schedules to DFlash too
     assert TRT["DFlash2"]["capability_probe"]["attribute"] in _TRTLLM_PROBE
+
+
+def test_doctor_refuses_a_schedule_the_installed_dflash_would_skip(tiny_pair_dirs, tmp_path):
+    """draft_len_schedule is a DecodingBaseConfig field older than DFlash, so every DFlash release
+    lists it; releases whose SpeculativeDecodingMode.DFLASH.support_dynamic_draft_len() is False skip
+    it without a word (tensorrt_llm_speculation.json support_dynamic_draft_len)."""
+    assert "return None" in TRT["support_dynamic_draft_len"]["when_unsupported"]
+    assert "DFLASH" in TRT["support_dynamic_draft_len"]["dflash_but_eagle3_only"]
+    t, d = tiny_pair_dirs
+    engine = _build(tmp_path / "e", t, d, draft_len_schedule="2:5,4:3")
+    m, opts = load_manifest(engine), _yaml(engine)
+    v1 = m.model_copy(update={"draft": m.draft.model_copy(update={"family": "dflash"})})
+    skipped = [f for f in engine_findings(_env(True, dflash_dynamic_draft_len=False), v1, opts, "trtllm") if not f.ok]
+    assert len(skipped) == 1 and "would be ignored" in skipped[0].line()  # though 1.4.0rc1 >= the first release
+    assert "--draft-len-schedule off" in skipped[0].line()
+    assert all(f.ok for f in engine_findings(_env(True, dflash_dynamic_draft_len=True), v1, opts, "trtllm"))
+    # not probed: the recorded first release decides; a probe that shows it applied waives the version
+    assert all(f.ok for f in engine_findings(_env(True, dflash_dynamic_draft_len=None), v1, opts, "trtllm"))
+    older = [f for f in engine_findings(_env(True, dflash_dynamic_draft_len=None, tensorrt_llm="1.3.0rc20"), v1,
+                                        opts, "trtllm") if not f.ok]
+    assert len(older) == 1 and "lacks speculative_config.draft_len_schedule" in older[0].what
+    assert TRT_FIRST_SCHEDULE in older[0].what
+    assert all(f.ok for f in engine_findings(_env(True, dflash_dynamic_draft_len=True, tensorrt_llm="1.3.0rc20"), v1,
+                                             opts, "trtllm"))
+

@@ -16,8 +16,11 @@ and, for an engine, every reason it cannot be served here, each with the fix:
   SM100/SM103 GPUs, FA4 needs flash-attn's CuTe interface (flash_attn.cute), FlashInfer and SM90.
   A DFlash2 engine needs a TensorRT-LLM with DFlash2, which no config field shows (DFlash2 is read
   from the checkpoint under decoding_type: DFlash): the capability probe is
-  hasattr(tensorrt_llm._torch.models.modeling_dflash, "DFlash2CandidateSelector"). As many GPUs on this node as the engine has ranks per node, FP4 tensor cores
-  for an NVFP4 engine, FP8 for an FP8 one. A CPU engine (float32) is never TensorRT-LLM's.
+  hasattr(tensorrt_llm._torch.models.modeling_dflash, "DFlash2CandidateSelector"). An engine with
+  a draft_len_schedule needs a DFlash that applies it: the field is DecodingBaseConfig's, older
+  than DFlash, and DFlash's first releases skip it silently; the probe is
+  SpeculativeDecodingMode.DFLASH.support_dynamic_draft_len(). As many GPUs on this node as the
+  engine has ranks per node, FP4 tensor cores for an NVFP4 engine, FP8 for an FP8 one. A CPU engine (float32) is never TensorRT-LLM's.
 - reference backend (the project's PyTorch runtime; CPU engines): torch importable.
 
 Probing is read-only and bounded: nvidia-smi and the tensorrt_llm import run as child processes
@@ -85,6 +88,8 @@ class Environment:
     flash_attn_cute: bool | None = None  # `from flash_attn.cute.interface import _flash_attn_fwd` works (FA4)
     dflash2: bool | None = None  # modeling_dflash has DFlash2CandidateSelector; None: not probed / import failed
     dflash2_error: str | None = None
+    # SpeculativeDecodingMode.DFLASH.support_dynamic_draft_len(): DFlash applies draft_len_schedule
+    dflash_dynamic_draft_len: bool | None = None
     llm_args_fields: list[str] | None = None  # TorchLlmArgs.model_fields
     tritonserver: str | None = None  # path of the binary
     gpus: list[GpuInfo] = field(default_factory=list)
@@ -183,6 +188,15 @@ if "error" not in out:
         out["dflash2"] = hasattr(modeling, "DFlash2CandidateSelector")
     except Exception as e:
         out["dflash2_error"] = type(e).__name__ + ": " + (str(e).splitlines() or [""])[0]
+    # draft_len_schedule is a DecodingBaseConfig field older than DFlash: whether DFlash applies it
+    # is the mode's support_dynamic_draft_len() (Eagle3 only in DFlash's first releases)
+    try:
+        import importlib
+        mode = getattr(importlib.import_module("tensorrt_llm._torch.speculative.interface").SpeculativeDecodingMode,
+                       "DFLASH", None)
+        out["dflash_dynamic_draft_len"] = bool(mode is not None and mode.support_dynamic_draft_len())
+    except Exception:
+        pass  # unknown: the recorded first version decides
 print("DFLASH_TRT_PROBE " + json.dumps(out))
 """
 
@@ -203,6 +217,7 @@ def _probe_trtllm(env: Environment) -> None:
     env.llm_args_fields = found.get("llm_args_fields")
     env.dflash2 = found.get("dflash2")
     env.dflash2_error = found.get("dflash2_error")
+    env.dflash_dynamic_draft_len = found.get("dflash_dynamic_draft_len")
 
 
 # DFlash's VANILLA attention imports exactly this (tensorrt_llm/_torch/speculative/dflash_attention.py).
@@ -323,6 +338,20 @@ def _dflash2_finding(env: Environment, what: str) -> Finding:
                    f"use a TensorRT-LLM build with DFlash2 ({CONTAINER_HINT}); DFlash v1 engines are unaffected")
 
 
+def _schedule_finding(env: Environment, name: str, schedule: Any) -> Finding:
+    """Whether the installed TensorRT-LLM's DFlash applies the engine's draft_len_schedule: where
+    SpeculativeDecodingMode.DFLASH.support_dynamic_draft_len() is False the schedule is skipped
+    without a word and every batch drafts max_draft_len."""
+    what = f"{name}: its draft_len_schedule {schedule}"
+    if env.dflash_dynamic_draft_len:
+        return Finding(True, f"{what} is applied by tensorrt_llm {env.tensorrt_llm} (SpeculativeDecodingMode.DFLASH."
+                             "support_dynamic_draft_len())")
+    return Finding(False, f"{what} would be ignored by tensorrt_llm {env.tensorrt_llm}: its SpeculativeDecodingMode."
+                          "DFLASH.support_dynamic_draft_len() is False, so every batch would draft max_draft_len",
+                   f"use a TensorRT-LLM whose DFlash applies it ({CONTAINER_HINT}), or rebuild with "
+                   "--draft-len-schedule off to draft max_draft_len at every batch size knowingly")
+
+
 def _written_keys(opts: dict[str, Any]) -> tuple[list[str], list[str]]:
     spec = opts.get("speculative_config") or {}
     return [k for k in opts if k != "speculative_config"], list(spec)
@@ -339,6 +368,8 @@ def _confirmed_by_capability(env: Environment, key: str, attention_backend: str)
             return True  # the class exists
         if sub == "attention_backend" and value:
             return env.dflash_attention_backends is not None and attention_backend in env.dflash_attention_backends
+        if sub == "draft_len_schedule":  # every DFlash release has the field; only the mode shows it applies
+            return env.dflash_dynamic_draft_len is True
         return not value and sub in env.dflash_fields
     if not sub and not value and env.llm_args_fields is not None:
         return name in env.llm_args_fields
@@ -401,6 +432,8 @@ def engine_findings(env: Environment, manifest: Any, opts: dict[str, Any], backe
                              f"use an image with TensorRT-LLM >= {need} ({CONTAINER_HINT})"))
         if (manifest.draft.family or family) == "dflash2":
             found.append(_dflash2_finding(env, f"{name} has a DFlash2 drafter"))
+        if "draft_len_schedule" in spec_opts and env.dflash_dynamic_draft_len is not None:
+            found.append(_schedule_finding(env, name, spec_opts["draft_len_schedule"]))
     gpu_note = f"the {manifest.gpu} engine's DFlash attention"
     if attention == "VANILLA":
         found.append(Finding(env.flash_attn is not None,
