@@ -119,3 +119,31 @@ def test_the_switch_keeps_onednn(monkeypatch):
         monkeypatch.delenv(panel_gemm.DISABLE_ENV)
         panel_gemm._load.cache_clear()
     assert panel_gemm.unavailable() is None
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load():
+    """torch's cpp_extension waits without a timeout for its ``lock`` file to vanish; a build
+    killed mid-way leaves it, and `make setup` once hung a whole CI run on one. A fresh process
+    loading the built kernels from a cache holding such a file must load them, not wait. (The
+    cache is the one the suite uses: the file is removed whatever the outcome.)"""
+    import subprocess
+    import sys
+
+    from dflash_trt.models.smollm2 import cache_root
+
+    built = [d for d in (cache_root() / "kernels").glob(f"torch-{torch.__version__.split('+')[0]}/dflash_panel_gemm_*")
+             if any(d.glob("*.so"))]
+    assert built, f"no built kernel under {cache_root() / 'kernels'}"
+    code = ("from dflash_trt.runtime import panel_gemm as p; import sys; "
+            "sys.exit(0 if all(p.unavailable(v) is None for v in p.variants()) else 3)")
+    try:
+        for d in built:
+            (d / "lock").touch()  # what a killed build leaves
+        done = subprocess.run([sys.executable, "-c", code], timeout=90, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert not any((d / "lock").exists() for d in built)
+    except subprocess.TimeoutExpired:
+        pytest.fail("loading the kernel waited on a stale cpp_extension lock file")
+    finally:
+        for d in built:
+            (d / "lock").unlink(missing_ok=True)

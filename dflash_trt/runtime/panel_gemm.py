@@ -35,11 +35,14 @@ AVX-512 machine checks the AVX2 build, bit for bit against its own). ``make setu
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -117,13 +120,37 @@ def _load(variant: str) -> str | None:
             if not copy.is_file() or copy.read_bytes() != source:
                 with atomic_file(copy) as tmp:
                     tmp.write_bytes(source)
-            load(name, [str(copy)], extra_cflags=flags, build_directory=str(build_dir), is_python_module=False,
-                 verbose=False)
+            with _sole_builder(build_dir):
+                load(name, [str(copy)], extra_cflags=flags, build_directory=str(build_dir), is_python_module=False,
+                     verbose=False)
         # no compiler or ninja, a failed build, a read-only cache (atomic_file's one line)
         except (OSError, DFlashError, RuntimeError, ImportError, ValueError) as e:
             return f"cannot build {SOURCE.name}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
     _register_fake(ns)
     return None
+
+
+@contextlib.contextmanager
+def _sole_builder(build_dir: Path) -> Iterator[None]:
+    """Hold the build directory against every other process of ours while torch builds or loads it.
+
+    Why: torch.utils.cpp_extension marks a build with a plain ``lock`` file and waits, without a
+    timeout, for it to vanish. A process killed while building (a stopped job, a timed-out test)
+    leaves that file, and every later load on the machine waits forever: ``make setup`` once hung
+    for the whole of a CI run on it. An flock is released by the kernel when its holder dies, so
+    whoever holds ours knows that no live process of ours is building: a ``lock`` file found then
+    is stale and goes.
+    """
+    with open(build_dir / ".dflash-build.flock", "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # a live builder finishes in ~20 s; then it is ours
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _register_fake(ns: str) -> None:
