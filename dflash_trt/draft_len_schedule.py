@@ -91,6 +91,12 @@ class DraftLenSchedule:
             raise DFlashError(f"{FLAG}: {', '.join(over)} exceed max_draft_len={max_draft_len}; every draft length "
                               f"must be <= {max_draft_len}")
 
+    def capped(self, max_draft_len: int) -> "DraftLenSchedule":
+        """Every value at most `max_draft_len` (a run that lowers K below the schedule's own): the
+        smallest key, which maps to the old K >= the new one, then maps to the new K, as upstream's
+        rule requires; equal neighbours are left as they are (still a valid schedule)."""
+        return DraftLenSchedule(tuple((b, min(k, max_draft_len)) for b, k in self.steps))
+
     def to_mapping(self) -> dict[int, int]:
         """Int keys in ascending order, as TensorRT-LLM's YAML wants them."""
         return dict(self.steps)
@@ -98,11 +104,17 @@ class DraftLenSchedule:
     def to_text(self) -> str:
         return ",".join(f"{b}:{k}" for b, k in self.steps)
 
-    def vllm_ranges(self) -> list[tuple[int, int, int]]:
-        """vLLM's ``num_speculative_tokens_per_batch_size``: inclusive (start, end, n) ranges
-        covering batch sizes 1..largest key (above it vLLM's own rule applies; the schedule's 0)."""
+    def vllm_ranges(self, max_batch_size: int | None = None) -> list[tuple[int, int, int]]:
+        """vLLM's ``num_speculative_tokens_per_batch_size``: inclusive (start, end, n) ranges.
+
+        vLLM carries the LAST range's n forward to every batch size above it (vllm 0.32
+        v1/spec_decode/dynamic/utils.py build_dynamic_sd_schedule_lookup), where TensorRT-LLM drafts
+        0: with `max_batch_size` (vLLM's max_num_seqs) above the largest key, a last range of 0 up to
+        it keeps the two engines alike."""
         out, start = [], 1
         for b, k in self.steps:
             out.append((start, b, k))
             start = b + 1
+        if max_batch_size is not None and max_batch_size >= start and out[-1][2] != 0:
+            out.append((start, max_batch_size, 0))
         return out

@@ -4,7 +4,8 @@ The pair is loaded as `dflash-trt build` loads it for the gate (engine/checkpoin
 unpacked, in the engine dtype), the prompts are the gate's default sample (the held-out split, chat
 template, truncated at calibration.max_length) and K the engine's default (block_size - 1). Prints
 each pass's wall time, the ratio, tau, and whether every prompt's committed tokens, steps, drafted and
-accepted counts are equal (in float32 they must be: the gate's interval and decision read them).
+accepted counts are equal (in float32 they must be: the gate's interval and decision read them; a
+float32 run where they differ exits 1).
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_gate.py            # 39 x 96, one core
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_gate.py --num-prompts 8 --max-new-tokens 32 --device cuda
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 
@@ -74,6 +76,9 @@ def main() -> None:
               f"pass's runs); per-prompt tau "
               f"{'equal for every prompt' if same else f'DIFFERS at {differ} of {r.n} prompts'}")
     print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machine)")
+    if {"reference", "batched"} <= set(samples) and not same and args.dtype == "float32":
+        sys.exit("bench_gate: the batched runtime's per-prompt tau differs from the reference loop's in float32, "
+                 "where the gate needs them equal (tests/test_gate_batched.py)")
 
 
 if __name__ == "__main__":

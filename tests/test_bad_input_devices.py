@@ -1,11 +1,13 @@
 """Bad input on the device paths (issue 36) is one line and a non-zero exit, as everywhere else:
-a `--device` this machine does not have, weights files that lie about their contents, tokenizer
-files that cannot be read. `generate` and `build` refuse a weights file with the same line (one
-check, checkpoints/streaming.py's header reader)."""
+a `--device` this machine does not have (bench, train-data, serve, train-draft, and the pair loader
+behind generate and serve), weights files that lie about their contents, tokenizer files that
+cannot be read. `generate` and `build` refuse a weights file with the same line (one check,
+checkpoints/streaming.py's header reader)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,22 +16,40 @@ import torch
 from click.testing import CliRunner
 
 from dflash_trt.cli import main
+from dflash_trt.errors import DFlashError
+from dflash_trt.pairs import PairSource, load_pair
+from dflash_trt.runtime_options import RuntimeOptions
 
 try:
     from tests.bad_input import assert_one_line_error
+    from tests.engine_fixtures import make_tiny_engine
 except ImportError:  # tests/ is not a package
     from bad_input import assert_one_line_error
+    from engine_fixtures import make_tiny_engine
 
 NO_CUDA = not torch.cuda.is_available()
 MISSING_GPU = "sees no CUDA GPU" if NO_CUDA else "CUDA GPU(s) visible"
 
 
-@pytest.mark.parametrize("device, needle", [
-    pytest.param("cuda", "sees no CUDA GPU", marks=pytest.mark.skipif(not NO_CUDA, reason="a GPU is visible here")),
-    ("cuda:99", MISSING_GPU),
-    ("tpu", "give cpu, cuda or cuda:N"),
-    ("mps", "the runtime runs on cpu or cuda[:N]"),
-])
+LACKING = [
+    pytest.param("cuda", "sees no CUDA GPU", marks=pytest.mark.skipif(not NO_CUDA, reason="a GPU is visible here"),
+                 id="cuda"),
+    pytest.param("cuda:99", MISSING_GPU, id="cuda:99"),
+    pytest.param("tpu", "give cpu, cuda or cuda:N", id="tpu"),
+    pytest.param("mps", "the runtime runs on cpu or cuda[:N]", id="mps"),
+]
+
+
+def _flag(device: str) -> str:
+    return f"--device {device}" if device != "tpu" else "--device 'tpu'"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Path:
+    return make_tiny_engine(tmp_path_factory.mktemp("devices"))
+
+
+@pytest.mark.parametrize("device, needle", LACKING)
 @pytest.mark.parametrize("command", ["bench", "train-data"])
 def test_a_device_this_machine_lacks_is_one_line(tiny_pair_dirs, tmp_path, command, device, needle):
     """`bench --device cuda` on a CPU-only torch printed torch's "Torch not compiled with CUDA
@@ -39,8 +59,45 @@ def test_a_device_this_machine_lacks_is_one_line(tiny_pair_dirs, tmp_path, comma
     args = (["bench", "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "1"] if command == "bench" else
             ["train-data", str(tdir), str(tmp_path / "answers.pt"), "--max-prompts", "1"])
     r = CliRunner().invoke(main, [*args, "--device", device])
-    assert_one_line_error(r, f"--device {device}" if device != "tpu" else "--device 'tpu'", needle)
+    assert_one_line_error(r, _flag(device), needle)
     assert not (tmp_path / "answers.pt").exists()
+
+
+@pytest.mark.parametrize("device, needle", LACKING)
+@pytest.mark.parametrize("command", ["serve", "train-draft"])
+def test_serve_and_train_draft_refuse_a_device_this_machine_lacks(engine, tmp_path, command, device, needle):
+    """`serve ENGINE --device` is checked where the pytorch backend loads the engine (the server
+    says which model failed and exits); `train-draft --device` before the target loads."""
+    args = (["serve", str(engine), "--backend", "pytorch", "--grpc-port", "0", "--metrics-port", "0"]
+            if command == "serve" else ["train-draft", "--target", str(engine / "target"), "--out", str(tmp_path / "d")])
+    r = CliRunner().invoke(main, [*args, "--device", device])
+    last = assert_one_line_error(r, _flag(device), needle)
+    assert command == "train-draft" or last.startswith("error: model 'dflash' failed to load: ")
+    assert not (tmp_path / "d").exists()
+
+
+def test_the_served_runtime_refuses_meta(engine):
+    """The pair loader takes `meta` (shapes only, for tests); the pytorch backend's own check
+    refuses it before the engine's hashes and weights."""
+    from dflash_trt.serving.backends import BackendSettings, load_backend
+
+    with pytest.raises(DFlashError, match=r"^--device meta: the runtime runs on cpu or cuda\[:N\]$"):
+        load_backend(engine, BackendSettings(backend="pytorch", device="meta"))
+
+
+@pytest.mark.parametrize("device, needle", LACKING)
+def test_the_pair_loader_refuses_a_device_before_the_weights(tiny_pair_dirs, tmp_path, device, needle):
+    """generate has no --device (it decodes on the CPU); its pair loader (dflash_trt/pairs.py, also
+    serve's and the Python API's) checks the device first: a truncated weights file behind it is
+    never read."""
+    tdir, ddir = tiny_pair_dirs
+    bad = tmp_path / "target"
+    shutil.copytree(tdir, bad)
+    _truncate(bad / "model.safetensors")
+    with pytest.raises(DFlashError, match=f"^{re.escape(_flag(device))}.*{re.escape(needle)}"):
+        load_pair(PairSource(bad, ddir), RuntimeOptions(device=device))
+    with pytest.raises(DFlashError, match="lies outside the file"):  # what the weights would have said
+        load_pair(PairSource(bad, ddir), RuntimeOptions(device="cpu"))
 
 
 def _rewrite_header(f: Path, edit) -> None:

@@ -9,9 +9,10 @@ without a GPU what the GPU run needs:
   calibration included, meets no other (misses == 0) and captures none (the first GPU run captured
   lazily, inside the timed runs);
 - a step reads the device once (one sync), sends it one table (plus one per prefill pass), and
-  nothing in it reads a tensor's value on the host (``.item()``, ``int(t)``, ``bool(t)``,
-  ``torch.multinomial``: a hidden sync each on a GPU), greedy or sampled, for both drafter
-  families (DFlash2's selector walk included) and every draft method;
+  nothing else in it reads a tensor's value on the host (``.tolist()``, ``.item()``, ``int(t)``,
+  ``bool(t)``, a copy to the host, ``torch.multinomial``: a hidden sync each on a GPU;
+  tests/device_harness.HostReads sees them, on the CPU and on meta), greedy or sampled, for both
+  drafter families (DFlash2's selector walk included) and every draft method;
 - the policy's costs come from replayed steps only (no prefill, no eager catch-up in them).
 """
 
@@ -34,6 +35,7 @@ from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import DRAFT_METHODS, SpeculationSettings
 
+from tests.device_harness import HostReads
 from tests.test_batched_runtime import PROMPTS, _pair
 
 # prompts long enough that rows cross the first static width (128) while they decode
@@ -82,13 +84,14 @@ def test_every_shape_is_captured_at_start_up_and_a_run_captures_none():
     assert {k[3] for k in keys} == {128, 256, 304}
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts ops that read a tensor's value on the host (a sync on a GPU) and host data turned
-    into tensors (an upload)."""
+class _DeviceWork(TorchDispatchMode):
+    """Counts host data turned into tensors (an upload) and ops whose output's size depends on the
+    values (a sync each on a GPU that no host read shows)."""
 
     # torch.multinomial checks its distribution on the host (a sync per call on a GPU): the runtime
     # draws with sampling.draw instead
-    HIDDEN_SYNCS = ("aten.item", "aten._local_scalar_dense", "aten.is_nonzero", "aten.multinomial")
+    SIZED_BY_VALUES = ("aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique", "aten.repeat_interleave.Tensor",
+                       "aten._local_scalar_dense", "aten.is_nonzero", "aten.multinomial")
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,38 +100,52 @@ class _HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if name.startswith(self.HIDDEN_SYNCS):
+        if name.startswith(self.SIZED_BY_VALUES):
             self.syncs.append(name)
         if name.startswith("aten.lift_fresh"):
             self.uploads += 1
         return func(*args, **(kwargs or {}))
 
 
-# (family, draft method, sampled): greedy steps of both families, and seeded sampled steps of every method
-STEP_KINDS = [("dflash", "match", False), ("dflash2", "match", False),
-              *[(family, method, True) for family in ("dflash", "dflash2") for method in DRAFT_METHODS]]
+# (device, family, draft method, sampled): greedy steps of both families and seeded sampled steps of
+# every method on the CPU; on meta (every host read answered with zeros) the greedy v1 step
+STEP_KINDS = [("cpu", "dflash", "match", False), ("cpu", "dflash2", "match", False),
+              *[("cpu", family, method, True) for family in ("dflash", "dflash2") for method in DRAFT_METHODS],
+              ("meta", "dflash", "match", False)]
 
 
-@pytest.mark.parametrize("family,method,sampled", STEP_KINDS, ids=["-".join(map(str, k)) for k in STEP_KINDS])
+@pytest.mark.parametrize("device,family,method,sampled", STEP_KINDS, ids=["-".join(map(str, k)) for k in STEP_KINDS])
 @pytest.mark.parametrize("static", [True, False], ids=["static", "eager"])
-def test_a_step_syncs_once_and_uploads_one_table(static, family, method, sampled):
-    target = tiny_target("qwen3", seed=14).double()
-    draft = random_draft(target.config, block_size=4, seed=14, family=family).double()
-    spec = SpeculationSettings.for_block(draft.block_size, policy="adaptive", draft_method=method)
-    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=static), spec).start()
+def test_a_step_syncs_once_and_uploads_one_table(static, device, family, method, sampled):
+    """Every host read of a step (tests/device_harness.HostReads: `.tolist()`, `.item()`, `int(t)`,
+    ..., and on meta every copy to the host, `.cpu()`, `.to("cpu")`) is the one download. On the
+    CPU a tensor's read dispatches no aten op, so only the recorder sees it; on meta the reads
+    answer zeros and the runtime decodes on (every token 0)."""
+    if device == "meta":  # main's meta leg as it was
+        target, draft = _pair("qwen3", seed=14)
+        rt = BatchedRuntime(target.to(device), draft.to(device),
+                            RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=static),
+                            None, RuntimeExtras(policy=AdaptivePolicy(draft.block_size))).start()
+    else:
+        target = tiny_target("qwen3", seed=14).double()
+        draft = random_draft(target.config, block_size=4, seed=14, family=family).double()
+        spec = SpeculationSettings.for_block(draft.block_size, policy="adaptive", draft_method=method)
+        rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=static), spec).start()
     for i, (p, m) in enumerate(zip(PROMPTS[:3], [14, 9, 20])):
-        rt.add(SequenceRequest(p, SamplingParams(max_tokens=m, temperature=0.8 if sampled else 0.0, seed=i)))
+        rt.add(SequenceRequest(p, SamplingParams(max_tokens=m, temperature=0.8 if sampled else 0.0,
+                                                   seed=i if sampled else None)))
     steps = 0
     while rt.has_work():
         passes = len(prefill_runs(sorted(len(s.request.prompt_ids) for s in rt.waiting), rt.prefill_pad_limit))
         before = rt.transfers.to_dict()
-        with _HostReads() as reads:
+        with _DeviceWork() as work, HostReads() as reads:
             rt.step()
         after = rt.transfers.to_dict()
         decoding = rt.steps > 1
         assert after["syncs"] - before["syncs"] == 1
-        assert after["uploads"] - before["uploads"] == passes + decoding == reads.uploads
-        assert reads.syncs == []
+        assert reads.where() == ["host_transfers.HostTransfers.download"]
+        assert after["uploads"] - before["uploads"] == passes + decoding == work.uploads
+        assert work.syncs == []
         steps += 1
     assert steps > 3
 

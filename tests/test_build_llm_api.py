@@ -10,8 +10,9 @@ tensorrt_llm/llmapi/llm_args.py at NVIDIA/TensorRT-LLM commit 0004396720054fd8e2
 - CudaGraphConfig (decode): batch_sizes, max_batch_size, enable_padding;
 - MoeConfig.backend: AUTO | CUTLASS | CUTEDSL | TRTLLM | DEEPGEMM | DENSEGEMM | VANILLA | TRITON | MARLIN ...;
 - DFlashDecodingConfig: decoding_type "DFlash", mask_token_id, target_layer_ids,
-  attention_backend VANILLA | TRTLLM (FA4 refused: tests/upstream/tensorrt_llm_node.json), plus
-  DecodingBaseConfig's max_draft_len, speculative_model;
+  attention_backend VANILLA | TRTLLM | FA4 (the 1.3.0rc27 reference: tests/upstream/
+  tensorrt_llm_speculation.json; FA4 on SM90 only), plus DecodingBaseConfig's max_draft_len,
+  speculative_model, draft_len_schedule, use_rejection_sampling and the acceptance-rate floor;
 - TorchLlmArgs enable_attention_dp / stream_interval / num_postprocess_workers (top level, as in
   upstream's recipe qwen3.8-low-latency.yaml; sources in dflash_trt/engine/trtllm_fields.json).
 The vLLM and SGLang flags are checked against their parsers' names recorded, with the source
@@ -42,11 +43,12 @@ UPSTREAM_SECTIONS = {
     "kv_cache_config": {"dtype", "free_gpu_memory_fraction", "enable_block_reuse", "max_tokens", "tokens_per_block"},
     "cuda_graph_config": {"batch_sizes", "max_batch_size", "enable_padding"},
     "moe_config": {"backend", "max_num_tokens"},
-    "speculative_config": {"decoding_type", "max_draft_len", "speculative_model", "mask_token_id",
-                           "target_layer_ids", "attention_backend"},
+    "speculative_config": set(json.loads((Path(__file__).parent / "upstream" / "tensorrt_llm_speculation.json")
+                                         .read_text())["DFlashDecodingConfig_1.3.0rc27"]["fields"]),
 }
-UPSTREAM_DFLASH_ATTENTION = set(json.loads((Path(__file__).parent / "upstream" / "tensorrt_llm_node.json").read_text())
-                                ["DFlashDecodingConfig"]["attention_backend"])
+RC27 = json.loads((Path(__file__).parent / "upstream" / "tensorrt_llm_speculation.json").read_text())[
+    "DFlashDecodingConfig_1.3.0rc27"]
+UPSTREAM_DFLASH_ATTENTION = set(RC27["attention_backend"])
 UPSTREAM_MOE_BACKENDS = {"AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA", "TRITON", "MARLIN"}
 
 
@@ -190,22 +192,31 @@ def test_throughput_knobs_reach_the_yaml_only_when_not_upstreams_default():
 
 
 @pytest.mark.parametrize("key, value", [("stream_interval", 0), ("num_postprocess_workers", -1),
-                                        ("dflash_attention_backend", "FLASHINFER"), ("dflash_attention_backend", "FA4")])
+                                        ("dflash_attention_backend", "FLASHINFER")])
 def test_bad_knob_values_are_one_line_errors(key, value):
     with pytest.raises(DFlashError, match=key):
         resolve_spec(None, {key: value})
 
 
 def test_attention_backends_upstream_does_not_run_are_refused_in_one_line():
-    """FA4 is in no stored DFlashDecodingConfig / DFlashForCausalLM (VANILLA and TRTLLM only), and
-    TRTLLM needs SM100/SM103 (dflash_attention.py): sources in tests/upstream/tensorrt_llm_node.json."""
-    assert UPSTREAM_DFLASH_ATTENTION == {"VANILLA", "TRTLLM"}
+    """TRTLLM needs SM100/SM103 (dflash_attention.py), FA4 is validated on SM90 only
+    (validate_dflash_fa4_runtime), and a backend no release has is refused by the check: sources in
+    tests/upstream/tensorrt_llm_node.json and tensorrt_llm_speculation.json."""
+    assert UPSTREAM_DFLASH_ATTENTION == {"VANILLA", "TRTLLM", "FA4"}
     hopper = resolve_spec(None, {"gpu": "h100", "dflash_attention_backend": "TRTLLM"})
     with pytest.raises(DFlashError, match="TRTLLM needs a Blackwell GPU"):
         llm_api_options(hopper, is_moe=False, max_draft_len=7, max_num_tokens=8192, mask_token_id=1, target_layer_ids=[1])
-    written = _opts_for_check()
-    written["speculative_config"]["attention_backend"] = "FA4"
-    with pytest.raises(DFlashError, match=r"attention_backend='FA4' is not one of \['TRTLLM', 'VANILLA'\]"):
+    blackwell_fa4 = resolve_spec(None, {"gpu": "b200", "dflash_attention_backend": "FA4"})
+    with pytest.raises(DFlashError, match="FA4 runs on SM90"):
+        llm_api_options(blackwell_fa4, is_moe=False, max_draft_len=7, max_num_tokens=8192, mask_token_id=1,
+                        target_layer_ids=[1])
+    hopper_fa4 = resolve_spec(None, {"gpu": "h200", "dflash_attention_backend": "FA4"})
+    written = llm_api_options(hopper_fa4, is_moe=False, max_draft_len=7, max_num_tokens=8192, mask_token_id=1,
+                              target_layer_ids=[1])
+    assert written["speculative_config"]["attention_backend"] == "FA4"
+    check_llm_api_options(written)
+    written["speculative_config"]["attention_backend"] = "FLASHINFER"
+    with pytest.raises(DFlashError, match=r"attention_backend='FLASHINFER' is not one of \['FA4', 'TRTLLM', 'VANILLA'\]"):
         check_llm_api_options(written)
 
 

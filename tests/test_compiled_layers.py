@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
 from dflash_trt.errors import DFlashError
@@ -25,8 +26,8 @@ from dflash_trt.runtime.compiled_layers import (
     compiled_functions,
 )
 from dflash_trt.runtime.dflash2 import DFLASH2_EAGER
-from dflash_trt.runtime.draft_model import DRAFT_EAGER
-from dflash_trt.runtime.lean_forward import EAGER
+from dflash_trt.runtime.draft_model import DRAFT_EAGER, draft_attention_inputs, draft_layer_output
+from dflash_trt.runtime.lean_forward import EAGER, attention_inputs, layer_output
 from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.tiny import tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
@@ -38,21 +39,58 @@ pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not 
                                 reason=f"{compile_unavailable(torch.device('cpu'))}")
 
 
+# the four compiled layer halves, by the code torch.compile caches its graphs on
+COMPILED_HALVES = {"attention_inputs": attention_inputs, "layer_output": layer_output,
+                   "draft_attention_inputs": draft_attention_inputs, "draft_layer_output": draft_layer_output}
+
+
+def _compiled_variants() -> dict[str, int]:
+    """How many compiled variants (dynamo cache entries: one per shape class) each half holds."""
+    return {name: len(_debug_get_cache_entry_list(fn.__code__)) for name, fn in COMPILED_HALVES.items()}
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_compiled_layers_decode_as_the_reference_loop(arch):
+    """Past a function's recompile limit torch.compile runs it eagerly without a word: here a hit
+    limit fails the test (fail_on_recompile_limit_hit), every half holds compiled code after
+    start-up, none at its limit, and requests compile nothing more."""
     target, draft = _pair(arch, seed=5)
     ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]
-    rt = BatchedRuntime(target, draft,
-                        RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=True, torch_compile=True)).start()
+    before = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        rt = BatchedRuntime(target, draft,
+                            RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=True, torch_compile=True)).start()
     assert TargetAdapter(target).lean.functions == compiled_functions()
     assert draft.layer_functions == compiled_draft_functions(DRAFT_EAGER)
     assert rt.steps == 0 and rt.graph_stats()["replays"] == 0  # the start-up's warm-up left no trace
-    compiled = counters["stats"]["unique_graphs"]
+    compiled, variants = counters["stats"]["unique_graphs"], _compiled_variants()
+    assert compiled > before and all(1 <= n < torch._dynamo.config.recompile_limit for n in variants.values()), variants
     handles = [rt.add(SequenceRequest(list(p), SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS, BUDGETS)]
-    rt.run()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        rt.run()
     assert [h.result.output_ids for h in handles] == ref
     assert rt.graph_stats()["torch_compile"] is True
-    assert counters["stats"]["unique_graphs"] == compiled  # everything compiled at start-up, nothing in requests
+    # everything compiled at start-up, nothing in requests
+    assert counters["stats"]["unique_graphs"] == compiled and _compiled_variants() == variants
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["capture", "warm-up"])
+def test_a_compiler_failure_in_the_runtimes_start_up_is_one_line(cuda_graphs):
+    """Start-up compiles in its capture of the static shapes, else in its warm-up decode: both run
+    under compile_errors. Inductor's own check of its C++ compiler fails here for real (a compiler
+    that is /bin/false; no cached kernel may stand in for the compile)."""
+    target, draft = _pair("llama", seed=5)
+    runtime = BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64, cuda_graphs=cuda_graphs,
+                                                           torch_compile=True))
+    torch._dynamo.reset()  # no compiled variant of an earlier test may serve these shapes
+    try:
+        with torch._inductor.config.patch({"cpp.cxx": (None, "/bin/false"), "fx_graph_cache": False}), \
+                torch._functorch.config.patch(enable_autograd_cache=False), \
+                pytest.raises(DFlashError, match=r"^--torch-compile: compiling the layers failed \(No working C\+\+ "
+                                                 r"compiler found in .*\); run without --torch-compile$"):
+            runtime.start()
+    finally:
+        torch._dynamo.reset()
 
 
 def test_compiled_dflash2_layers_decode_as_the_reference_loop():

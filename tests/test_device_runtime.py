@@ -1,8 +1,9 @@
 """The runtime, training's feature capture and sampling on a device (tests/device_harness.py).
 
-The meta legs run each pass under strict_devices until the first value the host must read (the
-reference loop's first token, the batched runtime's one sync per step, a copy of features to the
-host): reaching that point proves every op before it kept its tensors on the model's device.
+The meta legs run each pass under strict_devices: the reference loop and the batched runtime
+decode whole requests there (HostReads answers their host reads with zeros), training's feature
+capture runs until its copy of features to the host (where a meta tensor stops). Every op on the
+way kept its tensors on the model's device, or the leg fails.
 The cuda legs (skipped here, with the reason) run the same paths for values on a GPU; the
 multi-GPU ones need two.
 """
@@ -10,6 +11,7 @@ multi-GPU ones need two.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -24,15 +26,17 @@ from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
+from dflash_trt.speculation import SpeculationSettings
 
 try:
-    from tests.device_harness import DEVICES, NO_GPU, needs_cuda, strict_devices
+    from tests.device_harness import DEVICES, NO_GPU, HostReads, needs_cuda, strict_devices
 except ImportError:  # tests/ is not a package
-    from device_harness import DEVICES, NO_GPU, needs_cuda, strict_devices
+    from device_harness import DEVICES, NO_GPU, HostReads, needs_cuda, strict_devices
 
-HOST_READ = (RuntimeError, NotImplementedError)  # what a meta tensor raises when the host reads it
-HOST_READ_MATCH = "cannot be called on meta tensors|Cannot copy out of meta tensor"
 LAYERS = [0, 2]
+
+
+LOOP = "generate.dflash_generate"  # where the reference loop's own host reads are made
 
 
 def _pair(device: str = "cpu", **draft_kw):
@@ -96,15 +100,70 @@ def test_draft_vocab_moves_with_the_drafter(tmp_path):
 # -- the passes ----------------------------------------------------------------------------------
 
 
-def test_reference_loop_and_batched_runtime_run_on_the_models_device():
+def test_the_reference_loop_drafts_and_verifies_on_the_models_device():
+    """Prefill, then every step's draft and verify passes on meta: the loop's host reads (the first
+    token, each step's acceptance and tokens) answer zeros, so it runs to its budget, one token a step."""
     target, draft = _pair("meta")
-    with strict_devices(), pytest.raises(HOST_READ, match=HOST_READ_MATCH):
-        dflash_generate(draft, target, [1, 2, 3, 4])  # prefill, then the first token read
-    runtime = BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64)).start()
-    runtime.add(SequenceRequest([1, 2, 3], SamplingParams(max_tokens=4)))
-    runtime.add(SequenceRequest([5, 6], SamplingParams(max_tokens=4, temperature=0.8)))
-    with strict_devices(), pytest.raises(HOST_READ, match=HOST_READ_MATCH):
-        runtime.step()  # admit, prefill both rows, sample: then the step's one sync
+    with strict_devices(), HostReads() as reads:
+        result = dflash_generate(draft, target, [1, 2, 3, 4], SamplingParams(max_tokens=4))
+    assert result.output_ids == [0, 0, 0, 0] and result.stats.num_steps == 3  # 3 draft + verify steps
+    assert set(reads.where()) == {"generate.dflash_generate"}
+
+
+# family, draft method, temperature: DFlash2's walk (argmax, or sampled with its q scattered over
+# the vocabulary), the one-hot q of argmax drafts, and v1's sampled q, each verified as the method says
+METHODS = [("dflash2", "match", 0.0), ("dflash2", "probabilistic", 0.8), ("dflash2", "greedy", 0.8),
+           ("dflash", "probabilistic", 0.8)]
+
+
+@pytest.mark.parametrize("family, method, temperature", METHODS, ids=["-".join(map(str, m)) for m in METHODS])
+def test_each_drafter_family_and_draft_method_drafts_and_verifies_on_the_models_device(family, method, temperature):
+    """DFlash2's convolutions and candidate walk, and rejection sampling (runtime/rejection.py) against
+    each kind of q, on meta under strict_devices. The host reads are the loop's own three a step (the
+    accepted count, the next token, the accepted tokens) and the first token's: none in the drafter's
+    walk or the rejection test, where each would be one more wait for the GPU a step (or a slot)."""
+    target, draft = _pair("meta", family=family)
+    speculation = SpeculationSettings(block_size=4, max_draft_len=3, draft_method=method)
+    with strict_devices(), HostReads() as reads:
+        result = dflash_generate(draft, target, [1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=temperature),
+                                 speculation)
+    steps = result.stats.num_steps
+    assert result.output_ids == [0, 0, 0, 0] and steps == 3
+    assert Counter(reads.reads) == {("int", LOOP): 1 + 2 * steps, ("tolist", LOOP): steps}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dflash2s_convolution_over_blocks_laid_end_to_end_stays_on_their_device(device):
+    """Several blocks end to end (vLLM's and TensorRT-LLM's layout) mask each tap at the block's
+    start with a slot index made on the blocks' device; the reference loop runs one block, so it
+    never takes this path."""
+    from dflash_trt.runtime.dflash2 import grouped_dynamic_conv
+
+    gen = torch.Generator().manual_seed(0)
+    x, dynamic, base = (torch.randn(*shape, generator=gen).to(device) for shape in ((2, 8, 16), (2, 8, 2, 2), (2, 16)))
+    with strict_devices():
+        y = grouped_dynamic_conv(x, dynamic, base, group_size=8, block_size=4)  # [2, 8, 16]: two blocks of 4
+    assert y.device.type == device and y.shape == x.shape
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_the_batched_runtime_drafts_and_verifies_on_the_models_device(static):
+    """Start-up and whole steps on meta. With static shapes, start-up runs every draft and verify
+    shape on padding rows (their capture) and the steps replay them; eagerly, a greedy and a
+    sampled row run the drafter's catch-up, steady drafting and both verifications. Each step's
+    one host read is the download (answered with zeros: every token 0, one a step)."""
+    target, draft = _pair("meta")
+    options = RuntimeOptions(max_batch=2, max_seq_len=64, cuda_graphs=static)
+    with strict_devices(), HostReads() as reads:
+        runtime = BatchedRuntime(target, draft, options).start()
+        assert reads.reads == []  # start-up reads nothing back
+        runtime.add(SequenceRequest([1, 2, 3], SamplingParams(max_tokens=4)))
+        runtime.add(SequenceRequest([5, 6], SamplingParams(max_tokens=5, temperature=0 if static else 0.8)))
+        runtime.run()
+    assert runtime.steps == 5 and reads.where() == ["host_transfers.HostTransfers.download"] * runtime.steps
+    if static:
+        counters = runtime.graphs.counters
+        assert counters.captured > 0 and counters.replays >= 2 * 4 and counters.misses == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -29,14 +29,23 @@ def _sample(arch: str, vocab: int, seed: int):
 def test_each_prompt_gets_the_reference_loops_tau_in_float32(arch, vocab, seed):
     target, draft, prompts = _sample(arch, vocab, seed)
     ref = measure_tau(target, draft, prompts, 24, "reference", progress=False, batched=False)
-    got = measure_tau(target, draft, prompts, 24, "batched", progress=False)  # batched: the default here
+    got = measure_tau(target, draft, prompts, 24, "batched", progress=False)  # the opener's choice
+    # the two sides are two runtimes: the gate's default is the batched one (else this compares a loop with itself)
+    assert got.runtime == got.summary()["runtime"] == "batched"
+    assert ref.runtime == "reference loop (the reference loop was asked for)"
     assert (got.committed, got.steps) == (ref.committed, ref.steps)
     assert (got.drafted, got.accepted) == (ref.drafted, ref.accepted)
     assert len(set(ref.steps)) > 2  # tau differs between prompts: the comparison means something
     k2 = measure_tau(target, draft, prompts, 24, "batched k=2", progress=False, max_draft_len=2)
     k2_ref = measure_tau(target, draft, prompts, 24, "reference k=2", progress=False, max_draft_len=2, batched=False)
+    assert (k2.runtime, k2_ref.runtime) == (got.runtime, ref.runtime)
     assert (k2.committed, k2.steps, k2.drafted) == (k2_ref.committed, k2_ref.steps, k2_ref.drafted)
-    assert decide(ref, k2_ref, "k=2", 0.5, True, 1.0) == decide(got, k2, "k=2", 0.5, True, 1.0)
+    assert _figures(decide(ref, k2_ref, "k=2", 0.5, True, 1.0)) == _figures(decide(got, k2, "k=2", 0.5, True, 1.0))
+
+
+def _figures(record: dict) -> dict:
+    """The gate's record without the names of the runtimes that measured it."""
+    return {**record, "before": {**record["before"], "runtime": None}, "after": {**record["after"], "runtime": None}}
 
 
 def test_pairs_the_batched_runtime_cannot_run_keep_the_reference_loop():
@@ -45,6 +54,7 @@ def test_pairs_the_batched_runtime_cannot_run_keep_the_reference_loop():
     prompts = [[1, 2, 3], [4, 5]]
     auto = measure_tau(target, draft, prompts, 8, "gpt-oss", progress=False)
     ref = measure_tau(target, draft, prompts, 8, "gpt-oss", progress=False, batched=False)
+    assert auto.runtime == "reference loop (gpt_oss (attention sinks, sliding window) runs on the reference loop)"
     assert (auto.committed, auto.steps) == (ref.committed, ref.steps)
     with pytest.raises(DFlashError, match="reference loop"):
         measure_tau(target, draft, prompts, 8, "gpt-oss", progress=False, batched=True)

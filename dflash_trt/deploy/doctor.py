@@ -13,8 +13,14 @@ and, for an engine, every reason it cannot be served here, each with the fix:
   DFlashDecodingConfig at all: upstream's first DFlash tag could not be read, see
   tests/upstream/tensorrt_llm_node.json). Then what that attention backend loads: VANILLA imports
   flash_attn.flash_attn_with_kvcache (the flash-attn package), TRTLLM needs FlashInfer and
-  SM100/SM103 GPUs. As many GPUs on this node as the engine has ranks per node, FP4 tensor cores
-  for an NVFP4 engine, FP8 for an FP8 one. A CPU engine (float32) is never TensorRT-LLM's.
+  SM100/SM103 GPUs, FA4 needs flash-attn's CuTe interface (flash_attn.cute), FlashInfer and SM90.
+  A DFlash2 engine needs a TensorRT-LLM with DFlash2, which no config field shows (DFlash2 is read
+  from the checkpoint under decoding_type: DFlash): the capability probe is
+  hasattr(tensorrt_llm._torch.models.modeling_dflash, "DFlash2CandidateSelector"). An engine with
+  a draft_len_schedule needs a DFlash that applies it: the field is DecodingBaseConfig's, older
+  than DFlash, and DFlash's first releases skip it silently; the probe is
+  SpeculativeDecodingMode.DFLASH.support_dynamic_draft_len(). As many GPUs on this node as the
+  engine has ranks per node, FP4 tensor cores for an NVFP4 engine, FP8 for an FP8 one. A CPU engine (float32) is never TensorRT-LLM's.
 - reference backend (the project's PyTorch runtime; CPU engines): torch importable.
 
 Probing is read-only and bounded: nvidia-smi and the tensorrt_llm import run as child processes
@@ -40,6 +46,8 @@ FP8_MIN_CC = (8, 9)  # Ada / Hopper and later
 CONTAINER_HINT = "run inside the dflash-trt container (deploy/container/README.md)"
 FLASH_ATTN_FIX = "pip install flash-attn --no-build-isolation (the dflash-trt container carries it)"
 TRTLLM_ATTENTION_CC = ((10, 0), (10, 3))  # upstream's is_sm_100f: SM100 / SM103
+FA4_ATTENTION_CC = ((9, 0),)  # dflash_attention.validate_dflash_fa4_runtime: SM90 only
+FA4_FIX = "use the TensorRT-LLM image's flash-attn-4 (flash_attn.cute) and flashinfer, on H100/H200 nodes"
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,11 @@ class Environment:
     flash_attn: str | None = None  # flash-attn version, when `from flash_attn import flash_attn_with_kvcache` works
     flash_attn_error: str | None = None  # why it does not
     flashinfer: str | None = None  # flashinfer version, when importable
+    flash_attn_cute: bool | None = None  # `from flash_attn.cute.interface import _flash_attn_fwd` works (FA4)
+    dflash2: bool | None = None  # modeling_dflash has DFlash2CandidateSelector; None: not probed / import failed
+    dflash2_error: str | None = None
+    # SpeculativeDecodingMode.DFLASH.support_dynamic_draft_len(): DFlash applies draft_len_schedule
+    dflash_dynamic_draft_len: bool | None = None
     llm_args_fields: list[str] | None = None  # TorchLlmArgs.model_fields
     tritonserver: str | None = None  # path of the binary
     gpus: list[GpuInfo] = field(default_factory=list)
@@ -167,6 +180,23 @@ try:
     out["llm_args_fields"] = sorted(llm_args.TorchLlmArgs.model_fields)
 except Exception as e:
     out["error"] = type(e).__name__ + ": " + (str(e).splitlines() or [""])[0]
+if "error" not in out:
+    # DFlash2 adds no config field: the class that runs its selector is the capability
+    try:
+        import importlib
+        modeling = importlib.import_module("tensorrt_llm._torch.models.modeling_dflash")
+        out["dflash2"] = hasattr(modeling, "DFlash2CandidateSelector")
+    except Exception as e:
+        out["dflash2_error"] = type(e).__name__ + ": " + (str(e).splitlines() or [""])[0]
+    # draft_len_schedule is a DecodingBaseConfig field older than DFlash: whether DFlash applies it
+    # is the mode's support_dynamic_draft_len() (Eagle3 only in DFlash's first releases)
+    try:
+        import importlib
+        mode = getattr(importlib.import_module("tensorrt_llm._torch.speculative.interface").SpeculativeDecodingMode,
+                       "DFLASH", None)
+        out["dflash_dynamic_draft_len"] = bool(mode is not None and mode.support_dynamic_draft_len())
+    except Exception:
+        pass  # unknown: the recorded first version decides
 print("DFLASH_TRT_PROBE " + json.dumps(out))
 """
 
@@ -185,6 +215,9 @@ def _probe_trtllm(env: Environment) -> None:
     env.dflash_fields = found.get("dflash_fields")
     env.dflash_attention_backends = found.get("dflash_attention_backends")
     env.llm_args_fields = found.get("llm_args_fields")
+    env.dflash2 = found.get("dflash2")
+    env.dflash2_error = found.get("dflash2_error")
+    env.dflash_dynamic_draft_len = found.get("dflash_dynamic_draft_len")
 
 
 # DFlash's VANILLA attention imports exactly this (tensorrt_llm/_torch/speculative/dflash_attention.py).
@@ -206,6 +239,20 @@ def _probe_attention_packages(env: Environment) -> None:
     found, env.flash_attn_error = _probe_child(_FLASH_ATTN_PROBE)  # a child: flash_attn loads its CUDA extension
     if env.flash_attn_error is None:
         env.flash_attn = found
+    cute, _ = _probe_child(_FA4_PROBE)
+    env.flash_attn_cute = bool(cute)
+
+
+# DFlash's FA4 attention imports exactly this (dflash_attention.get_dflash_fa4_fwd).
+_FA4_PROBE = """
+import json
+try:
+    from flash_attn.cute.interface import _flash_attn_fwd
+    ok = True
+except (ImportError, OSError):
+    ok = False
+print("DFLASH_TRT_PROBE " + json.dumps(ok))
+"""
 
 
 def _probe_child(code: str) -> tuple[Any, str | None]:
@@ -255,6 +302,7 @@ def environment_findings(env: Environment) -> list[Finding]:
             found.append(Finding(True, "DFlashDecodingConfig fields: " + ", ".join(env.dflash_fields)
                                  + (f"; attention_backend {' | '.join(env.dflash_attention_backends)}"
                                     if env.dflash_attention_backends else "")))
+            found.append(_dflash2_finding(env, "DFlash2 drafters"))
     else:
         found.append(Finding(False, f"tensorrt_llm: {env.tensorrt_llm_error or 'not installed'}"
                              + (f" (version {env.tensorrt_llm} installed)" if env.tensorrt_llm else ""),
@@ -279,6 +327,31 @@ def environment_findings(env: Environment) -> list[Finding]:
     return found
 
 
+def _dflash2_finding(env: Environment, what: str) -> Finding:
+    """Whether the installed TensorRT-LLM runs DFlash2 (the capability probe; no field shows it)."""
+    if env.dflash2:
+        return Finding(True, f"{what}: tensorrt_llm {env.tensorrt_llm} has DFlash2 (modeling_dflash."
+                             "DFlash2CandidateSelector)")
+    why = (f"importing tensorrt_llm._torch.models.modeling_dflash failed ({env.dflash2_error})" if env.dflash2_error
+           else "tensorrt_llm._torch.models.modeling_dflash has no DFlash2CandidateSelector")
+    return Finding(False, f"{what}: tensorrt_llm {env.tensorrt_llm} cannot run them: {why}",
+                   f"use a TensorRT-LLM build with DFlash2 ({CONTAINER_HINT}); DFlash v1 engines are unaffected")
+
+
+def _schedule_finding(env: Environment, name: str, schedule: Any) -> Finding:
+    """Whether the installed TensorRT-LLM's DFlash applies the engine's draft_len_schedule: where
+    SpeculativeDecodingMode.DFLASH.support_dynamic_draft_len() is False the schedule is skipped
+    without a word and every batch drafts max_draft_len."""
+    what = f"{name}: its draft_len_schedule {schedule}"
+    if env.dflash_dynamic_draft_len:
+        return Finding(True, f"{what} is applied by tensorrt_llm {env.tensorrt_llm} (SpeculativeDecodingMode.DFLASH."
+                             "support_dynamic_draft_len())")
+    return Finding(False, f"{what} would be ignored by tensorrt_llm {env.tensorrt_llm}: its SpeculativeDecodingMode."
+                          "DFLASH.support_dynamic_draft_len() is False, so every batch would draft max_draft_len",
+                   f"use a TensorRT-LLM whose DFlash applies it ({CONTAINER_HINT}), or rebuild with "
+                   "--draft-len-schedule off to draft max_draft_len at every batch size knowingly")
+
+
 def _written_keys(opts: dict[str, Any]) -> tuple[list[str], list[str]]:
     spec = opts.get("speculative_config") or {}
     return [k for k in opts if k != "speculative_config"], list(spec)
@@ -295,14 +368,18 @@ def _confirmed_by_capability(env: Environment, key: str, attention_backend: str)
             return True  # the class exists
         if sub == "attention_backend" and value:
             return env.dflash_attention_backends is not None and attention_backend in env.dflash_attention_backends
+        if sub == "draft_len_schedule":  # every DFlash release has the field; only the mode shows it applies
+            return env.dflash_dynamic_draft_len is True
         return not value and sub in env.dflash_fields
     if not sub and not value and env.llm_args_fields is not None:
         return name in env.llm_args_fields
     return False  # another section's key or value: only the recorded first version tells
 
 
-def engine_findings(env: Environment, manifest: Any, opts: dict[str, Any], backend: Backend) -> list[Finding]:
-    """Why this engine cannot be served here (empty: it can), plus what was checked."""
+def engine_findings(env: Environment, manifest: Any, opts: dict[str, Any], backend: Backend,
+                    family: str | None = None) -> list[Finding]:
+    """Why this engine cannot be served here (empty: it can), plus what was checked. `family`: the
+    drafter's (dflash | dflash2), when the manifest does not record it."""
     from dflash_trt.engine.llm_api import tensorrt_llm_refusal
     from dflash_trt.engine.trtllm_versions import requirements, unmet, upstream_default
 
@@ -353,6 +430,10 @@ def engine_findings(env: Environment, manifest: Any, opts: dict[str, Any], backe
                              + ("" if too_old or env.dflash_fields is None else
                                 " (capability checked: the installed classes accept every key written)"),
                              f"use an image with TensorRT-LLM >= {need} ({CONTAINER_HINT})"))
+        if (manifest.draft.family or family) == "dflash2":
+            found.append(_dflash2_finding(env, f"{name} has a DFlash2 drafter"))
+        if "draft_len_schedule" in spec_opts and env.dflash_dynamic_draft_len is not None:
+            found.append(_schedule_finding(env, name, spec_opts["draft_len_schedule"]))
     gpu_note = f"the {manifest.gpu} engine's DFlash attention"
     if attention == "VANILLA":
         found.append(Finding(env.flash_attn is not None,
@@ -370,6 +451,16 @@ def engine_findings(env: Environment, manifest: Any, opts: dict[str, Any], backe
                                 if off else ""),
                              "run on B200/B300 nodes in the dflash-trt container, or rebuild with "
                              "dflash_attention_backend: VANILLA in the build spec"))
+    elif attention == "FA4":
+        off = [g for g in env.gpus if g.compute_capability not in FA4_ATTENTION_CC]
+        found.append(Finding(bool(env.flash_attn_cute) and env.flashinfer is not None and not off,
+                             f"{name}: {gpu_note} is FA4, which needs flash-attn's CuTe interface (flash_attn.cute), "
+                             "FlashInfer and SM90 GPUs"
+                             + ("" if env.flash_attn_cute else "; flash_attn.cute not importable")
+                             + ("" if env.flashinfer else "; flashinfer not installed")
+                             + (f"; {off[0].name} is sm_{''.join(map(str, off[0].compute_capability or ()))}"
+                                if off else ""),
+                             FA4_FIX + ", or rebuild with dflash_attention_backend: VANILLA in the build spec"))
     per_node = manifest.mapping.tasks_per_node
     found.append(Finding(len(env.gpus) >= per_node,
                          f"{name} runs {manifest.mapping.world_size} rank(s), {per_node} per node: "
@@ -400,13 +491,28 @@ def load_engine(engine_dir: str | Path) -> tuple[Any, dict[str, Any]]:
     return manifest, opts
 
 
+def engine_family(engine_dir: str | Path, manifest: Any) -> str | None:
+    """The drafter family of an engine: the manifest's record, else read from its draft/config.json
+    (manifests before issue 43 do not record it); None without that file (`verify` names it)."""
+    if manifest.draft.family:
+        return manifest.draft.family
+    from dflash_trt.checkpoints.files import read_json
+    from dflash_trt.runtime.drafter_family import detect_family
+
+    path = Path(engine_dir) / manifest.draft.path / "config.json"
+    if not path.is_file():
+        return None
+    return detect_family(read_json(path, what="drafter config"), path).name
+
+
 def run_doctor(engine_dir: str | Path | None, backend: Backend = "auto", as_json: bool = False,
                echo: Any = print) -> int:
     """Print the findings; 1 when ENGINE cannot be served here, else 0 (no engine: always 0)."""
     loaded = load_engine(engine_dir) if engine_dir is not None else None  # bad input fails before probing
+    family = engine_family(engine_dir, loaded[0]) if loaded else None
     env = probe_environment()
     general = environment_findings(env)
-    specific = engine_findings(env, *loaded, backend) if loaded else []
+    specific = engine_findings(env, *loaded, backend, family=family) if loaded else []
     servable = all(f.ok for f in specific)
     if as_json:
         echo(json.dumps({"environment": asdict(env), "findings": [asdict(f) for f in general + specific],

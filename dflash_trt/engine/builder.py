@@ -25,8 +25,12 @@ from dflash_trt.engine.checks import (
     check_quant,
     expert_format,
 )
+from dflash_trt.engine.drafter_node import DrafterTraits, drafter_traits
 from dflash_trt.engine.hardware import GPUS
+from dflash_trt.engine.llm_api import dflash_attention_backend
 from dflash_trt.engine.plan import DraftShape, MemoryPlan, plan_memory, render_plan
+from dflash_trt.engine.schedule_plan import ScheduleDecision
+from dflash_trt.engine.schedule_plan import decide as decide_schedule
 from dflash_trt.engine.recipes import ResolvedRecipe, resolve_recipe
 from dflash_trt.engine.spec import BuildSpec
 from dflash_trt.errors import DFlashError
@@ -57,6 +61,8 @@ class Prepared:
     dtype_name: str = "bfloat16"  # the engine's unquantized dtype
     expert_format: str | None = None  # MoE experts as written (mxfp4 | nvfp4 | fp8 | bf16 ...)
     source_format: str | None = None  # MXFP4 for gpt-oss as released; None for a 16-bit checkpoint
+    drafter: DrafterTraits | None = None  # family, non-causal sliding layers (engine/drafter_node.py)
+    schedule: ScheduleDecision | None = None  # draft_len_schedule and K as planned (engine/schedule_plan.py)
 
 
 def _resolve_dirs(spec: BuildSpec) -> tuple[str | None, str | None]:
@@ -105,6 +111,7 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
     ddir = Path(draft) if draft is not None else None
     draft_cfg = None
     block_size = mask = None
+    traits: DrafterTraits | None = None
     layer_ids: list[int] = []
     if ddir is not None:
         if not ddir.is_dir():
@@ -119,6 +126,7 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
 
         settings = validate_pair(draft_cfg, _Cfg, where=str(ddir))
         block_size, mask, layer_ids = settings.block_size, settings.mask_token_id, list(settings.target_layer_ids)
+        traits = drafter_traits(draft_cfg, ddir)
     source_format = None
     if tdir is not None:
         _check_tokenizers(tdir, ddir, arch.vocab_size)
@@ -136,10 +144,12 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
     if experts:
         check_moe_backend(arch, spec, experts)
     draft_len, num_tokens = check_limits(spec, block_size)
+    dflash_attention_backend(spec, traits.non_causal_sliding if traits else False)  # a refused backend fails now
     shape = DraftShape.from_config(draft_cfg) if draft_cfg else DraftShape.estimate(arch, spec.draft_num_layers)
     plan = plan_memory(arch, spec, shape, draft_len, num_tokens, recipe)
+    schedule = decide_schedule(spec, arch, shape, block_size, draft_len, recipe, experts)
     return Prepared(spec, arch, tdir, ddir, draft_cfg, block_size, mask, layer_ids, draft_len, num_tokens, plan,
-                    recipe, dtype_name, experts, source_format)
+                    recipe, dtype_name, experts, source_format, traits, schedule)
 
 
 def _source_format(tdir: Path) -> str | None:
@@ -260,6 +270,7 @@ class BuildRun:
     progress: bool
     console: Any = None
     gate_prompts_left: bool = True  # the gate's prompt source has more than it decodes
+    schedule: ScheduleDecision | None = None  # the schedule and K the engine writes (after the gate)
 
     @property
     def compute_name(self) -> str:
@@ -298,6 +309,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     quantize_and_export = _import_quantizer(spec.quant) if quantized else None
     acceptance: dict[str, Any] | None = None
     quant_report: dict[str, Any] = {}
+    before = after = None  # the gate's TauSamples, when it runs
 
     with sigterm_as_interrupt(), atomic_directory(out, overwrite=overwrite) as tmp:
         dtype = torch_dtype(p.dtype_name)
@@ -334,6 +346,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
         # (and a source saved by transformers 5) spells them in transformers 5's form only
         rewrite_for_both_generations(tmp / "target", source_dir=p.target_dir)
         models = None
+        run.schedule = _final_schedule(run, after if after is not None else before)
         with prof.phase("write"):
             opts = _write_draft_and_launch(run)
         with prof.phase("hash"):
@@ -441,6 +454,31 @@ def _convert_target(run: BuildRun) -> None:
             "byte for byte" + (" (MXFP4 experts as shipped)" if p.source_format == "MXFP4" else ""))
 
 
+def _final_schedule(run: BuildRun, sample: Any) -> ScheduleDecision | None:
+    """The schedule the engine writes: the planned one, re-derived from the acceptance gate's
+    per-position acceptance (the engine's own weights: after quantization when it quantized) when
+    the plan derived it from the default profile."""
+    from dflash_trt.engine.acceptance_profile import AcceptanceProfile
+    from dflash_trt.engine.schedule_plan import render
+
+    p, spec = run.p, run.p.spec
+    planned = p.schedule
+    if planned is None or planned.source != "derived" or spec.acceptance_profile is not None or sample is None:
+        return planned
+    measured = AcceptanceProfile.measured(
+        sample.position_drafted, sample.position_accepted,
+        f"acceptance gate: {sample.n} prompts x {spec.gate.max_new_tokens} tokens, greedy, "
+        f"{'after ' + spec.quant + ' quantization' if spec.quant != 'none' else 'unquantized'}")
+    if measured is None:
+        return planned
+    decided = decide_schedule(spec, p.arch, DraftShape.from_config(p.draft_cfg) if p.draft_cfg else
+                              DraftShape.estimate(p.arch, spec.draft_num_layers), p.block_size, p.max_draft_len,
+                              p.recipe, p.expert_format, measured)
+    if run.console is not None:
+        render(decided, run.console)
+    return decided
+
+
 def _write_draft_and_launch(run: BuildRun) -> dict[str, Any]:
     """draft/ (byte for byte, not requantized), llm_api_options.yaml and the launch scripts; the
     LLM-API options written."""
@@ -458,10 +496,12 @@ def _write_draft_and_launch(run: BuildRun) -> dict[str, Any]:
         if f.is_file() and f.suffix in (".json", ".safetensors", ".md", ".txt"):
             shutil.copy2(f, tmp / "draft" / f.name)
     rewrite_for_both_generations(tmp / "draft")  # only a transformers-5-only config changes
-    opts = llm_api_options(spec, is_moe=p.arch.is_moe, max_draft_len=p.max_draft_len,
+    K, schedule = _written_k(run), run.schedule.schedule if run.schedule else None
+    opts = llm_api_options(spec, is_moe=p.arch.is_moe, max_draft_len=K,
                            max_num_tokens=p.max_num_tokens, mask_token_id=int(p.mask_token_id or 0),
                            target_layer_ids=p.target_layer_ids, dtype=p.dtype_name,
-                           expert_format=p.expert_format)
+                           expert_format=p.expert_format, schedule=schedule,
+                           non_causal_sliding=bool(p.drafter and p.drafter.non_causal_sliding))
     min_trtllm = min_version(opts)  # the oldest release that has every key written
     header = (f"TensorRT-LLM LLM-API options (>= {min_trtllm}, one-model DFlash), generated by "
               "dflash-trt build.\nPaths are relative to the engine directory (TensorRT-LLM takes them from its working "
@@ -472,11 +512,29 @@ def _write_draft_and_launch(run: BuildRun) -> dict[str, Any]:
                    "float16/bfloat16 only; dflash-trt never hands it this file.")
     write_text_atomic(tmp / "llm_api_options.yaml", render_yaml(opts, header))
     assert yaml.safe_load((tmp / "llm_api_options.yaml").read_text()) == opts
-    for rel, text in launch_scripts(spec, is_moe=p.arch.is_moe, max_draft_len=p.max_draft_len,
-                                    block_size=int(p.block_size or p.max_draft_len + 1)).items():
+    for rel, text in launch_scripts(spec, is_moe=p.arch.is_moe, max_draft_len=K,
+                                    block_size=int(p.block_size or p.max_draft_len + 1), schedule=schedule,
+                                    family=p.drafter.family if p.drafter else "dflash").items():
         write_text_atomic(tmp / rel, text)
         (tmp / rel).chmod(0o755)
     return opts
+
+
+def _written_k(run: BuildRun) -> int:
+    """K as the engine writes it: the schedule's (which may lower the requested one), else the plan's."""
+    return run.schedule.max_draft_len if run.schedule else run.p.max_draft_len
+
+
+def _speculation_info(run: BuildRun) -> Any:
+    from dflash_trt.engine.manifest import SpeculationInfo
+
+    spec, K = run.p.spec, _written_k(run)
+    decided = run.schedule
+    record = decided.to_record() if decided else {"source": "none", "max_draft_len": K,
+                                                  "requested_max_draft_len": run.p.max_draft_len}
+    return SpeculationInfo(**record, rejection_sampling=spec.rejection_sampling,
+                           acceptance_rate_window=spec.acceptance_rate_window,
+                           acceptance_rate_threshold=spec.acceptance_rate_threshold)
 
 
 def _manifest(run: BuildRun, out: Path, opts: dict[str, Any], files: Any, quant_report: dict[str, Any],
@@ -498,11 +556,11 @@ def _manifest(run: BuildRun, out: Path, opts: dict[str, Any], files: Any, quant_
                                   source_format=p.source_format, expert_format=p.expert_format,
                                   dtype=p.dtype_name, report=quant_report or None),
         limits=Limits(max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len,
-                      max_draft_len=p.max_draft_len, max_num_tokens=p.max_num_tokens),
+                      max_draft_len=_written_k(run), max_num_tokens=p.max_num_tokens),
         target=TargetInfo(architecture=p.arch.architecture, num_layers=p.arch.num_layers,
                           hidden_size=p.arch.hidden_size, vocab_size=p.arch.vocab_size),
         draft=DraftInfo(block_size=int(p.block_size or 0), mask_token_id=int(p.mask_token_id or 0),
-                        target_layer_ids=p.target_layer_ids),
+                        target_layer_ids=p.target_layer_ids, family=p.drafter.family if p.drafter else None),
         min_tensorrt_llm_version=min_version(opts),
         tensorrt_llm_requirements=requirements(opts),
         versions=library_versions(("nvidia-modelopt",) if spec.quant != "none" else ()),
@@ -514,8 +572,13 @@ def _manifest(run: BuildRun, out: Path, opts: dict[str, Any], files: Any, quant_
         acceptance=acceptance,
         timings_s={k: round(v, 3) for k, v in prof.phases.items()},
         build_device=run.device.describe(),
+        speculation=_speculation_info(run),
     )
 
 
 def show_plan(p: Prepared, console: Any) -> None:
+    from dflash_trt.engine.schedule_plan import render
+
     render_plan(p.plan, p.arch, console)
+    if p.schedule is not None:
+        render(p.schedule, console)

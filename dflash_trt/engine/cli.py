@@ -27,6 +27,9 @@ FLAG_TO_KEY = {
     "accept_tau_drop": "gate.accept_tau_drop", "gate": "gate.enabled", "gate_prompts": "gate.num_prompts",
     "recipe": "recipe", "keep_layers": "keep_layers", "keep_modules": "keep_modules", "device": "device", "min_tau": "gate.min_tau",
     "gate_tokens": "gate.max_new_tokens", "compute_dtype": "compute_dtype",
+    "draft_len_schedule": "draft_len_schedule", "acceptance_profile": "acceptance_profile",
+    "rejection_sampling": "rejection_sampling", "acceptance_rate_window": "acceptance_rate_window",
+    "acceptance_rate_threshold": "acceptance_rate_threshold",
 }
 
 
@@ -63,6 +66,13 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Share of free HBM given to the KV cache (default 0.9)."),
         click.option("--draft-num-layers", type=click.IntRange(min=1),
                      help="Drafter depth `plan` assumes when no --draft is given (default 5)."),
+        click.option("--draft-len-schedule", metavar="auto|off|B:K,...",
+                     help="TensorRT-LLM's draft_len_schedule: auto (default: derived for --gpu from the step-cost model "
+                          "and the acceptance profile), off, or batch-size:draft-length pairs such as 4:7,16:3 "
+                          "(batches up to 4 draft 7, 5-16 draft 3, above 16 none)."),
+        click.option("--acceptance-profile", metavar="P1,P2,...|tau:X",
+                     help="Per-position acceptance the schedule is derived from: P(a>=1),P(a>=2),... or tau:X "
+                          "(geometric) [default: the acceptance gate's measurement, else a stated default]."),
         click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout."),
     ]
     for opt in reversed(opts):
@@ -114,8 +124,10 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
     print_spec(spec, console)
     show_plan(p, console)
     if as_json:
+        schedule = p.schedule.to_record() if p.schedule else None
         click.echo(json.dumps({"arch": p.arch.to_dict(), "plan": p.plan.to_dict(),
-                               "max_draft_len": p.max_draft_len, "max_num_tokens": p.max_num_tokens}))
+                               "max_draft_len": p.schedule.max_draft_len if p.schedule else p.max_draft_len,
+                               "max_num_tokens": p.max_num_tokens, "speculation": schedule}))
     if not p.plan.fits:
         raise SystemExit(3)
 
@@ -146,6 +158,15 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
                    "fit the target).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]),
               help="Where calibration and the gate run: auto (every visible GPU, else the CPU), cpu, cuda.")
+@click.option("--rejection-sampling/--no-rejection-sampling", default=None,
+              help="TensorRT-LLM's use_rejection_sampling (a prototype upstream): sampled requests verified by "
+                   "rejection sampling instead of exact match; vLLM's command samples its drafts "
+                   "(draft_sample_method probabilistic). Off by default, written only when on.")
+@click.option("--acceptance-rate-window", type=click.IntRange(min=1), metavar="N",
+              help="With --acceptance-rate-threshold: TensorRT-LLM turns speculation off for good once the "
+                   "acceptance rate over the last N speculating steps falls below the threshold.")
+@click.option("--acceptance-rate-threshold", type=click.FloatRange(0, 1), metavar="X",
+              help="The acceptance-rate floor (accepted / drafted, 0..1) for --acceptance-rate-window.")
 @click.option("--dry-run", is_flag=True, help="Stop after validation and planning.")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory (atomically).")
 @click.option("--profile", is_flag=True, help="Print the time and peak RSS of each build phase.")

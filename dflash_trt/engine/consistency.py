@@ -55,8 +55,8 @@ def check_consistency(root: Path, manifest: EngineManifest, opts: dict[str, Any]
     from dflash_trt.runtime.draft_model import DFlashSettings
 
     draft_cfg_path = f"{manifest.draft.path}/config.json"
-    settings = DFlashSettings.from_config_dict(read_json(root / draft_cfg_path, what="drafter config"),
-                                               where=str(root / draft_cfg_path))
+    draft_cfg = read_json(root / draft_cfg_path, what="drafter config")
+    settings = DFlashSettings.from_config_dict(draft_cfg, where=str(root / draft_cfg_path))
     d = manifest.draft
     _differ(root, "draft.block_size", d.block_size, draft_cfg_path, settings.block_size)
     _differ(root, "draft.mask_token_id", d.mask_token_id, draft_cfg_path, settings.mask_token_id)
@@ -93,6 +93,37 @@ def check_consistency(root: Path, manifest: EngineManifest, opts: dict[str, Any]
     if lim.max_draft_len > d.block_size - 1:
         raise DFlashError(f"{root}: {MANIFEST_NAME} limits.max_draft_len={lim.max_draft_len} exceeds "
                           f"draft.block_size - 1 = {d.block_size - 1}; {FIX}")
+    check_speculation(root, manifest, spec, draft_cfg)
+
+
+def check_speculation(root: Path, manifest: EngineManifest, spec: dict[str, Any], draft_cfg: dict[str, Any]) -> None:
+    """The drafter's family and attention needs, and the manifest's speculation record, against the
+    drafter's config and speculative_config (upstream's own rules: llm_api.check_speculation_rules)."""
+    from dflash_trt.engine.drafter_node import drafter_traits
+    from dflash_trt.engine.trtllm_versions import upstream_default
+
+    yaml_name, draft_cfg_path = manifest.llm_api_options, f"{manifest.draft.path}/config.json"
+    traits = drafter_traits(draft_cfg, root / manifest.draft.path)
+    if manifest.draft.family is not None:
+        _differ(root, "draft.family", manifest.draft.family, draft_cfg_path, traits.family)
+    backend = spec.get("attention_backend", upstream_default("speculative_config.attention_backend"))
+    if traits.non_causal_sliding and backend == "TRTLLM":
+        raise DFlashError(f"{root}: {yaml_name} speculative_config.attention_backend is TRTLLM, which TensorRT-LLM "
+                          f"refuses for a drafter with non-causal sliding-window layers ({draft_cfg_path}); rebuild "
+                          "(the build picks VANILLA for it)")
+    info = manifest.speculation
+    if info is None:  # an older manifest: nothing recorded to compare
+        return
+    _differ(root, "speculation.max_draft_len", info.max_draft_len, "limits.max_draft_len", manifest.limits.max_draft_len)
+    written = spec.get("draft_len_schedule")
+    _differ(root, "speculation.draft_len_schedule", info.draft_len_schedule, f"{yaml_name} "
+            "speculative_config.draft_len_schedule", {int(b): int(k) for b, k in written.items()} if written else None)
+    _differ(root, "speculation.rejection_sampling", info.rejection_sampling,
+            f"{yaml_name} speculative_config.use_rejection_sampling", bool(spec.get("use_rejection_sampling", False)))
+    _differ(root, "speculation.acceptance_rate_window", info.acceptance_rate_window,
+            f"{yaml_name} speculative_config.acceptance_rate_window_size", spec.get("acceptance_rate_window_size"))
+    _differ(root, "speculation.acceptance_rate_threshold", info.acceptance_rate_threshold,
+            f"{yaml_name} speculative_config.acceptance_rate_threshold", spec.get("acceptance_rate_threshold"))
 
 
 def _effective(opts: dict[str, Any], key: str) -> Any:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,18 +53,35 @@ def t_quantile(p: float, df: int) -> float:
 
 @dataclass
 class TauSample:
-    """Per-prompt greedy DFlash results: committed tokens (tau numerators) and steps."""
+    """Per-prompt greedy DFlash results: committed tokens (tau numerators) and steps, and per draft
+    slot how many steps drafted / accepted it (pooled over prompts: the per-position acceptance the
+    draft-length schedule is derived from, engine/acceptance_profile.py)."""
 
     committed: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
+    runtime: str = ""  # what decoded it: "batched", or "reference loop (why)" (kept in the gate's record)
+    position_drafted: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
 
-    def add(self, committed: int, steps: int, drafted: int, accepted: int) -> None:
+    def add(self, committed: int, steps: int, drafted: int, accepted: int,
+            position_drafted: Sequence[int] = (), position_accepted: Sequence[int] = ()) -> None:
         self.committed.append(committed)
         self.steps.append(steps)
         self.drafted += drafted
         self.accepted += accepted
+        for j, (d, a) in enumerate(zip(position_drafted, position_accepted)):
+            if j == len(self.position_drafted):
+                self.position_drafted.append(0)
+                self.position_accepted.append(0)
+            self.position_drafted[j] += d
+            self.position_accepted[j] += a
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Slot j+1 accepted / drafted, pooled over prompts (with K drafts every step: P(a >= j+1))."""
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
     @property
     def n(self) -> int:
@@ -88,7 +106,10 @@ class TauSample:
         lo, hi = self.interval()
         return {"tau": self.tau, "tau_low": lo, "tau_high": hi, "prompts": self.n, "steps": sum(self.steps),
                 "tokens": sum(self.committed),
-                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0}
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "per_position_acceptance": [round(p, 6) for p in self.per_position_acceptance],
+                "position_drafted": list(self.position_drafted), "position_accepted": list(self.position_accepted),
+                "runtime": self.runtime}
 
 
 def drop_interval(before: TauSample, after: TauSample) -> tuple[float, float, float]:
@@ -116,12 +137,13 @@ def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_to
     a CPU its per-prompt tau equals the reference loop's: tests/test_gate_batched.py), at a
     fraction of the time (one pass over the weights for every prompt of a step). Otherwise
     (gpt-oss, a target spread over GPUs: see runtime.batched.unsupported_reason) the reference loop
-    decodes one prompt at a time. `batched` pins one (None: the opener's choice)."""
+    decodes one prompt at a time. `batched` pins one (None: the opener's choice); the sample names
+    the one that ran (TauSample.runtime, kept in the gate's record)."""
     import torch
     from tqdm import tqdm
 
     from dflash_trt.checkpoints.placement import home_device
-    from dflash_trt.runtime.batched import RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest
     from dflash_trt.runtime.opener import open_runtime
     from dflash_trt.runtime.policy import FixedPolicy
     from dflash_trt.runtime_options import RuntimeOptions
@@ -146,9 +168,10 @@ def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_to
     failed = next((s.error for s in seqs if s.error), None)
     if failed:
         raise DFlashError(f"acceptance gate: decoding a prompt failed ({failed})")
-    sample = TauSample()
+    sample = TauSample(runtime="batched" if isinstance(runtime, BatchedRuntime) else f"reference loop ({runtime.reason})")
     for s in (seq.result.stats for seq in seqs):
-        sample.add(sum(s.acceptance_lengths), s.num_steps, s.total_draft_tokens, s.total_accepted_draft_tokens)
+        sample.add(sum(s.acceptance_lengths), s.num_steps, s.total_draft_tokens, s.total_accepted_draft_tokens,
+                   s.position_drafted, s.position_accepted)
     return sample
 
 

@@ -3,11 +3,23 @@
 Numbers are per GPU, from NVIDIA's product pages (see shared/design/upstream.md). HBM is the
 marketed capacity in decimal GB; the driver reports a few percent less, which the planner's
 runtime reserve absorbs.
+
+Peak dense tensor-core throughput (no 2:4 sparsity) and NVLink bandwidth feed the step-cost model
+(engine/step_cost.py) that derives the draft-length schedule. Sources, per GPU, dense:
+- H100 SXM / H200 SXM (the same GH100 compute): BF16 989.4, FP8 1978.9 TFLOPS, no FP4; NVLink 4
+  900 GB/s (glennklockwood.com/garden/processors/h100, "Matrix" column from NVIDIA's H100
+  datasheet, where 1979 / 3958 are the sparse figures; H200 "the same as H100 ... with HBM3e").
+- B200 (HGX B200): BF16 2250, FP8 4500, FP4 9000 TFLOPS (the HGX B200 table: 36 / 72 / 144 PF
+  for 8 GPUs with sparsity, FP4 72 PF without); NVLink 5 1.8 TB/s (fibermall.com/blog/?p=17161).
+- B300 (HGX B300, Blackwell Ultra): BF16 2250, FP8 4500, FP4 13000 TFLOPS ("dense FP4 performance
+  is up (13 PF on B300 vs. 9.0 PF on B200)", glennklockwood.com/garden/processors/B300); NVLink 5
+  1.8 TB/s (acecloud.ai/blog/nvidia-hgx-b300: "NVLink 5, 1.8 TB/s bidirectional per GPU").
+NVLink figures are NVIDIA's bidirectional totals; one direction carries half (step_cost uses that).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 GpuName = Literal["b300", "b200", "h200", "h100", "cpu"]
@@ -30,16 +42,30 @@ class Gpu:
     moe_backend: str | None  # TensorRT-LLM moe_config.backend for this family
     dflash_attention_backend: str  # DFlashDecodingConfig.attention_backend
     runtime_reserve_bytes: float  # CUDA context, NCCL/cuBLAS workspaces, CUDA graphs
+    # Peak dense tensor-core TFLOPS by operand format ("bf16", "fp8", "fp4"; absent: not native).
+    peak_tflops: dict[str, float] = field(default_factory=dict, hash=False)
+    nvlink_gb_s: float | None = None  # NVLink bandwidth per GPU, both directions together (GB/s)
+
+    def peak_flops(self, operand: str) -> float:
+        """FLOP/s of a GEMM whose weights are in `operand` (bf16 | fp8 | fp4 | a WEIGHT_FORMATS name):
+        the format's own tensor cores where the GPU has them, else the bf16 ones (weights
+        dequantized on the fly, as the MXFP4 experts run on Hopper)."""
+        kind = {"nvfp4": "fp4", "mxfp4": "fp4"}.get(operand, operand)
+        return 1e12 * self.peak_tflops.get(kind, self.peak_tflops["bf16"])
 
 
 # MoE backends (TensorRT-LLM PyTorch backend): Blackwell uses TRTLLM; on Hopper CUTLASS does
 # both TP and EP for the expert weights (TRITON supports EP only, so it is not a safe default).
 # DFlash attention: TRTLLM needs Blackwell SM100/SM103; VANILLA (FlashAttention) elsewhere.
 GPUS: dict[str, Gpu] = {
-    "b300": Gpu("b300", "blackwell", 288 * GB, 8.0, True, True, False, "TRTLLM", "TRTLLM", 4 * GIB),
-    "b200": Gpu("b200", "blackwell", 180 * GB, 8.0, True, True, False, "TRTLLM", "TRTLLM", 4 * GIB),
-    "h200": Gpu("h200", "hopper", 141 * GB, 4.8, True, False, False, "CUTLASS", "VANILLA", 4 * GIB),
-    "h100": Gpu("h100", "hopper", 80 * GB, 3.35, True, False, False, "CUTLASS", "VANILLA", 4 * GIB),
+    "b300": Gpu("b300", "blackwell", 288 * GB, 8.0, True, True, False, "TRTLLM", "TRTLLM", 4 * GIB,
+                {"bf16": 2250.0, "fp8": 4500.0, "fp4": 13000.0}, 1800.0),
+    "b200": Gpu("b200", "blackwell", 180 * GB, 8.0, True, True, False, "TRTLLM", "TRTLLM", 4 * GIB,
+                {"bf16": 2250.0, "fp8": 4500.0, "fp4": 9000.0}, 1800.0),
+    "h200": Gpu("h200", "hopper", 141 * GB, 4.8, True, False, False, "CUTLASS", "VANILLA", 4 * GIB,
+                {"bf16": 989.4, "fp8": 1978.9}, 900.0),
+    "h100": Gpu("h100", "hopper", 80 * GB, 3.35, True, False, False, "CUTLASS", "VANILLA", 4 * GIB,
+                {"bf16": 989.4, "fp8": 1978.9}, 900.0),
     # The CPU "GPU" is the reference runtime: every format is dequantized to float in torch.
     "cpu": Gpu("cpu", "cpu", None, None, True, True, True, None, "VANILLA", 0.0),
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_trt.draft_len_schedule import DraftLenSchedule
 from dflash_trt.engine.hardware import GPUS, moe_backend
 from dflash_trt.engine.trtllm_versions import requirements, strip_defaults
 from dflash_trt.errors import DFlashError
@@ -35,13 +36,21 @@ SECTION_KEYS: dict[str, frozenset[str]] = {
     "cuda_graph_config": frozenset({"batch_sizes", "max_batch_size", "enable_padding"}),
     "moe_config": frozenset({"backend", "max_num_tokens"}),
     "speculative_config": frozenset({"decoding_type", "max_draft_len", "speculative_model", "mask_token_id",
-                                     "target_layer_ids", "attention_backend", "max_concurrency",
-                                     "acceptance_rate_window_size", "acceptance_rate_threshold"}),
+                                     "target_layer_ids", "attention_backend", "max_concurrency", "draft_len_schedule",
+                                     "acceptance_rate_window_size", "acceptance_rate_threshold",
+                                     "use_rejection_sampling"}),
+}
+# Keys upstream has that this project must never write, and why (checked before "unknown").
+FORBIDDEN_KEYS: dict[tuple[str, str], str] = {
+    ("speculative_config", "spec_dec_variant"): (
+        "TensorRT-LLM tells DFlash2 from DFlash by the drafter checkpoint under decoding_type: DFlash "
+        "(DFlashForCausalLM: dflash_config conv/selector keys or a DFlash2 architecture); spec_dec_variant "
+        "(DecodingBaseConfig, 1.4.0rc1) has no DFlash meaning and older releases refuse it: remove it"),
 }
 ENUMS: dict[tuple[str, str], frozenset[str]] = {
     ("speculative_config", "decoding_type"): frozenset({"DFlash"}),
-    # DFlashDecodingConfig / DFlashForCausalLM accept these two only (tests/upstream/tensorrt_llm_node.json)
-    ("speculative_config", "attention_backend"): frozenset({"VANILLA", "TRTLLM"}),
+    # DFlashDecodingConfig / DFlashForCausalLM (tests/upstream/tensorrt_llm_node.json): FA4 from 1.3.0rc27
+    ("speculative_config", "attention_backend"): frozenset({"VANILLA", "TRTLLM", "FA4"}),
     ("kv_cache_config", "dtype"): frozenset({"auto", "fp8", "float16", "bfloat16", "nvfp4"}),
     ("moe_config", "backend"): frozenset({"AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "VANILLA", "TRITON"}),
 }
@@ -64,14 +73,19 @@ def tensorrt_llm_refusal(manifest: Any) -> str | None:
 
 def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_tokens: int, mask_token_id: int,
                     target_layer_ids: list[int], draft_path: str = "./draft", dtype: str | None = None,
-                    expert_format: str | None = None) -> dict[str, Any]:
+                    expert_format: str | None = None, schedule: DraftLenSchedule | None = None,
+                    non_causal_sliding: bool = False) -> dict[str, Any]:
     """The LLM-API kwargs (minus `model`, given on the command line) for this build.
 
     `dtype`: the engine's unquantized dtype, written explicitly (TensorRT-LLM's "auto" would
     follow config.json). `expert_format` (mxfp4 | nvfp4 | fp8 | bf16...): picks the MoE backend
-    as TensorRT-LLM's gpt-oss guide does (hardware.moe_backend). Keys equal to upstream's default
-    are left out (`strip_defaults`): each written key is one a release may lack, and the
-    manifest's minimum TensorRT-LLM version follows what is written.
+    as TensorRT-LLM's gpt-oss guide does (hardware.moe_backend). `schedule`: the engine's
+    draft_len_schedule (int keys; the smallest maps to `max_draft_len`). `non_causal_sliding`: the
+    drafter has non-causal sliding-window layers (see `dflash_attention_backend`). Keys equal to
+    upstream's default are left out (`strip_defaults`): each written key is one a release may lack,
+    and the manifest's minimum TensorRT-LLM version follows what is written; so rejection sampling
+    and the acceptance-rate floor appear only when asked for. DFlash2 needs no key at all
+    (TensorRT-LLM reads it from the drafter): `spec_dec_variant` is never written.
     """
     gpu = GPUS[spec.gpu]
     opts: dict[str, Any] = {
@@ -110,20 +124,41 @@ def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_toke
         # directory states what runs, and a swapped drafter is caught by verify's hashes.
         "mask_token_id": mask_token_id,
         "target_layer_ids": list(target_layer_ids),
-        "attention_backend": dflash_attention_backend(spec),
+        "attention_backend": dflash_attention_backend(spec, non_causal_sliding),
     }
+    if schedule is not None:
+        schedule.check_against(max_draft_len)
+        opts["speculative_config"]["draft_len_schedule"] = schedule.to_mapping()
+    opts["speculative_config"]["use_rejection_sampling"] = bool(spec.rejection_sampling)
+    if spec.acceptance_rate_window is not None:
+        opts["speculative_config"]["acceptance_rate_window_size"] = spec.acceptance_rate_window
+        opts["speculative_config"]["acceptance_rate_threshold"] = spec.acceptance_rate_threshold
     return strip_defaults(opts)
 
 
-def dflash_attention_backend(spec: Any) -> str:
-    """DFlashDecodingConfig.attention_backend: the spec's choice, or the GPU's default ("auto")."""
+def dflash_attention_backend(spec: Any, non_causal_sliding: bool = False) -> str:
+    """DFlashDecodingConfig.attention_backend: the spec's choice, or the GPU's default ("auto").
+
+    TRTLLM (TRTLLM-gen FMHA) needs SM100/SM103; FA4 is validated on SM90 only
+    (dflash_attention.validate_dflash_fa4_runtime); a drafter with non-causal sliding-window layers
+    (the released DFlash2 drafters) is refused by TRTLLM (TensorRT-LLM PR 19159), so "auto" picks
+    VANILLA for it on every GPU (FA4 stays a choice on Hopper)."""
     choice = spec.dflash_attention_backend
     gpu = GPUS[spec.gpu]
     if choice == "TRTLLM" and gpu.family != "blackwell":
         # upstream's TRTLLM path checks is_sm_100f: SM100/SM103 only (dflash_attention.py)
         raise DFlashError(f"dflash_attention_backend TRTLLM needs a Blackwell GPU (SM100/SM103) and this engine is "
                           f"for {spec.gpu}; use auto or VANILLA (FlashAttention), or build for --gpu b200/b300")
-    return gpu.dflash_attention_backend if choice == "auto" else choice
+    if choice == "FA4" and gpu.family != "hopper":
+        raise DFlashError(f"dflash_attention_backend FA4 runs on SM90 (H100/H200) only in TensorRT-LLM's DFlash and "
+                          f"this engine is for {spec.gpu}; use auto or VANILLA")
+    if non_causal_sliding and choice == "TRTLLM":
+        raise DFlashError("dflash_attention_backend TRTLLM refuses drafters with non-causal sliding-window layers "
+                          "(TensorRT-LLM PR 19159) and this drafter has them; use auto or VANILLA"
+                          + (" (or FA4)" if gpu.family == "hopper" else ""))
+    if choice == "auto":
+        return "VANILLA" if non_causal_sliding else gpu.dflash_attention_backend
+    return choice
 
 
 def render_yaml(opts: dict[str, Any], header: str) -> str:
@@ -137,6 +172,9 @@ def check_llm_api_options(opts: Any, where: str = "llm_api_options.yaml") -> Non
     """DFlashError naming the first key TensorRT-LLM would refuse (unknown, misplaced, bad enum)."""
     if not isinstance(opts, dict):
         raise DFlashError(f"{where}: must be a YAML mapping; rebuild the engine")
+    for (section, sub), why in FORBIDDEN_KEYS.items():
+        if isinstance(opts.get(section), dict) and sub in opts[section]:
+            raise DFlashError(f"{where}: {section}.{sub} must not be written: {why}")
     for key, value in opts.items():
         if key in ("model", "backend"):
             raise DFlashError(f"{where}: {key!r} belongs on the trtllm-serve command line, not in the options file")
@@ -158,14 +196,47 @@ def check_llm_api_options(opts: Any, where: str = "llm_api_options.yaml") -> Non
     spec = opts.get("speculative_config")
     if not spec or spec.get("decoding_type") != "DFlash" or not spec.get("speculative_model"):
         raise DFlashError(f"{where}: speculative_config needs decoding_type: DFlash and speculative_model; rebuild")
+    check_speculation_rules(spec, where)
     requirements(opts)  # every key has a recorded first TensorRT-LLM version
 
 
-def launch_scripts(spec: Any, *, is_moe: bool, max_draft_len: int, block_size: int) -> dict[str, str]:
+def check_speculation_rules(spec: dict[str, Any], where: str) -> None:
+    """DecodingBaseConfig's validators (llm_args.py, tests/upstream/tensorrt_llm_node.json): a schedule
+    with int keys whose smallest maps to max_draft_len and no value above it; never with
+    max_concurrency; the acceptance-rate floor a window >= 1 with a threshold in [0, 1]."""
+    schedule = spec.get("draft_len_schedule")
+    if schedule is not None:
+        if not isinstance(schedule, dict) or not all(isinstance(b, int) and isinstance(k, int)
+                                                     for b, k in schedule.items()):
+            raise DFlashError(f"{where}: speculative_config.draft_len_schedule={schedule!r} must map int batch sizes "
+                              "to int draft lengths; rebuild the engine")
+        if "max_concurrency" in spec:
+            raise DFlashError(f"{where}: speculative_config has both max_concurrency and draft_len_schedule, which "
+                              "TensorRT-LLM refuses (mutually exclusive); keep the schedule (its largest key is the "
+                              "concurrency above which speculation is off)")
+        try:
+            DraftLenSchedule.from_mapping(schedule).check_against(int(spec.get("max_draft_len") or 0))
+        except DFlashError as e:
+            raise DFlashError(f"{where}: speculative_config.draft_len_schedule: {e}") from None
+    window, threshold = spec.get("acceptance_rate_window_size"), spec.get("acceptance_rate_threshold")
+    if (window is None) != (threshold is None):
+        raise DFlashError(f"{where}: speculative_config has only one of acceptance_rate_window_size and "
+                          "acceptance_rate_threshold; the floor needs both (rebuild with --acceptance-rate-window N "
+                          "--acceptance-rate-threshold X)")
+    if window is not None and (not isinstance(window, int) or window < 1
+                               or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1):
+        raise DFlashError(f"{where}: acceptance_rate_window_size={window!r} / acceptance_rate_threshold={threshold!r}: "
+                          "need a window >= 1 and a threshold in [0, 1]; rebuild the engine")
+
+
+def launch_scripts(spec: Any, *, is_moe: bool, max_draft_len: int, block_size: int,
+                   schedule: DraftLenSchedule | None = None, family: str = "dflash") -> dict[str, str]:
     """The same engine as trtllm-serve, vLLM and SGLang commands (bash, run from anywhere).
 
     Flag names are those of the peers' argument parsers, recorded with their source in
-    `launch_flags.json` (tests check every flag emitted here against it).
+    `launch_flags.json` (tests check every flag emitted here against it). `schedule` (the engine's
+    draft_len_schedule) becomes vLLM's num_speculative_tokens_per_batch_size; SGLang has no
+    equivalent for DFLASH and its script says so. `family` "dflash2": what each peer needs for it.
     """
     head = "#!/usr/bin/env bash\n# Generated by dflash-trt build. Paths are relative to the engine directory.\nset -euo pipefail\n"
     cd = "cd \"$(dirname \"$0\")/..\"\n"
@@ -180,19 +251,48 @@ def launch_scripts(spec: Any, *, is_moe: bool, max_draft_len: int, block_size: i
         trt += "exec trtllm-llmapi-launch trtllm-serve ./target --config ./llm_api_options.yaml --host 0.0.0.0 --port \"${PORT:-8000}\" \"$@\"\n"
     else:
         trt += "exec trtllm-serve ./target --config ./llm_api_options.yaml --host 0.0.0.0 --port \"${PORT:-8000}\" \"$@\"\n"
-    return {"launch/trtllm-serve.sh": trt, "launch/vllm.sh": head + cd + _vllm_command(spec, is_moe, max_draft_len),
-            "launch/sglang.sh": head + _sglang_command(spec, is_moe, max_draft_len, block_size, cd)}
+    return {"launch/trtllm-serve.sh": trt,
+            "launch/vllm.sh": head + cd + _vllm_command(spec, is_moe, max_draft_len, block_size, schedule, family),
+            "launch/sglang.sh": head + _sglang_command(spec, is_moe, max_draft_len, block_size, cd, schedule, family)}
 
 
-def _vllm_command(spec: Any, is_moe: bool, max_draft_len: int) -> str:
+def _vllm_command(spec: Any, is_moe: bool, max_draft_len: int, block_size: int, schedule: DraftLenSchedule | None,
+                  family: str) -> str:
     import json
 
-    speculative = {"method": "dflash", "model": "./draft", "num_speculative_tokens": max_draft_len}
+    notes: list[str] = []
+    tokens = max_draft_len
+    what = f"The engine's draft_len_schedule {schedule.to_mapping()}" if schedule is not None else ""
+    if family == "dflash2":
+        # The DFlash2 conv's block is 1 + num_speculative_tokens (qwen3_dflash2.py): the trained block,
+        # whatever the engine's K; a K below it is then the per-batch-size schedule's job.
+        tokens = block_size - 1
+        if schedule is None and max_draft_len < tokens:
+            schedule = DraftLenSchedule(((spec.max_batch_size, max_draft_len),))
+            what = f"The engine's max_draft_len {max_draft_len} at every batch size (below the drafter's block)"
+        notes.append("# DFlash2 drafter: vLLM runs its candidate selector on Model Runner V2 only (V1 refuses "
+                     "'DFlash candidate-head drafts', config/vllm.py); V2 needs Triton and a GPU.\n"
+                     "export VLLM_USE_V2_MODEL_RUNNER=1\n")
+    speculative: dict[str, Any] = {"method": "dflash", "model": "./draft", "num_speculative_tokens": tokens}
     if spec.gpu != "cpu":
         # The drafter's attention is non-causal: pick a backend that supports it for the DRAFTER
         # only (SpeculativeConfig.attention_backend) and leave the target's to vLLM's choice.
         speculative["attention_backend"] = "flash_attn"
-    return (f"exec vllm serve ./target --speculative-config '{json.dumps(speculative)}' "
+    if schedule is not None:
+        ranges = schedule.vllm_ranges(spec.max_batch_size)
+        speculative["num_speculative_tokens_per_batch_size"] = [list(r) for r in ranges]
+        tail = ("; vLLM carries the last range past its end, so the batches above the largest key draft 0 "
+                "explicitly" if ranges[-1][2] == 0 and len(ranges) > len(schedule.steps) else "")
+        notes.append(f"# {what} as inclusive (start, end, drafts) batch-size ranges (TensorRT-LLM: smallest key "
+                     f">= the batch){tail}.\n")
+    if spec.rejection_sampling:
+        # TensorRT-LLM's use_rejection_sampling: sampled drafts verified against their probabilities
+        # (vLLM's default "greedy" is rejection sampling with a one-hot draft, also lossless).
+        speculative["draft_sample_method"] = "probabilistic"
+    if spec.acceptance_rate_window is not None:
+        notes.append("# acceptance_rate_window_size / acceptance_rate_threshold: vLLM 0.32 has no such floor; "
+                     "speculation stays on here.\n")
+    return ("".join(notes) + f"exec vllm serve ./target --speculative-config '{json.dumps(speculative)}' "
             f"--tensor-parallel-size {spec.tp} --pipeline-parallel-size {spec.pp} "
             f"--max-model-len {spec.max_seq_len} --max-num-seqs {spec.max_batch_size} "
             + ("--enable-expert-parallel " if is_moe and spec.ep > 1 else "")
@@ -200,12 +300,33 @@ def _vllm_command(spec: Any, is_moe: bool, max_draft_len: int) -> str:
             + "--port \"${PORT:-8000}\" \"$@\"\n")
 
 
-def _sglang_command(spec: Any, is_moe: bool, max_draft_len: int, block_size: int, cd: str) -> str:
+def _sglang_command(spec: Any, is_moe: bool, max_draft_len: int, block_size: int, cd: str,
+                    schedule: DraftLenSchedule | None, family: str) -> str:
     if spec.pp > 1:
         # SGLang's DFLASH worker refuses pp_size != 1 (speculative_hook.py); say so before loading.
         return ("echo \"error: SGLang's DFLASH speculative decoding supports pipeline parallel size 1 only and this "
                 f"engine is built for PP {spec.pp}; serve it with launch/trtllm-serve.sh or launch/vllm.sh, or rebuild "
                 "with --pp 1\" >&2\nexit 2\n")
+    notes: list[str] = []
+    if schedule is not None:
+        notes.append(f"# SGLang 0.5.23 has no per-batch-size draft length for DFLASH (--speculative-adaptive adapts "
+                     "EAGLE/EAGLE3 only: srt/speculative/adaptive_spec_params.py), so every batch verifies the "
+                     f"drafts below; the engine's draft_len_schedule {schedule.to_mapping()} applies on "
+                     "launch/trtllm-serve.sh and launch/vllm.sh.\n")
+    draft_tokens = min(block_size, max_draft_len + 1)
+    if family == "dflash2":
+        # --speculative-num-draft-tokens re-blocks the DFlash2 convolutions (DFlash2 model set_block_size,
+        # srt/models/dflash.py): the trained block keeps their taps where training put them.
+        draft_tokens = block_size
+        notes.append("# DFlash2 drafter: SGLang picks it from the drafter's architectures (DFlash2DraftModel), "
+                     "no flag; its convolutions run on the trained block (the draft tokens below); at "
+                     "temperature > 0 it samples the selector's walk and verifies by rejection sampling.\n")
+    if spec.rejection_sampling and family != "dflash2":
+        notes.append("# Sampled requests: SGLang's DFLASH drafts greedily (a point mass) and verifies losslessly; "
+                     "it has no switch for sampled DFlash v1 drafts.\n")
+    if spec.acceptance_rate_window is not None:
+        notes.append("# acceptance_rate_window_size / acceptance_rate_threshold: SGLang has no such floor for "
+                     "DFLASH; speculation stays on here.\n")
     flags = [f"--tp-size {spec.tp}"]
     if is_moe and spec.ep > 1:
         flags.append(f"--ep-size {spec.ep}")
@@ -216,9 +337,9 @@ def _sglang_command(spec: Any, is_moe: bool, max_draft_len: int, block_size: int
         flags.append(f"--stream-interval {spec.stream_interval}")
     if spec.kv_cache_quant == "fp8":
         flags.append("--kv-cache-dtype fp8_e4m3")
-    return cd + (
+    return cd + "".join(notes) + (
         "exec python -m sglang.launch_server --model-path ./target --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path ./draft --speculative-num-draft-tokens {min(block_size, max_draft_len + 1)} "
+        f"--speculative-draft-model-path ./draft --speculative-num-draft-tokens {draft_tokens} "
         + " ".join(flags)
         + f" --context-length {spec.max_seq_len} --port \"${{PORT:-30000}}\" \"$@\"\n"
     )

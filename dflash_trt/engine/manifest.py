@@ -14,11 +14,14 @@ presence means the build completed):
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_trt.errors import DFlashError
+
+if TYPE_CHECKING:
+    from dflash_trt.draft_len_schedule import DraftLenSchedule
 
 MANIFEST_NAME = "dflash_trt.json"
 FORMAT_VERSION = 1
@@ -75,6 +78,23 @@ class DraftInfo(Strict):
     block_size: int
     mask_token_id: int
     target_layer_ids: list[int]
+    family: str | None = None  # dflash | dflash2 (runtime/drafter_family.py); None: an older manifest
+
+
+class SpeculationInfo(Strict):
+    """How the node speculates (speculative_config beyond the drafter), and why: the draft-length
+    schedule with the cost model's inputs and predictions (engine/schedule_plan.py), and the
+    opt-in sampled verification and acceptance-rate floor."""
+
+    source: str  # derived | given | off | none
+    max_draft_len: int = Field(ge=1)  # = limits.max_draft_len
+    requested_max_draft_len: int = Field(ge=1)  # before the schedule lowered it (the same when it did not)
+    draft_len_schedule: dict[int, int] | None = None  # as written in llm_api_options.yaml
+    rejection_sampling: bool = False  # use_rejection_sampling
+    acceptance_rate_window: int | None = None  # acceptance_rate_window_size
+    acceptance_rate_threshold: float | None = None
+    model: dict[str, Any] | None = None  # the step-cost model's inputs (GPU, mapping, dims, acceptance) and buckets
+    notes: list[str] = Field(default_factory=list)
 
 
 class TargetInfo(Strict):
@@ -107,6 +127,14 @@ class EngineManifest(Strict):
     build_device: str | None = None  # where calibration and the gate ran (cpu, or the GPUs)
     # "key" / "key=value" of llm_api_options -> first TensorRT-LLM release with it (why the minimum is what it is)
     tensorrt_llm_requirements: dict[str, str] | None = None
+    speculation: SpeculationInfo | None = None  # absent in older manifests
+
+    def draft_len_schedule(self) -> "DraftLenSchedule | None":
+        """The engine's draft-length schedule (None: none), for a runtime that serves as the node does."""
+        from dflash_trt.draft_len_schedule import DraftLenSchedule
+
+        mapping = self.speculation.draft_len_schedule if self.speculation else None
+        return DraftLenSchedule.from_mapping(mapping) if mapping else None
 
 
 def load_manifest(engine_dir: str | Path) -> EngineManifest:

@@ -10,11 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dflash_trt.draft_len_schedule import DraftLenSchedule
 
 from dflash_trt.engine.devices import DeviceName
 from dflash_trt.engine.hardware import GpuName, KvQuantName, QuantName
 from dflash_trt.engine.recipes import RecipeName
+from dflash_trt.errors import DFlashError
 from dflash_trt.runtime_options import DtypeChoice
 
 
@@ -91,11 +94,45 @@ class BuildSpec(_Strict):
     enable_attention_dp: bool = Field(False, description="attention data parallel across the TP ranks (MoE throughput)")
     stream_interval: int = Field(1, ge=1, description="tokens between streamed responses")
     num_postprocess_workers: int = Field(0, ge=0, description="detokenization worker processes of trtllm-serve")
-    dflash_attention_backend: Literal["auto", "VANILLA", "TRTLLM"] = Field(
-        "auto", description="DFlashDecodingConfig.attention_backend (auto: TRTLLM on Blackwell, VANILLA elsewhere)")
+    dflash_attention_backend: Literal["auto", "VANILLA", "TRTLLM", "FA4"] = Field(
+        "auto", description="DFlashDecodingConfig.attention_backend (auto: TRTLLM on Blackwell, VANILLA elsewhere and "
+        "for drafters with non-causal sliding layers; FA4: Hopper only)")
+    # Speculation on the node (TensorRT-LLM's DecodingBaseConfig; engine/schedule_plan.py).
+    draft_len_schedule: str | dict[int, int] = Field(
+        "auto", description="TensorRT-LLM draft_len_schedule: auto (derived for the GPU from the step-cost model and "
+        "the acceptance profile), off, or BATCH:DRAFT_LEN pairs such as 4:7,16:3 (a mapping in YAML)")
+    acceptance_profile: str | list[float] | None = Field(
+        None, description="per-position acceptance the schedule is derived from: P(a>=1),P(a>=2),... or tau:X "
+        "(default: the acceptance gate's measurement, else a stated default)")
+    rejection_sampling: bool = Field(False, description="TensorRT-LLM use_rejection_sampling (a prototype upstream): "
+                                     "sampled requests verified by rejection sampling instead of exact match")
+    acceptance_rate_window: int | None = Field(None, ge=1, description="acceptance_rate_window_size: steps in the "
+                                               "rolling acceptance rate (with acceptance_rate_threshold)")
+    acceptance_rate_threshold: float | None = Field(None, ge=0.0, le=1.0, description="acceptance_rate_threshold: "
+                                                    "speculation turns off for good below this rolling rate")
     draft_num_layers: int = Field(5, ge=1, description="drafter depth assumed by `plan` when no drafter dir")
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
     gate: GateSpec = Field(default_factory=GateSpec)
+
+    @field_validator("draft_len_schedule")
+    @classmethod
+    def _schedule_form(cls, v: str | dict[int, int]) -> str | dict[int, int]:
+        """auto | off | a schedule (the same one-line refusals as --draft-len-schedule)."""
+        if isinstance(v, str) and v.strip().lower() in ("auto", "off"):
+            return v.strip().lower()
+        try:
+            parsed = DraftLenSchedule.from_mapping(v) if isinstance(v, dict) else DraftLenSchedule.parse(v)
+        except DFlashError as e:
+            raise ValueError(str(e)) from None
+        return "off" if parsed is None else parsed.to_mapping()
+
+    @model_validator(mode="after")
+    def _acceptance_floor_pair(self) -> "BuildSpec":
+        if (self.acceptance_rate_window is None) != (self.acceptance_rate_threshold is None):
+            raise ValueError("acceptance_rate_window and acceptance_rate_threshold come together "
+                             "(--acceptance-rate-window N --acceptance-rate-threshold X): TensorRT-LLM turns "
+                             "speculation off once the rolling rate over N steps falls below X")
+        return self
 
 
 def resolve_spec(spec_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> BuildSpec:

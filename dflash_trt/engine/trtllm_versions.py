@@ -52,12 +52,18 @@ def upstream_default(dotted: str) -> Any:
     return (_fields().get(dotted) or {}).get("default")
 
 
+def _is_section(dotted: str, value: Any) -> bool:
+    """A mapping that holds keys (kv_cache_config), not a mapping-valued field (draft_len_schedule:
+    marked "leaf" in the table)."""
+    return isinstance(value, dict) and not (_fields().get(dotted) or {}).get("leaf")
+
+
 def _walk(opts: dict[str, Any], prefix: str = ""):
     """(dotted key, value) for every key of the file; sections are walked, not reported as leaves."""
     for key, value in opts.items():
         dotted = f"{prefix}{key}"
         yield dotted, value
-        if isinstance(value, dict):
+        if _is_section(dotted, value):
             yield from _walk(value, dotted + ".")
 
 
@@ -70,7 +76,7 @@ def strip_defaults(opts: dict[str, Any]) -> dict[str, Any]:
         out = {}
         for key, value in section.items():
             dotted = f"{prefix}{key}"
-            if isinstance(value, dict):
+            if _is_section(dotted, value):
                 inner = strip(value, dotted + ".")
                 if inner or not value:  # a section left empty by stripping is left out too
                     out[key] = inner

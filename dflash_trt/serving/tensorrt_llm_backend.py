@@ -90,6 +90,11 @@ def llm_kwargs(engine_dir: Path, manifest: Any, speculation: SpeculationSettings
                                fix=f"rebuild the engine with `dflash-trt build` (or `dflash-trt verify {engine_dir}`)")
     spec = dict(options.pop("speculative_config", {}) or {})
     spec["max_draft_len"] = speculation.max_draft_len  # K: the manifest's, or lower (--max-draft-len)
+    if spec.get("draft_len_schedule"):  # upstream: the smallest key maps to max_draft_len, none above it
+        from dflash_trt.draft_len_schedule import DraftLenSchedule
+
+        schedule = DraftLenSchedule.from_mapping(spec["draft_len_schedule"]).capped(speculation.max_draft_len)
+        spec["draft_len_schedule"] = schedule.to_mapping()
     drafter = spec.get("speculative_model")
     if drafter and not Path(drafter).is_absolute():  # paths in the YAML are engine-relative
         spec["speculative_model"] = str(Path(root) / drafter)
