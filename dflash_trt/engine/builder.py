@@ -289,8 +289,9 @@ def default_name(p: Prepared) -> str:
 
 
 def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool
-                              ) -> tuple[list[list[int]], list[list[int]], bool]:
-    """Calibration ids, gate ids, and whether the gate's source has prompts the gate leaves out."""
+                              ) -> tuple[list[list[int]], list[list[int]]]:
+    """Calibration ids and the gate's prompt ids: its first look's `gate.num_prompts`, then as many
+    more of its source as its later looks can decode in waves (engine/gate_looks.py)."""
     from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
 
     spec = p.spec
@@ -299,20 +300,18 @@ def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool
         prompts = load_calibration_prompts(spec.calibration.prompts, spec.calibration.num_samples, split="train")
         calib = encode_prompts(tokenizer, prompts, p.arch.vocab_size, spec.calibration.max_length)
     gate: list[list[int]] = []
-    left = False
     if gate_on:
         available = load_calibration_prompts(spec.gate.prompts, sys.maxsize, split="eval")
         if len(available) < spec.gate.num_prompts and "num_prompts" in spec.gate.model_fields_set:
             where = "the held-out split" if spec.gate.prompts is None else "gate.prompts"
             raise DFlashError(f"--gate-prompts {spec.gate.num_prompts}: {where} has {len(available)} prompts; ask for "
                               "fewer, or give more in gate.prompts (a JSONL/JSON/TXT file in the build spec)")
-        left = len(available) > spec.gate.num_prompts
-        prompts = available[: spec.gate.num_prompts]
+        prompts = available[: spec.gate.num_prompts * spec.gate.max_looks]
         gate = encode_prompts(tokenizer, prompts, p.arch.vocab_size, spec.calibration.max_length)
         if len(gate) < 2:
             raise DFlashError(f"the acceptance gate needs at least 2 prompts for an interval, got {len(gate)}; "
                               "give more gate prompts")
-    return calib, gate, left
+    return calib, gate
 
 
 @dataclass
@@ -356,7 +355,6 @@ class BuildRun:
     device: BuildDevice
     progress: bool
     console: Any = None
-    gate_prompts_left: bool = True  # the gate's prompt source has more than it decodes
 
     @property
     def compute_name(self) -> str:
@@ -408,11 +406,12 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                            f"{p.dtype_name}, several times faster where {p.dtype_name} is not native)"
                            if run.compute != dtype else ""))
                 models = load_models(p, run.dtype, device, run.compute)
-                calib_ids, gate_ids, run.gate_prompts_left = _gate_and_calibration_ids(p, models.tokenizer, gate_on)
+                calib_ids, gate_ids = _gate_and_calibration_ids(p, models.tokenizer, gate_on)
             if gate_on:
+                looks = _gate_looks(run, models.draft, gate_ids)
                 with prof.phase("tau_before"):
-                    before = _gate_pass(run, models.target, models.draft, gate_ids, "tau (unquantized)")
-                acceptance = _before_verdict(run, before)
+                    looks.decode("before", models.target)
+                acceptance = _before_verdict(run, looks.before)
         if quantized:
             assert models is not None and quantize_and_export is not None
             with prof.phase("quantize_export"):
@@ -421,8 +420,13 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
             release_freed_memory()
             if gate_on:
                 with prof.phase("tau_after"):
-                    after = _gate_after_export(run, models, gate_ids)
-                acceptance = _after_verdict(run, before, after, acceptance)
+                    slot = _gate_after_export(run, models, looks)
+                if looks.looks[-1].look.decision == "continue":
+                    with prof.phase("gate_looks"):  # the models alternate: one held at a time
+                        looks.go_on(slot)
+                slot = None
+                release_freed_memory()
+                acceptance = _after_verdict(run, looks, acceptance)
         else:
             models = None
             release_freed_memory()
@@ -463,13 +467,15 @@ def _import_quantizer(quant: str) -> Any:
     return quantize_and_export
 
 
-def _gate_pass(run: BuildRun, target: Any, draft: Any, gate_ids: list[list[int]], label: str) -> Any:
-    """tau of `target` with the drafter over the gate's prompts (a gate.TauSample)."""
-    from dflash_trt.engine import gate as gate_mod
+def _gate_looks(run: BuildRun, draft: Any, gate_ids: list[list[int]]) -> Any:
+    """The gate's looks over its prompts (engine/gate_looks.GateLooks), as the spec plans them."""
+    from dflash_trt.engine.gate_looks import GateLooks, GatePlan
+    from dflash_trt.engine.sequential import SequentialDesign
 
-    spec = run.p.spec
-    return gate_mod.measure_tau(target, draft, gate_ids, spec.gate.max_new_tokens, label, run.progress,
-                                run.p.max_draft_len)
+    g = run.p.spec.gate
+    plan = GatePlan(g.num_prompts, g.max_new_tokens, SequentialDesign(g.max_looks), g.budget_s, g.max_tau_drop,
+                    run.p.max_draft_len)
+    return GateLooks(plan, gate_ids, draft, run.progress, run.say)
 
 
 def _before_verdict(run: BuildRun, before: Any) -> dict[str, Any]:
@@ -480,7 +486,7 @@ def _before_verdict(run: BuildRun, before: Any) -> dict[str, Any]:
     fit = gate_mod.check_fit(before, spec.gate.min_tau)
     lo, hi = before.interval()
     run.say(f"unquantized tau {before.tau:.3f} [{lo:.3f}, {hi:.3f}] (95%, {before.n} prompts x "
-            f"{spec.gate.max_new_tokens} tokens)")
+            f"{spec.gate.max_new_tokens} tokens, look 1)")
     return {"before": before.summary(), "fit": fit, "compute_dtype": run.compute_name}
 
 
@@ -504,27 +510,32 @@ def _quantize_export(run: BuildRun, quantize_and_export: Any, target: Any, calib
     return report
 
 
-def _gate_after_export(run: BuildRun, models: BuildModels, gate_ids: list[list[int]]) -> Any:
-    """tau of the EXPORTED weights (dequantized, placed as the float target was), freed after."""
+def _gate_after_export(run: BuildRun, models: BuildModels, looks: Any) -> Any:
+    """Look 1's tau of the EXPORTED weights (dequantized, placed as the float target was), judged;
+    the slot that holds that model (the only reference to it), and reloads either side for later looks."""
     from dflash_trt.checkpoints.streaming import load_checkpoint
+    from dflash_trt.engine.gate_looks import ModelSlot
     from dflash_trt.engine.host_memory import release_freed_memory
 
-    qtarget = _run_in(load_checkpoint(run.tmp / "target", run.dtype, device_map=models.placement), run.compute)
-    after = _gate_pass(run, qtarget, models.draft, gate_ids, f"tau ({run.p.spec.quant})")
-    qtarget = None
-    release_freed_memory()
-    return after
+    assert run.p.target_dir is not None
+    dirs = {"before": run.p.target_dir, "after": run.tmp / "target"}
+    slot = ModelSlot("after", None, lambda side: _run_in(load_checkpoint(dirs[side], run.dtype,
+                                                                          device_map=models.placement), run.compute),
+                     release_freed_memory)
+    slot.model = slot.load("after")
+    looks.decode("after", slot.model)
+    looks.decide()
+    run.say(looks.progress_line())
+    return slot
 
 
-def _after_verdict(run: BuildRun, before: Any, after: Any, acceptance: dict[str, Any] | None) -> dict[str, Any]:
-    """The gate's decision on the drop from `before` to `after`."""
-    from dflash_trt.engine import gate as gate_mod
+def _after_verdict(run: BuildRun, looks: Any, acceptance: dict[str, Any] | None) -> dict[str, Any]:
+    """The gate's decision, its one line, and its record; DFlashError on a failed or undecided gate."""
+    from dflash_trt.engine.gate_looks import verdict_record
 
     spec = run.p.spec
-    decided = {**gate_mod.decide(before, after, spec.quant, spec.gate.max_tau_drop, spec.gate.accept_tau_drop,
-                                 spec.gate.min_tau, prompts_left=run.gate_prompts_left),
+    decided = {**verdict_record(looks, spec.quant, spec.gate.min_tau, spec.gate.accept_tau_drop, run.say),
                "fit": acceptance["fit"] if acceptance else None, "compute_dtype": run.compute_name}
-    run.say(gate_mod.describe(decided, spec.quant))
     return decided
 
 

@@ -28,42 +28,47 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_trt.engine.sequential import Look, SequentialDesign, decide_look, t_quantile
 from dflash_trt.errors import DFlashError
 
 CONFIDENCE = 0.95
 
 
-def t_quantile(p: float, df: int) -> float:
-    """Student's t quantile: exact for df 1 and 2, else the Cornish-Fisher expansion around the
-    normal quantile (Abramowitz & Stegun 26.7.5; at p = 0.975 within 0.03 of the exact value for
-    df = 3 and within 0.001 from df = 7 on)."""
-    z = statistics.NormalDist().inv_cdf(p)
-    if df <= 0:
-        return math.inf
-    if df == 1:
-        return math.tan(math.pi * (p - 0.5))  # Cauchy: exact
-    if df == 2:
-        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))  # exact
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    return z + g1 / df + g2 / df**2 + g3 / df**3
-
-
 @dataclass
 class TauSample:
-    """Per-prompt greedy DFlash results: committed tokens (tau numerators) and steps."""
+    """Per-prompt greedy DFlash results: committed tokens (tau numerators) and steps, and each
+    prompt's answer so far (what a later look continues from)."""
 
     committed: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
 
-    def add(self, committed: int, steps: int, drafted: int, accepted: int) -> None:
+    def add(self, committed: int, steps: int, drafted: int, accepted: int, output: list[int] | None = None) -> None:
         self.committed.append(committed)
         self.steps.append(steps)
         self.drafted += drafted
         self.accepted += accepted
+        self.outputs.append(list(output or []))
+
+    def extend(self, more: TauSample) -> None:
+        """`more` decoded this sample's prompts further, in the same order (each continued from its
+        answer so far): each prompt's steps and tokens add up, its answer grows."""
+        if more.n != self.n:
+            raise ValueError(f"a continuation must cover the same {self.n} prompts, got {more.n}")
+        self.committed = [a + b for a, b in zip(self.committed, more.committed)]
+        self.steps = [a + b for a, b in zip(self.steps, more.steps)]
+        self.drafted += more.drafted
+        self.accepted += more.accepted
+        self.outputs = [a + b for a, b in zip(self.outputs, more.outputs)]
+
+    def append(self, more: TauSample) -> None:
+        """`more`'s prompts (new ones) join this sample."""
+        for i in range(more.n):
+            self.add(more.committed[i], more.steps[i], 0, 0, more.outputs[i])
+        self.drafted += more.drafted
+        self.accepted += more.accepted
 
     @property
     def n(self) -> int:
@@ -91,18 +96,25 @@ class TauSample:
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0}
 
 
-def drop_interval(before: TauSample, after: TauSample) -> tuple[float, float, float]:
-    """(relative drop 1 - tau_after / tau_before, low, high) at 95%, paired by prompt."""
+def drop_estimate(before: TauSample, after: TauSample) -> tuple[float, float, int]:
+    """(relative drop 1 - tau_after / tau_before, its standard error, degrees of freedom), paired
+    by prompt: the delta method on each prompt's influence on tau_after / tau_before."""
     if before.n != after.n or before.n == 0:
         raise ValueError("the gate compares the same prompts before and after")
     rb, ra = before.tau, after.tau
     q = ra / rb if rb else 0.0
     if before.n < 2 or not rb or not ra:
-        return 1 - q, 1 - q, 1 - q
+        return 1 - q, 0.0, max(before.n - 1, 0)
     u, v = after._linearized(), before._linearized()
     w = [q * (ui / ra - vi / rb) for ui, vi in zip(u, v)]  # influence of each prompt on tau_a / tau_b
-    half = t_quantile(0.5 + CONFIDENCE / 2, before.n - 1) * statistics.stdev(w) / math.sqrt(before.n)
-    return 1 - q, 1 - (q + half), 1 - (q - half)
+    return 1 - q, statistics.stdev(w) / math.sqrt(before.n), before.n - 1
+
+
+def drop_interval(before: TauSample, after: TauSample, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """(relative drop 1 - tau_after / tau_before, low, high) at `confidence`, paired by prompt."""
+    drop, se, df = drop_estimate(before, after)
+    half = t_quantile(0.5 + confidence / 2, df) * se if se > 0 else 0.0
+    return drop, drop - half, drop + half
 
 
 def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_tokens: int, desc: str,
@@ -129,17 +141,19 @@ def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_to
         batched = unsupported_reason(target, draft) is None
     with tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress, file=sys.stderr) as bar:
         if batched:
-            stats = _batched_stats(target, draft, prompt_ids, params, speculation, lambda: bar.update(1))
+            results = _batched_stats(target, draft, prompt_ids, params, speculation, lambda: bar.update(1))
         else:
             from dflash_trt.runtime.generate import dflash_generate
 
-            stats = []
+            results = []
             for ids in prompt_ids:
-                stats.append(dflash_generate(draft, target, ids, params, speculation).stats)
+                results.append(dflash_generate(draft, target, ids, params, speculation))
                 bar.update(1)
     sample = TauSample()
-    for s in stats:
-        sample.add(sum(s.acceptance_lengths), s.num_steps, s.total_draft_tokens, s.total_accepted_draft_tokens)
+    for r in results:
+        s = r.stats
+        sample.add(sum(s.acceptance_lengths), s.num_steps, s.total_draft_tokens, s.total_accepted_draft_tokens,
+                   r.output_ids)
     return sample
 
 
@@ -152,7 +166,7 @@ CPU_VERIFY_CHUNK = 4
 def _batched_stats(target: Any, draft: Any, prompt_ids: list[list[int]], params: Any, speculation: Any,
                    on_done: Any) -> list[Any]:
     """Every prompt decoded together on the batched runtime with the fixed policy (K every step);
-    GenerationStats per prompt, in prompt order. Eager passes: capturing CUDA graphs for one pass
+    a GenerationResult per prompt (its answer and stats), in prompt order. Eager passes: capturing CUDA graphs for one pass
     over the sample would cost more than it saves."""
     import torch
 
@@ -169,7 +183,7 @@ def _batched_stats(target: Any, draft: Any, prompt_ids: list[list[int]], params:
         while runtime.has_work():
             for _ in runtime.step():
                 on_done()
-    return [s.result.stats for s in seqs]
+    return [s.result for s in seqs]
 
 
 def _fmt(s: TauSample) -> str:
@@ -189,44 +203,77 @@ def check_fit(before: TauSample, min_tau: float) -> dict[str, Any]:
     return record
 
 
-def decide(before: TauSample, after: TauSample, quant: str, max_drop: float, accept_drop: bool,
-           min_tau: float, prompts_left: bool = True) -> dict[str, Any]:
-    """The gate's record (kept in the manifest); DFlashError when the drop is not shown to be
-    within `max_drop` at 95%, unless `accept_drop`. `prompts_left`: the gate's prompt source has
-    prompts it did not decode (what an inconclusive verdict advises depends on it)."""
-    drop, lo, hi = drop_interval(before, after)
-    record = {"before": before.summary(), "after": after.summary(), "relative_drop": drop,
-              "relative_drop_low": lo, "relative_drop_high": hi, "confidence": CONFIDENCE,
-              "max_tau_drop": max_drop, "min_tau": min_tau, "accepted_by_flag": False,
-              "method": "paired by prompt, ratio estimator, delta method, Student t"}
-    if hi <= max_drop:
-        record["decision"] = "pass"
+def judge(before: TauSample, after: TauSample, max_drop: float, design: SequentialDesign, look: int) -> Look:
+    """Look `look` of `design` on the paired samples: pass, fail or continue against `max_drop`."""
+    drop, se, df = drop_estimate(before, after)
+    return decide_look(design, look, drop, se, df, max_drop)
+
+
+def gate_record(before: TauSample, after: TauSample, verdict: Look, max_drop: float, min_tau: float,
+                design: SequentialDesign) -> dict[str, Any]:
+    """The gate's record (kept in the manifest): both samples, the last look's drop and interval and
+    the decision ("inconclusive" where the last look could not decide)."""
+    return {"before": before.summary(), "after": after.summary(), "relative_drop": verdict.estimate,
+            "relative_drop_low": verdict.low, "relative_drop_high": verdict.high,
+            "confidence": verdict.confidence, "max_tau_drop": max_drop, "min_tau": min_tau,
+            "decision": "inconclusive" if verdict.decision == "continue" else verdict.decision,
+            "accepted_by_flag": False, "look": verdict.look, "planned_looks": design.looks,
+            "alpha_each_side": design.alpha,
+            "method": f"paired by prompt, ratio estimator, delta method, Student t; {design.describe()} "
+                      "(Pocock-type alpha spending, union bound over looks)"}
+
+
+FAIL_FIX = "choose a milder recipe (recipe mlp-only, keep_layers), --quant fp8, or pass --accept-tau-drop to keep the engine"
+
+
+def verdict_line(record: dict[str, Any], quant: str, extra: str = "") -> str:
+    """The gate's decision and why, in one line: the look, the sample, both taus, the drop's
+    interval at the look's level against the limit. `extra`: what stopped an undecided gate and
+    how to buy more evidence."""
+    b, a, d = record["before"], record["after"], record["decision"]
+    limit = record["max_tau_drop"]
+    where = {"pass": f"within the {limit:.0%} limit", "fail": f"past the {limit:.0%} limit",
+             "inconclusive": f"straddles the {limit:.0%} limit"}[d]
+    sample = f"{b['prompts']} prompts" + (f" x {record['tokens_per_prompt']} tokens" if record.get("tokens_per_prompt")
+                                          else "")
+    if record.get("seconds") is not None:
+        sample += f", {record['seconds']:.0f} s"
+    verb = {"pass": "passed at", "fail": "failed at", "inconclusive": "inconclusive after"}[d]
+    return (f"acceptance gate {verb} look {record['look']} of {record['planned_looks']} "
+            f"({sample}): tau {b['tau']:.3f} [{b['tau_low']:.3f}, {b['tau_high']:.3f}] unquantized -> {a['tau']:.3f} "
+            f"[{a['tau_low']:.3f}, {a['tau_high']:.3f}] {quant}, drop {record['relative_drop']:+.1%} "
+            f"[{record['relative_drop_low']:+.1%}, {record['relative_drop_high']:+.1%}] "
+            f"({record['confidence']:.1%} interval, {record['alpha_each_side']:.1%} error each side over "
+            f"{record['planned_looks']} look{'s' if record['planned_looks'] > 1 else ''}) {where}"
+            + (f"; {extra}" if extra else "")
+            + ("; kept by --accept-tau-drop" if record["accepted_by_flag"] else ""))
+
+
+def settle(record: dict[str, Any], quant: str, accept_drop: bool, more: str) -> dict[str, Any]:
+    """A record that did not pass: DFlashError with its one line (`more`: how to buy more evidence,
+    for an inconclusive one), unless `accept_drop` keeps the engine."""
+    if record["decision"] == "pass":
         return record
-    verdict = "fail" if lo > max_drop else "inconclusive"
-    record["decision"] = verdict
     if not accept_drop:
-        why = (f"tau fell from {_fmt(before)} to {_fmt(after)} after {quant} quantization: drop {drop:.1%} "
-               f"[{lo:.1%}, {hi:.1%}] (95%, {before.n} prompts)")
-        if verdict == "fail":
-            fix = ("choose a milder recipe (recipe mlp-only, keep_layers), --quant fp8, or pass --accept-tau-drop "
-                   "to keep the engine")
-            raise DFlashError(f"acceptance gate failed: {why} > {max_drop:.0%}; {fix}")
-        more = ("decode more prompts (--gate-prompts) or longer answers (--gate-tokens) to narrow the interval"
-                if prompts_left else
-                "every gate prompt was decoded: decode longer answers (--gate-tokens, e.g. twice as many) or give "
-                "more prompts (gate.prompts in the build spec: a JSONL/JSON/TXT file) to narrow the interval")
-        raise DFlashError(f"acceptance gate inconclusive: {why} reaches past {max_drop:.0%}; {more}, or pass "
-                          "--accept-tau-drop to keep the engine")
+        fix = FAIL_FIX if record["decision"] == "fail" else f"{more}, or pass --accept-tau-drop to keep the engine"
+        raise DFlashError(verdict_line(record, quant, fix))
     record["accepted_by_flag"] = True
     return record
 
 
+def decide(before: TauSample, after: TauSample, quant: str, max_drop: float, accept_drop: bool,
+           min_tau: float, prompts_left: bool = True) -> dict[str, Any]:
+    """The gate's decision on one look at 95% (a design of one look): its record; DFlashError when the
+    drop is not shown to be within `max_drop`, unless `accept_drop`. `prompts_left`: the prompt
+    source has prompts this sample left out (what an inconclusive verdict advises)."""
+    design = SequentialDesign(1)
+    record = gate_record(before, after, judge(before, after, max_drop, design, 1), max_drop, min_tau, design)
+    more = ("decode more prompts (--gate-prompts) or longer answers (--gate-tokens) to narrow the interval"
+            if prompts_left else
+            "every gate prompt was decoded: decode longer answers (--gate-tokens) or give more prompts "
+            "(gate.prompts in the build spec: a JSONL/JSON/TXT file) to narrow the interval")
+    return settle(record, quant, accept_drop, more)
+
+
 def describe(record: dict[str, Any], quant: str) -> str:
-    b, a = record["before"], record["after"]
-    return (f"acceptance gate ({b['prompts']} prompts, 95% intervals): tau {b['tau']:.3f} [{b['tau_low']:.3f}, "
-            f"{b['tau_high']:.3f}] unquantized -> {a['tau']:.3f} [{a['tau_low']:.3f}, {a['tau_high']:.3f}] {quant}; "
-            f"drop {record['relative_drop']:+.1%} [{record['relative_drop_low']:+.1%}, "
-            f"{record['relative_drop_high']:+.1%}] vs allowed {record['max_tau_drop']:.0%}: {record['decision']}"
-            + (" (kept by --accept-tau-drop)" if record["accepted_by_flag"] else ""))
-
-
+    return verdict_line(record, quant)

@@ -49,8 +49,14 @@ class GateSpec(_Strict):
     # +-5.7 to +-6.6 points (free-running text diverges after the first changed greedy choice): the
     # default nvfp4 build was inconclusive at +4.4%; at 39, +-5.4 / +-5.8 and both defaults pass
     # (docs/quantization.md).
-    num_prompts: int = Field(39, ge=2, description="prompts the gate decodes (the interval narrows as 1/sqrt(n))")
-    max_new_tokens: int = Field(96, ge=2)
+    num_prompts: int = Field(39, ge=2, description="prompts the gate's first look decodes (each later look adds "
+                             "as many more while its source has them)")
+    max_new_tokens: int = Field(96, ge=2, description="tokens per prompt of the first look (a later look with no "
+                                "prompts left extends every answer by as many)")
+    max_looks: int = Field(4, ge=1, description="planned looks of the sequential test: its 2.5% error each side is "
+                           "spent over them (engine/sequential.py); a look runs only while undecided")
+    budget_s: float = Field(240.0, gt=0, description="seconds the gate may decode: a look that would end past "
+                            "this is not started (the gate is then inconclusive)")
 
 
 class BuildSpec(_Strict):
