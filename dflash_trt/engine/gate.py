@@ -121,7 +121,7 @@ def _log_scale(drop: float, se: float) -> tuple[float, float]:
 
 
 def _from_log(x: float) -> float:
-    return 1 - math.exp(-x)
+    return 1 - math.exp(min(-x, 700.0))  # an interval of 2 prompts at a tiny level may reach past float range
 
 
 def drop_interval(before: TauSample, after: TauSample, confidence: float = CONFIDENCE) -> tuple[float, float, float]:

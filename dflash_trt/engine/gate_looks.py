@@ -49,6 +49,22 @@ class GatePlan:
     max_draft_len: int | None = None
 
 
+def cache_batches(lengths: list[int], tokens: int, cells: int) -> list[list[int]]:
+    """Rows (indices into `lengths`, the prompts' token counts) grouped into batches whose caches,
+    rows x (longest prompt + `tokens`) positions, hold at most `cells` (a row longer than that alone
+    gets a batch of its own). Shortest first, so each batch is as wide as its cache allows."""
+    batches: list[list[int]] = [[]]
+    longest = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        wider = max(longest, lengths[i])
+        if batches[-1] and (len(batches[-1]) + 1) * (wider + tokens) > cells:
+            batches.append([])
+            wider = lengths[i]
+        batches[-1].append(i)
+        longest = wider
+    return batches
+
+
 @dataclass(frozen=True)
 class LookWork:
     """What one look decodes: `prompts` (indices into the source) for `tokens` more tokens each,
@@ -153,17 +169,12 @@ class GateLooks:
     def _measure(self, target: Any, ids: list[list[int]], tokens: int, desc: str) -> TauSample:
         """`ids` decoded `tokens` further, in batches whose caches stay within look 1's; one entry
         per prompt, in the order of `ids`."""
-        cells = lambda batch: len(batch) * (max(len(ids[i]) for i in batch) + tokens)  # noqa: E731
+        lengths = [len(p) for p in ids]
         if not self._cells:
-            self._cells = cells(list(range(len(ids))))
-        batches: list[list[int]] = [[]]
-        for i in sorted(range(len(ids)), key=lambda i: len(ids[i])):  # shortest first: each batch as wide as fits
-            if batches[-1] and cells(batches[-1] + [i]) > self._cells:
-                batches.append([])
-            batches[-1].append(i)
+            self._cells = len(ids) * (max(lengths) + tokens)
         rows: dict[int, tuple[int, int, list[int]]] = {}
         out = TauSample()
-        for b in batches:
+        for b in cache_batches(lengths, tokens, self._cells):
             got = measure_tau(target, self.draft, [ids[i] for i in b], tokens, desc, self.progress,
                               self.plan.max_draft_len)
             rows.update({i: (got.committed[j], got.steps[j], got.outputs[j]) for j, i in enumerate(b)})
