@@ -1,4 +1,4 @@
-"""The acceptance gate: tau before vs after quantization, decided on a 95% interval.
+"""The acceptance gate: tau before vs after quantization, decided by a sequential test.
 
 Quantization keeps DFlash lossless (the target verifies) but can silently cost acceptance: the
 drafter was trained on the float target's hidden states and outputs. The gate decodes the same
@@ -9,15 +9,19 @@ Statistics. Greedy decoding is deterministic, so the uncertainty is over prompts
 estimator (sum of committed tokens over sum of steps), and prompts are the independent units.
 Its standard error comes from the linearization z_i = (c_i - tau * s_i) / mean(s) (the delta
 method for a ratio, clustered by prompt); the drop compares the two runs PROMPT BY PROMPT (paired:
-the same prompts before and after, so prompt-to-prompt variation largely cancels). Intervals use
-Student's t with n - 1 degrees of freedom.
+the same prompts before and after, so prompt-to-prompt variation largely cancels). The drop's
+interval is symmetric on the log scale, -ln(tau_after / tau_before), where the ratio's sampling
+law is nearly symmetric, with Student's t at n - 1 degrees of freedom.
 
 Decisions on the interval, never on a point estimate:
-- fit: the pair is refused when the unquantized tau's upper bound is below `min_tau` -- a
+- fit: the pair is refused when the unquantized tau's upper bound (95%) is below `min_tau` -- a
   drafter whose tokens this target never accepts ("does not fit this target").
-- drop: the build passes when the upper bound of the relative drop is <= `max_tau_drop`; it
-  fails when the lower bound exceeds it, and when the interval straddles it ("inconclusive":
-  more prompts narrow it), unless the drop is accepted by flag.
+- drop: judged look by look (engine/gate_looks.py decodes each look, engine/sequential.py holds
+  the design and its error rates): a look passes when its interval's upper end is <= `max_tau_drop`,
+  fails when its lower end exceeds it, and otherwise the gate looks again with more prompts or
+  longer answers; undecided after its planned looks or its time budget it is "inconclusive" and
+  says which setting buys more evidence. A failed or inconclusive gate refuses the build unless
+  the drop is accepted by flag.
 """
 
 from __future__ import annotations

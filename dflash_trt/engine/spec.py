@@ -31,15 +31,17 @@ class CalibrationSpec(_Strict):
 
 
 class GateSpec(_Strict):
-    """The acceptance gate: tau before vs after quantization (every prompt of the sample decoded
-    together on the batched runtime, each as the reference loop decodes it), decided on 95%
-    intervals (dflash_trt.engine.gate). With the defaults (all 39 held-out prompts x 96
-    tokens) the embedded pair's drop is known to about +-5 points (docs/quantization.md)."""
+    """The acceptance gate: tau before vs after quantization (every prompt of a look decoded
+    together on the batched runtime, each as the reference loop decodes it), decided by a
+    sequential test with 2.5% error each side (dflash_trt.engine.sequential): look 1 decodes
+    `num_prompts` x `max_new_tokens` (all 39 held-out prompts x 96 tokens: the embedded pair's drop
+    known to about +-6 points); while undecided, each further look adds a wave of prompts or
+    extends every answer, up to `max_looks` looks within `budget_s` (docs/quantization.md)."""
 
     enabled: bool | None = Field(None, description="default: on for quantized builds; on a --quant none build "
                                  "it only checks that the drafter fits the target")
     max_tau_drop: float = Field(0.10, ge=0.0, lt=1.0, description="largest allowed relative drop of tau (the "
-                                "upper end of its 95% interval must stay below)")
+                                "upper end of a look's interval must stay below)")
     accept_tau_drop: bool = Field(False, description="record a larger drop instead of failing the build")
     min_tau: float = Field(1.2, ge=1.0, description="refuse a pair whose unquantized tau is surely below this "
                            "(a drafter that does not fit the target)")
