@@ -361,8 +361,8 @@ class BuildRun:
         return str(self.compute).removeprefix("torch.")
 
     def say(self, msg: str) -> None:  # plain text: paths and [low, high] intervals are not rich markup
-        if self.console is not None:
-            self.console.print(msg, markup=False, highlight=False)
+        if self.console is not None:  # one line stays one line (the gate's verdict), whatever the width
+            self.console.print(msg, markup=False, highlight=False, soft_wrap=True)
 
 
 def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool = True,

@@ -258,7 +258,8 @@ class GateLooks:
                     f"(the {left} look{'s' if left > 1 else ''} left)")
         per = f"each adds {p.segment} tokens per prompt" if self._used >= len(self.pool) else \
             f"each adds up to {p.wave} prompts"
-        return (f"all {p.design.looks} planned looks were taken; buy more evidence with --gate-looks "
+        taken = f"all {p.design.looks} planned looks were" if p.design.looks > 1 else "the one planned look was"
+        return (f"{taken} taken; buy more evidence with --gate-looks "
                 f"{2 * p.design.looks} (gate.max_looks; {per}) and a --gate-budget to match, or more prompts "
                 "in gate.prompts (a JSONL/JSON/TXT file in the build spec)")
 
