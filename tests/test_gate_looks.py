@@ -1,7 +1,7 @@
 """The gate's looks after the first (engine/gate_looks.py) on tiny pairs in float32: waves of new
-prompts, then longer answers; the two sides alternate one model at a time; a continued answer is
-the answer one longer decode gives; the budget stops the gate before a look that would overrun it,
-and every undecided ending names the setting that buys more evidence, in one line.
+prompts, the same on both sides; the two sides alternate one model at a time; the looks a source
+allows; the budget stops the gate before a look that would overrun it, and every undecided ending
+names the setting that buys more evidence, in one line.
 
 A design with a vanishing error rate never decides, so these tests walk every planned look
 whatever the tiny models' taus are; the decisions themselves are tests/test_gate_sequential.py's."""
@@ -11,18 +11,30 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from dflash_trt.engine import gate_looks
 from dflash_trt.engine.gate import measure_tau
-from dflash_trt.engine.gate_looks import GateLooks, GatePlan, ModelSlot, cache_batches, verdict_record
+from dflash_trt.engine.gate_looks import GateLooks, GatePlan, ModelSlot, verdict_record
 from dflash_trt.engine.sequential import SequentialDesign
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 
 VOCAB = 16  # small: a random drafter is accepted often enough that tau differs between prompts
-NEVER = 1e-12  # alpha of a design whose intervals never decide
+
+
+@pytest.fixture
+def never_decides(monkeypatch):
+    """The gate's designs with a vanishing alpha: intervals so wide that no look decides."""
+    real = GatePlan.design
+
+    def design(self, pool):
+        return SequentialDesign(real(self, pool).fractions, alpha=1e-12)
+
+    monkeypatch.setattr(GatePlan, "design", design)
 
 
 def _pair_and_pool(n: int, seed: int = 2):
@@ -44,8 +56,8 @@ def _perturbed(model, scale: float = 0.3, seed: int = 0):
 
 
 class _Loader:
-    """Loads a side's model (a fresh copy, as a checkpoint read would give) and checks that the
-    model it handed out before is gone: the gate holds one target at a time."""
+    """Loads a side's model (a fresh copy, as a checkpoint read gives) and checks that the model it
+    handed out before is gone: the gate holds one target at a time."""
 
     def __init__(self, before, after):
         self.sources = {"before": before, "after": after}
@@ -72,87 +84,97 @@ def _start(looks: GateLooks, loader: _Loader) -> ModelSlot:
     return slot
 
 
-def test_waves_of_new_prompts_then_longer_answers_alternating_one_model_at_a_time():
+def test_waves_of_new_prompts_alternating_one_model_at_a_time(never_decides):
     target, draft, pool = _pair_and_pool(10)
     loader = _Loader(target, _perturbed(target))
-    plan = GatePlan(wave=4, segment=8, design=SequentialDesign(5, alpha=NEVER), budget_s=1e9, limit=0.10)
-    looks = GateLooks(plan, pool, draft, progress=False)
-    slot = _start(looks, loader)
-    verdict = looks.go_on(slot)
-    assert verdict.decision == "continue" and looks.stopped == "looks"
-    # look 2 and 3: waves (4 more prompts, then the last 2); then every answer 8 tokens longer, twice
-    assert [(r.prompts, r.tokens) for r in looks.looks] == [(4, 8), (8, 8), (10, 8), (10, 16), (10, 24)]
-    # A B | B A | A B | B A: the side already loaded decodes first, one load a look
-    assert loader.loads == ["before", "after", "before", "after", "before", "after"]
-    assert all(len(o) == 24 for o in looks.before.outputs + looks.after.outputs)
-    assert looks.before.n == looks.after.n == 10
+    looks = GateLooks(GatePlan(wave=4, tokens=8, looks=5, budget_s=1e9, limit=0.10), pool, draft, progress=False)
+    assert looks.design.fractions == (0.4, 0.8, 1.0)  # 10 prompts: waves of 4, 4 and 2
+    verdict = looks.go_on(_start(looks, loader))
+    assert verdict.decision == "continue" and looks.stopped == "prompts"
+    assert [r.prompts for r in looks.looks] == [4, 8, 10]
+    # A B | B A | A B: the side already loaded decodes first, one load a look
+    assert loader.loads == ["before", "after", "before", "after"]
+    # each side holds every prompt once, in pool order: what one pass over all of them measures
+    for side, model in (("before", target), ("after", loader.sources["after"])):
+        whole = measure_tau(model, draft, pool, 8, side, progress=False)
+        got = getattr(looks, side)
+        assert (got.committed, got.steps, got.drafted) == (whole.committed, whole.steps, whole.drafted)
 
 
-def test_a_continued_answer_is_the_answer_one_longer_decode_gives():
-    """Extending an answer prefills prompt + answer so far and decodes on: the same tokens as one
-    decode of the whole length (float32, greedy); each segment's first token comes from its
-    prefill, so the steps commit all tokens but one a segment."""
-    target, draft, pool = _pair_and_pool(6)
+def test_the_design_is_the_looks_the_source_allows():
+    plan = GatePlan(wave=39, tokens=96, looks=4, budget_s=240, limit=0.10)
+    assert plan.design(156).fractions == (0.25, 0.5, 0.75, 1.0)
+    assert plan.design(1000).fractions == (0.25, 0.5, 0.75, 1.0)
+    assert plan.design(39).fractions == (1.0,)
+    assert plan.design(50).fractions == (39 / 50, 1.0)
+
+
+def test_the_budget_stops_the_gate_before_a_look_that_would_overrun_it_and_names_the_flag(never_decides):
+    target, draft, pool = _pair_and_pool(12)
     loader = _Loader(target, _perturbed(target))
-    plan = GatePlan(wave=6, segment=10, design=SequentialDesign(3, alpha=NEVER), budget_s=1e9, limit=0.10)
-    looks = GateLooks(plan, pool, draft, progress=False)
-    looks.go_on(_start(looks, loader))
-    whole = measure_tau(target, draft, pool, 30, "whole", progress=False)
-    assert looks.before.outputs == whole.outputs
-    assert looks.before.committed == [30 - 3] * 6 and whole.committed == [30 - 1] * 6
-
-
-def test_the_budget_stops_the_gate_before_a_look_that_would_overrun_it_and_names_the_flag():
-    target, draft, pool = _pair_and_pool(6)
-    loader = _Loader(target, _perturbed(target))
-    plan = GatePlan(wave=6, segment=8, design=SequentialDesign(4, alpha=NEVER), budget_s=1e-3, limit=0.10)
     said: list[str] = []
-    looks = GateLooks(plan, pool, draft, progress=False, say=said.append)
+    looks = GateLooks(GatePlan(wave=6, tokens=8, looks=2, budget_s=1e-3, limit=0.10), pool, draft, progress=False,
+                      say=said.append)
     verdict = looks.go_on(_start(looks, loader))
     assert verdict.look == 1 and looks.stopped == "budget" and loader.loads == ["before", "after"]
     with pytest.raises(DFlashError) as e:
         verdict_record(looks, "nvfp4", 1.0, False, said.append)
     line = str(e.value)
-    assert "\n" not in line and line.startswith("acceptance gate inconclusive after look 1 of 4 (6 prompts x 8 tokens, ")
+    assert "\n" not in line and line.startswith("acceptance gate inconclusive after look 1 of 2 (6 prompts x 8 tokens, ")
     assert "straddles the 10% limit; the time budget stopped it (gate.budget_s 0 s: look 2 would need ~" in line
-    assert "buy more evidence with --gate-budget " in line and line.endswith(
-        "or pass --accept-tau-drop to keep the engine")
+    assert "buy more evidence with --gate-budget 60 (the 1 look left)" in line
+    assert line.endswith("or pass --accept-tau-drop to keep the engine")
     # kept by the flag: the record says so, and the same line is said
     record = verdict_record(looks, "nvfp4", 1.0, True, said.append)
     assert record["decision"] == "inconclusive" and record["accepted_by_flag"] and record["stopped"] == "budget"
     assert said[-1].endswith("; kept by --accept-tau-drop") and "--gate-budget" in said[-1]
 
 
-def test_every_planned_look_taken_names_gate_looks_and_prompts():
-    target, draft, pool = _pair_and_pool(4)
+def test_every_planned_look_taken_names_gate_looks(never_decides):
+    target, draft, pool = _pair_and_pool(10)
     loader = _Loader(target, _perturbed(target))
-    plan = GatePlan(wave=4, segment=6, design=SequentialDesign(2, alpha=NEVER), budget_s=1e9, limit=0.10)
-    looks = GateLooks(plan, pool, draft, progress=False)
+    looks = GateLooks(GatePlan(wave=4, tokens=6, looks=2, budget_s=1e9, limit=0.10), pool, draft, progress=False)
     looks.go_on(_start(looks, loader))
-    with pytest.raises(DFlashError, match=r"inconclusive after look 2 of 2 \(4 prompts x 12 tokens, .*all 2 planned "
-                                          r"looks were taken; buy more evidence with --gate-looks 4 \(gate.max_looks; "
-                                          r"each adds 6 tokens per prompt\)"):
+    assert looks.stopped == "looks"
+    with pytest.raises(DFlashError, match=r"inconclusive after look 2 of 2 \(8 prompts x 6 tokens, .*all 2 planned "
+                                          r"looks were taken; buy more evidence with --gate-looks 3 \(gate.max_looks: "
+                                          r"the 2 prompts left, 4 a look\)"):
+        verdict_record(looks, "fp8", 1.0, False, lambda msg: None)
+
+
+def test_every_prompt_decoded_names_gate_prompts(never_decides):
+    target, draft, pool = _pair_and_pool(6)
+    loader = _Loader(target, _perturbed(target))
+    looks = GateLooks(GatePlan(wave=4, tokens=6, looks=4, budget_s=1e9, limit=0.10), pool, draft, progress=False)
+    looks.go_on(_start(looks, loader))
+    with pytest.raises(DFlashError, match=r"after look 2 of 2 \(6 prompts x 6 tokens, .*every one of the 6 gate "
+                                          r"prompts was decoded; buy more evidence with more prompts in gate.prompts"):
         verdict_record(looks, "fp8", 1.0, False, lambda msg: None)
 
 
 def test_a_pass_is_said_in_one_line_with_its_look_and_interval():
     target, draft, pool = _pair_and_pool(8)
     loader = _Loader(target, target)  # the same weights: no drop at all
-    plan = GatePlan(wave=8, segment=8, design=SequentialDesign(4), budget_s=1e9, limit=0.10)
     said: list[str] = []
-    looks = GateLooks(plan, pool, draft, progress=False)
-    assert looks.go_on(_start(looks, loader)).decision == "pass"
+    looks = GateLooks(GatePlan(wave=8, tokens=8, looks=4, budget_s=1e9, limit=0.10), pool, draft, progress=False)
+    assert looks.go_on(_start(looks, loader)).decision == "pass" and loader.loads == ["before", "after"]
     record = verdict_record(looks, "fp8", 1.0, False, said.append)
     assert record["looks"][0]["decision"] == "pass" and record["stopped"] == "decided"
-    assert said == [said[0]] and said[0].startswith("acceptance gate passed at look 1 of 4 (8 prompts x 8 tokens, ")
-    assert "drop +0.0% [+0.0%, +0.0%] (98.2% interval, 2.5% error each side over 4 looks) within the 10% limit" in said[0]
+    assert len(said) == 1 and said[0].startswith("acceptance gate passed at look 1 of 1 (8 prompts x 8 tokens, ")
+    assert "drop +0.0% [+0.0%, +0.0%] (95.0% interval, 2.5% error each side over 1 look) within the 10% limit" in said[0]
 
 
-@pytest.mark.parametrize("lengths,tokens,cells", [([5, 9, 3, 40, 12, 7], 8, 6 * 48), ([5, 9, 3, 40, 12, 7], 24, 6 * 48),
-                                                  ([100, 3], 10, 20), ([4] * 10, 4, 30)])
-def test_cache_batches_cover_every_row_once_within_the_cells(lengths, tokens, cells):
-    batches = cache_batches(lengths, tokens, cells)
-    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
-    for b in batches:
-        assert len(b) == 1 or len(b) * (max(lengths[i] for i in b) + tokens) <= cells
-    assert len(cache_batches(lengths, tokens, 10**9)) == 1
+def test_a_look_predicted_past_the_budget_is_not_started(never_decides, monkeypatch):
+    """The prediction is the longest look so far: with look 1 taking 30 s (its two passes) and 50 s
+    of budget, look 2 would end at 60 s, so it is not started."""
+    target, draft, pool = _pair_and_pool(8)
+    clock = iter(range(0, 10_000, 15))  # each of the gate's perf_counter() calls 15 s after the last one
+    monkeypatch.setattr(gate_looks, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    loader = _Loader(target, _perturbed(target))
+    looks = GateLooks(GatePlan(wave=4, tokens=6, looks=2, budget_s=50, limit=0.10), pool, draft, progress=False)
+    looks.go_on(_start(looks, loader))
+    assert looks.seconds == 30 and looks.stopped == "budget" and looks.next_look_s == 30
+    looks = GateLooks(GatePlan(wave=4, tokens=6, looks=2, budget_s=90, limit=0.10), pool, draft, progress=False)
+    loader = _Loader(target, _perturbed(target))
+    looks.go_on(_start(looks, loader))
+    assert looks.stopped == "looks" and len(looks.looks) == 2

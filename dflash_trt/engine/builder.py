@@ -301,9 +301,9 @@ def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool
         calib = encode_prompts(tokenizer, prompts, p.arch.vocab_size, spec.calibration.max_length)
     gate: list[list[int]] = []
     if gate_on:
-        available = load_calibration_prompts(spec.gate.prompts, sys.maxsize, split="eval")
+        available = load_calibration_prompts(spec.gate.prompts, sys.maxsize, split="held-out")
         if len(available) < spec.gate.num_prompts and "num_prompts" in spec.gate.model_fields_set:
-            where = "the held-out split" if spec.gate.prompts is None else "gate.prompts"
+            where = "the held-out prompts" if spec.gate.prompts is None else "gate.prompts"
             raise DFlashError(f"--gate-prompts {spec.gate.num_prompts}: {where} has {len(available)} prompts; ask for "
                               "fewer, or give more in gate.prompts (a JSONL/JSON/TXT file in the build spec)")
         prompts = available[: spec.gate.num_prompts * spec.gate.max_looks]
@@ -470,11 +470,9 @@ def _import_quantizer(quant: str) -> Any:
 def _gate_looks(run: BuildRun, draft: Any, gate_ids: list[list[int]]) -> Any:
     """The gate's looks over its prompts (engine/gate_looks.GateLooks), as the spec plans them."""
     from dflash_trt.engine.gate_looks import GateLooks, GatePlan
-    from dflash_trt.engine.sequential import SequentialDesign
 
     g = run.p.spec.gate
-    plan = GatePlan(g.num_prompts, g.max_new_tokens, SequentialDesign(g.max_looks), g.budget_s, g.max_tau_drop,
-                    run.p.max_draft_len)
+    plan = GatePlan(g.num_prompts, g.max_new_tokens, g.max_looks, g.budget_s, g.max_tau_drop, run.p.max_draft_len)
     return GateLooks(plan, gate_ids, draft, run.progress, run.say)
 
 

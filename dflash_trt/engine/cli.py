@@ -152,12 +152,11 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
               help="Run the acceptance gate (default: on when quantizing; with --quant none it only checks that the "
                    "drafter fits the target).")
 @click.option("--gate-prompts", type=click.IntRange(min=2),
-              help="Held-out prompts the acceptance gate's first look decodes (default 39, the whole held-out split; "
-                   "later looks add as many more while there are some).")
-@click.option("--gate-tokens", type=click.IntRange(min=2), help="Tokens per gate prompt of the first look; a later "
-              "look extends every answer by as many (default 96).")
+              help="Prompts each look of the acceptance gate decodes (default 39: the eval split, then waves of the "
+                   "gate split's 117 more held-out prompts).")
+@click.option("--gate-tokens", type=click.IntRange(min=2), help="Tokens per gate prompt (default 96).")
 @click.option("--gate-looks", type=click.IntRange(min=1), help="Planned looks of the gate's sequential test (default "
-              "4): an undecided look is followed by another, with more prompts or longer answers.")
+              "4): an undecided look is followed by another with a wave of new prompts.")
 @click.option("--gate-budget", type=click.FloatRange(min=0, min_open=True), help="Seconds the gate may decode "
               "(default 240): a look that would end past it is not started.")
 @click.option("--min-tau", type=click.FloatRange(min=1.0),

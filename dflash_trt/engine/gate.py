@@ -18,8 +18,8 @@ Decisions on the interval, never on a point estimate:
   drafter whose tokens this target never accepts ("does not fit this target").
 - drop: judged look by look (engine/gate_looks.py decodes each look, engine/sequential.py holds
   the design and its error rates): a look passes when its interval's upper end is <= `max_tau_drop`,
-  fails when its lower end exceeds it, and otherwise the gate looks again with more prompts or
-  longer answers; undecided after its planned looks or its time budget it is "inconclusive" and
+  fails when its lower end exceeds it, and otherwise the gate looks again with a wave of new
+  prompts; undecided after its planned looks, its prompts or its time budget it is "inconclusive" and
   says which setting buys more evidence. A failed or inconclusive gate refuses the build unless
   the drop is accepted by flag.
 """
@@ -41,37 +41,23 @@ CONFIDENCE = 0.95
 
 @dataclass
 class TauSample:
-    """Per-prompt greedy DFlash results: committed tokens (tau numerators) and steps, and each
-    prompt's answer so far (what a later look continues from)."""
+    """Per-prompt greedy DFlash results: committed tokens (tau numerators) and steps."""
 
     committed: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
-    outputs: list[list[int]] = field(default_factory=list)
 
-    def add(self, committed: int, steps: int, drafted: int, accepted: int, output: list[int] | None = None) -> None:
+    def add(self, committed: int, steps: int, drafted: int, accepted: int) -> None:
         self.committed.append(committed)
         self.steps.append(steps)
         self.drafted += drafted
         self.accepted += accepted
-        self.outputs.append(list(output or []))
-
-    def extend(self, more: TauSample) -> None:
-        """`more` decoded this sample's prompts further, in the same order (each continued from its
-        answer so far): each prompt's steps and tokens add up, its answer grows."""
-        if more.n != self.n:
-            raise ValueError(f"a continuation must cover the same {self.n} prompts, got {more.n}")
-        self.committed = [a + b for a, b in zip(self.committed, more.committed)]
-        self.steps = [a + b for a, b in zip(self.steps, more.steps)]
-        self.drafted += more.drafted
-        self.accepted += more.accepted
-        self.outputs = [a + b for a, b in zip(self.outputs, more.outputs)]
 
     def append(self, more: TauSample) -> None:
-        """`more`'s prompts (new ones) join this sample."""
-        for i in range(more.n):
-            self.add(more.committed[i], more.steps[i], 0, 0, more.outputs[i])
+        """`more`'s prompts (a later look's wave) join this sample."""
+        self.committed += more.committed
+        self.steps += more.steps
         self.drafted += more.drafted
         self.accepted += more.accepted
 
@@ -161,19 +147,17 @@ def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_to
         batched = unsupported_reason(target, draft) is None
     with tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress, file=sys.stderr) as bar:
         if batched:
-            results = _batched_stats(target, draft, prompt_ids, params, speculation, lambda: bar.update(1))
+            stats = _batched_stats(target, draft, prompt_ids, params, speculation, lambda: bar.update(1))
         else:
             from dflash_trt.runtime.generate import dflash_generate
 
-            results = []
+            stats = []
             for ids in prompt_ids:
-                results.append(dflash_generate(draft, target, ids, params, speculation))
+                stats.append(dflash_generate(draft, target, ids, params, speculation).stats)
                 bar.update(1)
     sample = TauSample()
-    for r in results:
-        s = r.stats
-        sample.add(sum(s.acceptance_lengths), s.num_steps, s.total_draft_tokens, s.total_accepted_draft_tokens,
-                   r.output_ids)
+    for s in stats:
+        sample.add(sum(s.acceptance_lengths), s.num_steps, s.total_draft_tokens, s.total_accepted_draft_tokens)
     return sample
 
 
@@ -186,7 +170,7 @@ CPU_VERIFY_CHUNK = 4
 def _batched_stats(target: Any, draft: Any, prompt_ids: list[list[int]], params: Any, speculation: Any,
                    on_done: Any) -> list[Any]:
     """Every prompt decoded together on the batched runtime with the fixed policy (K every step);
-    a GenerationResult per prompt (its answer and stats), in prompt order. Eager passes: capturing CUDA graphs for one pass
+    GenerationStats per prompt, in prompt order. Eager passes: capturing CUDA graphs for one pass
     over the sample would cost more than it saves."""
     import torch
 
@@ -203,7 +187,7 @@ def _batched_stats(target: Any, draft: Any, prompt_ids: list[list[int]], params:
         while runtime.has_work():
             for _ in runtime.step():
                 on_done()
-    return [s.result for s in seqs]
+    return [s.result.stats for s in seqs]
 
 
 def _fmt(s: TauSample) -> str:
@@ -246,8 +230,7 @@ def gate_record(before: TauSample, after: TauSample, verdict: Look, max_drop: fl
             "decision": "inconclusive" if verdict.decision == "continue" else verdict.decision,
             "accepted_by_flag": False, "look": verdict.look, "planned_looks": design.looks,
             "alpha_each_side": design.alpha,
-            "method": f"paired by prompt, ratio estimator, delta method, Student t; {design.describe()} "
-                      "(Pocock-type alpha spending, union bound over looks)"}
+            "method": f"paired by prompt, ratio estimator, delta method, log scale, Student t; {design.describe()}"}
 
 
 FAIL_FIX = "choose a milder recipe (recipe mlp-only, keep_layers), --quant fp8, or pass --accept-tau-drop to keep the engine"
