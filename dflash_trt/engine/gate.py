@@ -276,7 +276,7 @@ def decide(before: TauSample, after: TauSample, quant: str, max_drop: float, acc
     """The gate's decision on one look at 95% (a design of one look): its record; DFlashError when the
     drop is not shown to be within `max_drop`, unless `accept_drop`. `prompts_left`: the prompt
     source has prompts this sample left out (what an inconclusive verdict advises)."""
-    design = SequentialDesign(1)
+    design = SequentialDesign.equal(1)
     record = gate_record(before, after, judge(before, after, max_drop, design, 1), max_drop, min_tau, design)
     more = ("decode more prompts (--gate-prompts) or longer answers (--gate-tokens) to narrow the interval"
             if prompts_left else
