@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 
-from dflash_trt.engine.gate import TauSample, drop_estimate, judge_drop
+from dflash_trt.engine.gate import TauSample, drop_estimate, drop_interval, judge_drop
 from dflash_trt.engine.sequential import SequentialDesign, boundaries, decide_look, spending, t_cdf, t_quantile
 
 SEGMENT = 96  # tokens a look adds to every answer
@@ -203,3 +203,18 @@ def test_drop_estimate_is_the_paired_delta_method():
         after.add(c2, s, 0, 0)
     drop, se, df = drop_estimate(before, after)
     assert drop == pytest.approx(1 - 105 / 115) and df == 3 and se > 0
+
+
+def test_the_interval_is_symmetric_on_the_log_scale():
+    """-ln(tau_after / tau_before) +- t se / q: on the drop's own scale the upper end lies further
+    from the estimate than the lower one (the ratio's law is skewed that way)."""
+    before, after = TauSample(), TauSample()
+    for c, c2 in ((30, 27), (20, 19), (40, 34), (25, 25), (33, 28), (28, 27)):
+        before.add(c, 10, 0, 0)
+        after.add(c2, 10, 0, 0)
+    drop, lo, hi = drop_interval(before, after)
+    _, se, df = drop_estimate(before, after)
+    half = t_quantile(0.975, df) * se / (1 - drop)
+    assert (lo, hi) == (pytest.approx(1 - math.exp(math.log(1 - drop) + half)),
+                        pytest.approx(1 - math.exp(math.log(1 - drop) - half)))
+    assert hi - drop > drop - lo > 0
