@@ -206,8 +206,9 @@ def test_drop_estimate_is_the_paired_delta_method():
 
 
 def test_the_interval_is_symmetric_on_the_log_scale():
-    """-ln(tau_after / tau_before) +- t se / q: on the drop's own scale the upper end lies further
-    from the estimate than the lower one (the ratio's law is skewed that way)."""
+    """-ln(tau_after / tau_before) +- t se / q: on the drop's own scale the upper end lies closer to
+    the estimate than the lower one (the ratio's law is skewed that way; an interval symmetric in the
+    drop passed a drop at the limit 2.0% and failed it 2.9% of the time, simulated)."""
     before, after = TauSample(), TauSample()
     for c, c2 in ((30, 27), (20, 19), (40, 34), (25, 25), (33, 28), (28, 27)):
         before.add(c, 10, 0, 0)
@@ -217,4 +218,4 @@ def test_the_interval_is_symmetric_on_the_log_scale():
     half = t_quantile(0.975, df) * se / (1 - drop)
     assert (lo, hi) == (pytest.approx(1 - math.exp(math.log(1 - drop) + half)),
                         pytest.approx(1 - math.exp(math.log(1 - drop) - half)))
-    assert hi - drop > drop - lo > 0
+    assert drop - lo > hi - drop > 0
