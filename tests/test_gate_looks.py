@@ -178,3 +178,16 @@ def test_a_look_predicted_past_the_budget_is_not_started(never_decides, monkeypa
     loader = _Loader(target, _perturbed(target))
     looks.go_on(_start(looks, loader))
     assert looks.stopped == "looks" and len(looks.looks) == 2
+
+
+def test_looks_taken_with_prompts_left_in_the_source_name_how_many_looks_more(never_decides):
+    """The build hands the gate the prompts its planned looks can take, and how many the source has."""
+    target, draft, pool = _pair_and_pool(8)
+    loader = _Loader(target, _perturbed(target))
+    looks = GateLooks(GatePlan(wave=4, tokens=6, looks=2, budget_s=1e9, limit=0.10), pool, draft, progress=False,
+                      source_prompts=156)
+    looks.go_on(_start(looks, loader))
+    assert looks.stopped == "looks"
+    with pytest.raises(DFlashError, match=r"all 2 planned looks were taken; buy more evidence with --gate-looks 4 "
+                                          r"\(gate.max_looks: the 148 prompts left, 4 a look\)"):
+        verdict_record(looks, "fp8", 1.0, False, lambda msg: None)

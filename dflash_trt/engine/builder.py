@@ -289,9 +289,9 @@ def default_name(p: Prepared) -> str:
 
 
 def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool
-                              ) -> tuple[list[list[int]], list[list[int]]]:
-    """Calibration ids and the gate's prompt ids: its first look's `gate.num_prompts`, then as many
-    more of its source as its later looks can decode in waves (engine/gate_looks.py)."""
+                              ) -> tuple[list[list[int]], list[list[int]], int]:
+    """Calibration ids, the gate's prompt ids (its first look's `gate.num_prompts`, then as many more
+    as its later looks can decode in waves: engine/gate_looks.py) and how many its source has."""
     from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
 
     spec = p.spec
@@ -300,6 +300,7 @@ def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool
         prompts = load_calibration_prompts(spec.calibration.prompts, spec.calibration.num_samples, split="train")
         calib = encode_prompts(tokenizer, prompts, p.arch.vocab_size, spec.calibration.max_length)
     gate: list[list[int]] = []
+    available: list[str] = []
     if gate_on:
         available = load_calibration_prompts(spec.gate.prompts, sys.maxsize, split="held-out")
         if len(available) < spec.gate.num_prompts and "num_prompts" in spec.gate.model_fields_set:
@@ -311,7 +312,7 @@ def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool
         if len(gate) < 2:
             raise DFlashError(f"the acceptance gate needs at least 2 prompts for an interval, got {len(gate)}; "
                               "give more gate prompts")
-    return calib, gate
+    return calib, gate, len(available)
 
 
 @dataclass
@@ -406,9 +407,9 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                            f"{p.dtype_name}, several times faster where {p.dtype_name} is not native)"
                            if run.compute != dtype else ""))
                 models = load_models(p, run.dtype, device, run.compute)
-                calib_ids, gate_ids = _gate_and_calibration_ids(p, models.tokenizer, gate_on)
+                calib_ids, gate_ids, source_prompts = _gate_and_calibration_ids(p, models.tokenizer, gate_on)
             if gate_on:
-                looks = _gate_looks(run, models.draft, gate_ids)
+                looks = _gate_looks(run, models.draft, gate_ids, source_prompts)
                 with prof.phase("tau_before"):
                     looks.decode("before", models.target)
                 acceptance = _before_verdict(run, looks.before)
@@ -467,13 +468,13 @@ def _import_quantizer(quant: str) -> Any:
     return quantize_and_export
 
 
-def _gate_looks(run: BuildRun, draft: Any, gate_ids: list[list[int]]) -> Any:
+def _gate_looks(run: BuildRun, draft: Any, gate_ids: list[list[int]], source_prompts: int) -> Any:
     """The gate's looks over its prompts (engine/gate_looks.GateLooks), as the spec plans them."""
     from dflash_trt.engine.gate_looks import GateLooks, GatePlan
 
     g = run.p.spec.gate
     plan = GatePlan(g.num_prompts, g.max_new_tokens, g.max_looks, g.budget_s, g.max_tau_drop, run.p.max_draft_len)
-    return GateLooks(plan, gate_ids, draft, run.progress, run.say)
+    return GateLooks(plan, gate_ids, draft, run.progress, run.say, source_prompts)
 
 
 def _before_verdict(run: BuildRun, before: Any) -> dict[str, Any]:

@@ -90,14 +90,15 @@ class ModelSlot:
 
 @dataclass
 class GateLooks:
-    """The gate's samples, look by look. `pool`: the prompts of the gate's source (token ids), in
-    the order its looks take them."""
+    """The gate's samples, look by look. `pool`: the prompts its planned looks can take (token ids),
+    in the order they take them; `source_prompts`: how many its source has (default: the pool)."""
 
     plan: GatePlan
     pool: list[list[int]]
     draft: Any
     progress: bool = True
     say: Callable[[str], None] = lambda msg: None
+    source_prompts: int = 0
     design: SequentialDesign = field(init=False)
     before: TauSample = field(default_factory=TauSample)
     after: TauSample = field(default_factory=TauSample)
@@ -110,6 +111,7 @@ class GateLooks:
 
     def __post_init__(self) -> None:
         self.design = self.plan.design(len(self.pool))
+        self.source_prompts = max(self.source_prompts, len(self.pool))
 
     @property
     def look(self) -> int:
@@ -180,11 +182,12 @@ class GateLooks:
                     f"~{self.next_look_s:.0f} s more); buy more evidence with --gate-budget {_round_up(need)} "
                     f"(the {left} look{'s' if left > 1 else ''} left)")
         if self.stopped == "prompts":
-            return (f"every one of the {len(self.pool)} gate prompts was decoded; buy more evidence with more "
+            return (f"every one of the {self.source_prompts} gate prompts was decoded; buy more evidence with more "
                     "prompts in gate.prompts (a JSONL/JSON/TXT file in the build spec)")
         taken = f"all {p.looks} planned looks were" if p.looks > 1 else "the one planned look was"
-        more = len(self.pool) - self.before.n
-        return (f"{taken} taken; buy more evidence with --gate-looks {p.looks + math.ceil(more / p.wave)} (gate.max_looks: "
+        more = self.source_prompts - self.before.n
+        suggest = min(2 * p.looks, p.looks + math.ceil(more / p.wave))
+        return (f"{taken} taken; buy more evidence with --gate-looks {suggest} (gate.max_looks: "
                 f"the {more} prompts left, {p.wave} a look) and a --gate-budget to match" if more > 0 else
                 f"{taken} taken and every gate prompt decoded; buy more evidence with more prompts in gate.prompts")
 
