@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "dflash_trt.serving.cli",
     "dflash_trt.deploy.cli",
     "dflash_trt.bench.cli",
+    "dflash_trt.drafter_cli",
 )
 
 

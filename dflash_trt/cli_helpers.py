@@ -1,5 +1,5 @@
-"""What every command module shares: the error contract, JSON output, and the flags that must
-mean the same on every command (``--max-draft-len``, ``--policy``).
+"""What every command module shares: the error contract, JSON output, the flags that must mean the
+same on every command (``--max-draft-len``, ``--policy``) and the comma-separated list flags.
 
 The command modules (``dflash_trt/cli.py``, ``generation_cli.py`` and each area's ``cli.py``)
 import this; nothing below the command layer does.
@@ -52,6 +52,26 @@ def max_draft_len_option(help: str = MAX_DRAFT_LEN_HELP) -> Callable[[Callable[.
 def policy_option(default: str | None, help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return click.option("--policy", type=click.Choice(POLICIES), default=default, show_default=default is not None,
                         help=help)
+
+
+def int_list(example: str) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:
+    """A click callback for a comma-separated integer flag: "1,2,4" -> [1, 2, 4], not given -> None,
+    anything else one line naming the flag, the value and `example`."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+        if value is None:
+            return None
+        try:
+            return [int(x) for x in value.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{value!r} is not a list of comma-separated integers, e.g. {example}") from None
+
+    return parse
+
+
+def str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    """A click callback for a comma-separated name flag: " a, b," -> ["a", "b"], not given -> None."""
+    return None if value is None else [x.strip() for x in value.split(",") if x.strip()]
 
 
 def _quiet_library_bars(ctx: click.Context, param: click.Parameter, no_progress: bool) -> bool:

@@ -158,23 +158,35 @@ def _full_message(path: Path, needed_bytes: int | None, what: str) -> str:
             "free space there or choose another location")
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it (mode: the umask's)."""
+@contextlib.contextmanager
+def atomic_file(path: str | Path, what: str | None = None, needed_bytes: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside `path` for the caller to write; when the block ends without an
+    exception the file gets the umask's mode (not tempfile's 0600) and is renamed over `path`,
+    otherwise it is removed and `path` is untouched. Every artifact file is written through here;
+    a failure to write is one line naming `what` (default: the file's name), see :func:`io_errors`."""
     path = Path(path)
-    with io_errors(path, len(text.encode("utf-8")), what=path.name):
+    with io_errors(path, needed_bytes, what=what or path.name):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            apply_umask(Path(tmp))
+            yield tmp
+            apply_umask(tmp)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+                tmp.unlink()
             raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """`text` into `path` through :func:`atomic_file`, fsync'ed before the rename."""
+    data = text.encode("utf-8")
+    with atomic_file(path, needed_bytes=len(data)) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

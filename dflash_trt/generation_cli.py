@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from dflash_trt.cli_helpers import emit_json, friendly_errors, max_draft_len_option, policy_option
+from dflash_trt.runtime_options import DTYPE_CHOICES
 
 
 @click.command("generate")
@@ -33,14 +34,15 @@ from dflash_trt.cli_helpers import emit_json, friendly_errors, max_draft_len_opt
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, statistics).")
 @click.option("--compare/--no-compare", default=False, show_default=True,
               help="Also run plain decoding on the same prompt and report the speedup.")
-@click.option("--dtype", default="float32", show_default=True, help="float32 | bfloat16 | float16")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
+              help="Weights dtype (auto: bfloat16 where the device multiplies it natively, else float32).")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickle weight files (they can run code).")
 @friendly_errors
 def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_dir: str | None, tiny: bool,
              max_new_tokens: int, temperature: float, top_p: float, seed: int, max_draft_len: int | None,
              policy: str, raw: bool, as_json: bool, compare: bool, dtype: str, allow_pickle: bool) -> None:
     """Generate text for PROMPT with DFlash and print it with acceptance statistics."""
-    from dflash_trt.pairs import resolve_pair
+    from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime.batched import batched_generate
     from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
     from dflash_trt.runtime.tokens import check_text
@@ -49,8 +51,10 @@ def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_
     # the prompt and the sampling parameters are checked before anything is loaded
     check_text(prompt)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    pair = resolve_pair(target_dir, draft_dir, engine_dir=engine_dir, tiny=tiny, dtype=dtype, allow_pickle=allow_pickle,
-                        max_draft_len=max_draft_len, policy=policy)
+    from dflash_trt.runtime_options import RuntimeOptions
+
+    source = PairSource(target_dir, draft_dir, engine=engine_dir, tiny=tiny, allow_pickle=allow_pickle)
+    pair = load_pair(source, RuntimeOptions(dtype=dtype), max_draft_len=max_draft_len, policy=policy)
     ids = pair.codec.encode(prompt, raw=raw)
     pair.codec.check_room(ids, max_new_tokens)  # an engine's max_seq_len bounds prompt + output
     params = params.with_stop_token_ids(pair.codec.stop_token_ids)

@@ -36,6 +36,16 @@ from typing import Any
 PERCENTILES = (50, 90, 99)
 
 
+def time_per_output_token(first_to_end_s: float, num_output_tokens: int) -> float:
+    """``tpot_s``: (end - first token) / (output tokens - 1); 0 below two tokens (no gap to time)."""
+    return first_to_end_s / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0
+
+
+def tokens_per_second(num_output_tokens: int, request_s: float) -> float:
+    """``tokens_per_s`` of one request: output tokens / (end - start); 0 for an untimed request."""
+    return num_output_tokens / request_s if request_s > 0 else 0.0
+
+
 @dataclass
 class GenerationStats:
     """Per-request statistics of one generation (DFlash or plain decoding)."""
@@ -85,12 +95,11 @@ class GenerationStats:
 
     @property
     def tpot_s(self) -> float:
-        n = self.num_output_tokens
-        return (self.total_time_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
+        return time_per_output_token(self.total_time_s - self.ttft_s, self.num_output_tokens)
 
     @property
     def tokens_per_s(self) -> float:
-        return self.num_output_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+        return tokens_per_second(self.num_output_tokens, self.total_time_s)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

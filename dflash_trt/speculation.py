@@ -20,10 +20,30 @@ The vocabulary (the same letters in code, CLI help, manifest, README):
   - ``adaptive``: the batched runtime picks k per step from measured step costs and running
     acceptance, among candidates 0, 1, 3, 7, ... capped at K (runtime/policy.py), so that sharing
     passes never makes DFlash slower than plain decoding. Serving opts into it.
+  - ``schedule``: k = the **draft-length schedule**'s value at the step's batch size
+    (``schedule``, a :class:`~dflash_trt.draft_len_schedule.DraftLenSchedule`: TensorRT-LLM's
+    ``draft_len_schedule``, 0 = plain decoding above its largest batch size), what a node running
+    the engine's ``llm_api_options.yaml`` does.
+
+- **draft method** (``draft_method``): what a step drafts and how it is verified when it
+  samples (temperature > 0; at temperature 0 every method drafts the argmax and accepts the
+  longest exact match, which is what they all reduce to). All three are lossless:
+  - ``match``: argmax drafts, exact-match acceptance against the target's own samples (April's
+    z-lab, TensorRT-LLM's default, this project's default);
+  - ``greedy``: argmax drafts verified by rejection sampling with a one-hot q (z-lab PR #169,
+    vLLM's ``draft_sample_method: greedy``). Step by step the same distribution of accepted
+    counts and tokens as ``match`` (accept x with probability p(x), else draw from p without x);
+    only the random numbers are drawn differently;
+  - ``probabilistic``: drafts sampled from the drafter's own distribution q and verified by
+    rejection sampling against it (z-lab 0.1.0, vLLM's ``probabilistic``): DFlash v1 samples each
+    slot independently from its tempered/nucleus logits, DFlash2's selector samples its walk
+    from softmax(scores / T) over its top-k candidates.
+  runtime/rejection.py holds the test; runtime/generate.py picks by this setting.
 
 At the end of a request's budget a step still drafts and verifies its k tokens and only what it
-commits is capped (z-lab's reference and vLLM do the same), so every step's acceptance equals
-that of the same request with a larger budget.
+commits is capped (vLLM does the same; z-lab 0.1.0 shortens its last blocks instead, see
+tests/test_zlab_oracle.py), so every step's acceptance equals that of the same request with a
+larger budget.
 """
 
 from __future__ import annotations
@@ -31,22 +51,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dflash_trt.draft_len_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashError
 
-Policy = Literal["adaptive", "fixed"]
-POLICIES: tuple[str, ...] = ("adaptive", "fixed")
+Policy = Literal["adaptive", "fixed", "schedule"]
+POLICIES: tuple[str, ...] = ("adaptive", "fixed", "schedule")
 FIXED: Policy = "fixed"
 ADAPTIVE: Policy = "adaptive"
+SCHEDULE: Policy = "schedule"
+
+DraftMethod = Literal["match", "greedy", "probabilistic"]
+DRAFT_METHODS: tuple[str, ...] = ("match", "greedy", "probabilistic")
+MATCH: DraftMethod = "match"
+GREEDY_DRAFTS: DraftMethod = "greedy"
+PROBABILISTIC: DraftMethod = "probabilistic"
+
+
+def samples_drafts(method: str) -> bool:
+    """Whether drafts are drawn from the drafter's q (at temperature > 0) rather than its argmax."""
+    return method == PROBABILISTIC
+
+
+def rejection_verified(method: str) -> bool:
+    """Whether a sampled step verifies by rejection sampling (else by exact match)."""
+    return method != MATCH
 
 
 @dataclass(frozen=True)
 class SpeculationSettings:
-    """B, K and the policy of one runtime (see the module docstring). Validated when built:
-    a K outside 1..B-1 or an unknown policy is a DFlashError naming the flag and the fix."""
+    """B, K, the policy and the draft method of one runtime (see the module docstring). Validated
+    when built: a K outside 1..B-1, an unknown policy or method is a DFlashError naming the fix."""
 
     block_size: int  # B
     max_draft_len: int  # K
     policy: Policy = FIXED
+    draft_method: DraftMethod = MATCH
+    schedule: DraftLenSchedule | None = None  # k by batch size (policy schedule; TensorRT-LLM's draft_len_schedule)
 
     def __post_init__(self) -> None:
         B, K = self.block_size, self.max_draft_len
@@ -57,13 +97,21 @@ class SpeculationSettings:
                               f"drafter's block holds the anchor plus B-1 drafts; choose K in 1..{B - 1}")
         if self.policy not in POLICIES:
             raise DFlashError(f"--policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.draft_method not in DRAFT_METHODS:
+            raise DFlashError(f"draft method {self.draft_method!r} is not one of {', '.join(DRAFT_METHODS)}")
+        if self.schedule is not None:
+            self.schedule.check_against(K)
+        elif self.policy == SCHEDULE:
+            raise DFlashError("--policy schedule follows a draft-length schedule and none is given: pass "
+                              "--draft-len-schedule (e.g. 4:7,16:3) or serve an engine whose build recorded one")
 
     @classmethod
-    def for_block(cls, block_size: int, max_draft_len: int | None = None, policy: str | None = None
-                  ) -> "SpeculationSettings":
-        """Settings for a drafter of block `block_size`: K defaults to B-1, the policy to fixed."""
+    def for_block(cls, block_size: int, max_draft_len: int | None = None, policy: str | None = None,
+                  draft_method: str | None = None) -> "SpeculationSettings":
+        """Settings for a drafter of block `block_size`: K defaults to B-1, the policy to fixed,
+        the draft method to match."""
         K = block_size - 1 if max_draft_len is None else int(max_draft_len)
-        return cls(int(block_size), K, policy or FIXED)  # type: ignore[arg-type]
+        return cls(int(block_size), K, policy or FIXED, draft_method or MATCH)  # type: ignore[arg-type]
 
     @classmethod
     def from_manifest(cls, manifest: Any, max_draft_len: int | None = None, policy: str | None = None
@@ -85,4 +133,8 @@ class SpeculationSettings:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"block_size": self.block_size, "max_draft_len": self.max_draft_len, "policy": self.policy}
+        out = {"block_size": self.block_size, "max_draft_len": self.max_draft_len, "policy": self.policy,
+               "draft_method": self.draft_method}
+        if self.schedule is not None:  # only where one is set: records without one read as before
+            out["draft_len_schedule"] = self.schedule.to_mapping()
+        return out

@@ -51,7 +51,7 @@ BUILDS = {
 GATE = ["--gate-prompts", "2", "--gate-tokens", "8", "--min-tau", "1.0", "--calib-size", "4",
         "--calib-max-length", "64"]
 BASELINE = ("import torch, transformers, modelopt.torch.quantization, modelopt.torch.export, accelerate; "
-            "from dflash_trt.engine.builder import peak_rss_mib; print(peak_rss_mib())")
+            "from dflash_trt.process import peak_rss_mib; print(peak_rss_mib())")
 
 
 def make_pair(root: Path, size: str) -> tuple[Path, Path, int]:

@@ -48,7 +48,7 @@ def main(num_prompts: int, max_new_tokens: int, threads: int, max_draft_len: int
     from dflash_trt.runtime import panel_gemm
     from dflash_trt.runtime.cpu_packing import KERNELS, PackedCPULinear, pack_weight, packed_bytes, repack, set_packed
     from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
-    from dflash_trt.runtime.loading import load_pair
+    from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime.tokens import TextCodec
     from dflash_trt.sampling_params import SamplingParams
     from dflash_trt.speculation import SpeculationSettings
@@ -56,7 +56,7 @@ def main(num_prompts: int, max_new_tokens: int, threads: int, max_draft_len: int
     @friendly_errors
     def run() -> None:
         torch.set_num_threads(threads)
-        pair = load_pair(*default_pair_dirs())
+        pair = load_pair(PairSource(*default_pair_dirs()))
         models = (pair.target, pair.draft)
         layers = [m for m in pair.target.modules() if isinstance(m, PackedCPULinear)]
         if not layers:

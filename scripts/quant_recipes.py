@@ -316,7 +316,7 @@ def main(**options: Any) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.compute_dtype == "auto":
-        from dflash_trt.runtime.loading import compute_dtype
+        from dflash_trt.runtime_options import compute_dtype
 
         COMPUTE["dtype"] = compute_dtype(getattr(torch, args.dtype), "cpu")
     else:

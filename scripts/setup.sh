@@ -28,3 +28,6 @@ pip_install -e ".[all]"
 # this CPU runs (x86-64-v4 and v3 on AVX-512, v3 on AVX2; ~20 s each) into the same cache; the tests
 # check every one. Where it cannot be built the runtime says why and uses oneDNN.
 "$VENV/bin/python" -m dflash_trt.runtime.panel_gemm
+# The reference implementations the tests compare against (z-lab's dflash, speculators), each in
+# its own --no-deps directory of the same cache, never .venv (scripts/oracles.txt).
+PYTHON="$VENV/bin/python" bash scripts/setup_oracles.sh

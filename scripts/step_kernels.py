@@ -19,8 +19,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dflash_trt.embedded import pair_dirs_or_default
-from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest
-from dflash_trt.runtime.loading import load_pair
+from dflash_trt.pairs import PairSource, load_pair
+from dflash_trt.runtime.batched import SequenceRequest
+from dflash_trt.runtime.opener import open_runtime
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 
 
@@ -35,7 +37,8 @@ PROMPT = list(range(100, 132))
 def step_kernels(target, device: torch.device, torch_compile: bool) -> dict:
     """One eager plain step's kernels, then a plain decode of 64 tokens with static shapes (CUDA
     graphs on a GPU): its median step time and its tokens."""
-    rt = BatchedRuntime(target, None, max_batch=1, max_seq_len=256, cuda_graphs=False, torch_compile=torch_compile)
+    options = RuntimeOptions(max_batch=1, max_seq_len=256, cuda_graphs=False, torch_compile=torch_compile)
+    rt = open_runtime(target, None, options, choice="batched")
     rt.add(SequenceRequest(PROMPT, SamplingParams(max_tokens=64)))
     t = time.perf_counter()
     for _ in range(4):  # prefill + steps: compiles every shape class a plain step meets
@@ -50,7 +53,7 @@ def step_kernels(target, device: torch.device, torch_compile: bool) -> dict:
         names = [e.name for e in prof.events()
                  if e.name.startswith("aten::") and e.cpu_parent is None and e.name not in VIEWS]
     t = time.perf_counter()
-    graphed = BatchedRuntime(target, None, max_batch=1, max_seq_len=256, cuda_graphs=True, torch_compile=torch_compile)
+    graphed = open_runtime(target, None, options.replace(cuda_graphs=True), choice="batched")
     startup_s = time.perf_counter() - t
     seq = graphed.add(SequenceRequest(PROMPT, SamplingParams(max_tokens=64)))
     graphed.step()  # prefill
@@ -78,7 +81,8 @@ def main() -> None:
         target = tiny_target("llama", vocab_size=256, seed=0).to(device=device, dtype=getattr(torch, args.dtype))
     else:
         target_dir, draft_dir = pair_dirs_or_default(args.target, None)
-        target = load_pair(target_dir, draft_dir, dtype=args.dtype, device=args.device, pack=False).target
+        options = RuntimeOptions(dtype=args.dtype, device=args.device, pack=False)
+        target = load_pair(PairSource(target_dir, draft_dir), options).target
     rows = [step_kernels(target, device, c) for c in (False, True)]  # eager first: compiling is one-way
     same = rows[0].pop("tokens") == rows[1].pop("tokens")
     print(json.dumps({"device": args.device, "dtype": args.dtype, "compiled_tokens_equal_eager": same, "steps": rows}))

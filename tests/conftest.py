@@ -20,6 +20,8 @@ INTEGRATION_MODULES = {
     "test_triton_cli", "test_bench_endpoint", "test_launch_ready",
     # transformers 4.57 installed from the package index into the cache; the Dockerfile's pip commands
     "test_transformers_generations", "test_container_install", "test_engine_from_anywhere",
+    # speculators 0.9.0's config and model classes, in a child process (tests/oracles.py installs them)
+    "test_speculators_configs",
 }
 
 

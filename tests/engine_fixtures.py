@@ -138,13 +138,13 @@ def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: fl
                      raw: bool = False) -> str:
     """The text the reference runtime gives for `prompt` (one user turn through the chat template;
     `raw`: the bare text, as OpenAI's /v1/completions sends it), computed without the serving code."""
-    from dflash_trt.engine.loader import load_engine
+    from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime.generate import dflash_generate
     from dflash_trt.runtime.target import TargetAdapter
     from dflash_trt.runtime.tokens import TextCodec
 
     if "pair" not in _ENGINES or _ENGINES.get("pair_of") != engine:
-        pair = load_engine(engine)
+        pair = load_pair(PairSource(engine=engine))
         _ENGINES["pair"], _ENGINES["pair_of"] = (pair, TargetAdapter(pair.target)), engine  # type: ignore[assignment]
     pair, target = _ENGINES["pair"]  # type: ignore[misc]
     codec = TextCodec.of_pair(pair)

@@ -23,10 +23,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest
+from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest
 from dflash_trt.runtime.policy import AdaptivePolicy, Decision
+from dflash_trt.runtime.policy_calibration import calibrate
 from dflash_trt.runtime.scheduling import prefill_runs
 from dflash_trt.runtime.step_shapes import GRAPH_WIDTH_BASE, StepShapes, row_buckets
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 
 from tests.test_batched_runtime import PROMPTS, _pair
@@ -61,13 +63,14 @@ def test_every_shape_is_captured_at_start_up_and_a_run_captures_none():
     budgets = [20, 12, 30, 25, 16]
     ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(LONG, budgets)]
     policy = AdaptivePolicy(draft.block_size)
-    rt = BatchedRuntime(target, draft, max_batch=5, max_seq_len=300, policy=policy, cuda_graphs=True)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=5, max_seq_len=300, cuda_graphs=True),
+                        None, RuntimeExtras(policy=policy)).start()
     keys = rt.shapes.keys(policy.draft_lengths(rt.max_draft_len))
     assert rt.graphs.keys == set(keys) and rt.graphs.counters.captured == len(keys)
     assert {k[3] for k in keys} == {128, 256, 304}  # widths: 128 x 2^i, the cache's end (300 + 4)
     with pytest.raises(RuntimeError, match="after start-up"):
         rt.graphs.capture(("verify", 1, 0, 7), lambda t: (t,), torch.zeros(1))
-    rt.calibrate([1, 5], reps=1)
+    calibrate(rt, [1, 5], reps=1)
     handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=m))) for p, m in zip(LONG, budgets)]
     rt.run()
     assert [h.result.output_ids for h in handles] == ref
@@ -99,8 +102,8 @@ class _HostReads(TorchDispatchMode):
 @pytest.mark.parametrize("static", [True, False], ids=["static", "eager"])
 def test_a_step_syncs_once_and_uploads_one_table(static):
     target, draft = _pair("qwen3", seed=14)
-    rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, policy=AdaptivePolicy(draft.block_size),
-                        cuda_graphs=static)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=static),
+                        None, RuntimeExtras(policy=AdaptivePolicy(draft.block_size))).start()
     for p, m in zip(PROMPTS[:3], [14, 9, 20]):
         rt.add(SequenceRequest(p, SamplingParams(max_tokens=m)))
     steps = 0
@@ -144,7 +147,8 @@ class _Alternating:
 def test_policy_costs_come_from_replayed_steps_only():
     target, draft = _pair("llama", seed=15)
     policy = _Alternating()
-    rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64, policy=policy, cuda_graphs=True)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64, cuda_graphs=True),
+                        None, RuntimeExtras(policy=policy)).start()
     rt.add(SequenceRequest(PROMPTS[4], SamplingParams(max_tokens=25)))
     replayed_only: list[bool] = []  # per decoding step: every pass replayed (no prefill, no catch-up)
     while rt.has_work():

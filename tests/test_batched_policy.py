@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
+from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate
 from dflash_trt.runtime.policy import (AdaptivePolicy, CostTable, Decision, FixedPolicy, default_candidates,
                                        make_policy)
+from dflash_trt.runtime.policy_calibration import calibrate
 from dflash_trt.runtime.tiny import random_draft, tiny_target
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import SpeculationSettings
 
@@ -101,8 +103,9 @@ def test_calibration_measures_every_candidate_and_leaves_the_runtime_idle():
     target = tiny_target("qwen3", seed=2)
     draft = random_draft(target.config, block_size=4, seed=2)
     policy = AdaptivePolicy(4)
-    rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=128, policy=policy)
-    rt.calibrate([1, 4], reps=1)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=4, max_seq_len=128),
+                        None, RuntimeExtras(policy=policy)).start()
+    calibrate(rt, [1, 4], reps=1)
     assert not rt.has_work() and rt.policy is policy
     for k in policy.candidates:
         assert set(policy.costs.table[k]) == {1, 4} and all(s > 0 for s in policy.costs.table[k].values())
@@ -118,7 +121,8 @@ def test_online_costs_follow_measurements():
     target = tiny_target("llama", seed=3)
     draft = random_draft(target.config, block_size=4, seed=3)
     policy = AdaptivePolicy(4, costs=_costs(lambda n, k: 1e-9, ks=(0, 1, 3)))  # absurdly cheap prior
-    rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64, policy=policy)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64),
+                        None, RuntimeExtras(policy=policy)).start()
     for p in PROMPTS[:2]:
         rt.add(SequenceRequest(p, SamplingParams(max_tokens=20)))
     rt.run()
@@ -253,7 +257,8 @@ def test_drafting_steps_that_catch_the_drafter_up_are_not_timed():
     target = tiny_target("llama", seed=4)
     draft = random_draft(target.config, block_size=4, seed=4)
     policy = _Recorder()
-    rt = BatchedRuntime(target, draft, max_batch=1, max_seq_len=64, policy=policy)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=1, max_seq_len=64),
+                        None, RuntimeExtras(policy=policy)).start()
     rt.add(SequenceRequest([1, 2, 3, 4, 5], SamplingParams(max_tokens=14)))
     rt.run()
     ks = policy.chosen

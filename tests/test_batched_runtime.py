@@ -10,10 +10,12 @@ import torch
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime import DFlashDraftModel, autoregressive_generate, dflash_generate
-from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate, unsupported_reason
+from dflash_trt.runtime.batched import (BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate,
+                                        unsupported_reason)
 from dflash_trt.runtime.draft_model import make_draft_config
 from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
 from dflash_trt.runtime.tiny import random_draft, tiny_target
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import SpeculationSettings
 
@@ -85,7 +87,8 @@ def test_unseeded_sampled_rows_share_one_draw_and_land_on_their_own_rows():
     seeded = dflash_generate(draft, target, PROMPTS[1], SamplingParams(max_tokens=BUDGETS[1], temperature=0.9, seed=5)).output_ids
     temps = [1e-6, 0.9, 0.0, 1e-6, 1e-6, 0.0]  # rows 0, 3, 4 unseeded; row 1 seeded; rows 2, 5 greedy
     top_ps = [1.0, 1.0, 1.0, 0.5, 1.0, 1.0]  # two unseeded groups: (1e-6, 1.0) and (1e-6, 0.5)
-    rt = BatchedRuntime(target, draft, max_batch=6, max_seq_len=64, policy=FixedPolicy(draft.block_size - 1))
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=6, max_seq_len=64),
+                        None, RuntimeExtras(policy=FixedPolicy(draft.block_size - 1))).start()
     handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=m, temperature=t, top_p=tp, seed=5 if i == 1 else None)))
                for i, (p, m, t, tp) in enumerate(zip(PROMPTS, BUDGETS, temps, top_ps))]
     rt.run()
@@ -123,14 +126,15 @@ class BatchedOracle(DFlashDraftModel):
         return hidden if outputs is None else hidden[:, outputs]
 
 
-def _assert_perfect_drafter_reaches_tau_b(B: int, steps: int, prompts: list[list[int]], **runtime_kw) -> None:
+def _assert_perfect_drafter_reaches_tau_b(B: int, steps: int, prompts: list[list[int]], **option_kw) -> None:
     """An oracle drafter (always the target's own next tokens) in a batch: every step commits B tokens."""
     target = tiny_target("qwen3", seed=5, vocab_size=32, hidden_size=64).double()
     n_new = 1 + B * steps
     truth = [p + autoregressive_generate(target, p, SamplingParams(max_tokens=n_new + B)).output_ids for p in prompts]
     draft = BatchedOracle(make_draft_config(target.config, num_layers=1, block_size=B),
                           target.get_output_embeddings().weight.detach())
-    rt = BatchedRuntime(target, draft, max_batch=len(prompts), max_seq_len=64, policy=FixedPolicy(B - 1), **runtime_kw)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=len(prompts), max_seq_len=64, **option_kw), None,
+                        RuntimeExtras(policy=FixedPolicy(B - 1))).start()
     handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=n_new))) for p in prompts]
     by_handle = {id(h): t for h, t in zip(handles, truth)}
     while rt.has_work():
@@ -149,7 +153,8 @@ def test_perfect_drafter_reaches_tau_equal_block_size_in_a_batch():
 def test_cancel_frees_the_slot_and_others_are_unaffected():
     target, draft = _pair("llama", seed=6)
     ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=15)).output_ids for p in PROMPTS[:3]]
-    rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64, policy=FixedPolicy(3))
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64),
+                        None, RuntimeExtras(policy=FixedPolicy(3))).start()
     a, b, c = (rt.add(SequenceRequest(p, SamplingParams(max_tokens=15))) for p in PROMPTS[:3])
     rt.step()
     rt.step()
@@ -168,7 +173,7 @@ def test_step_callback_stops_one_sequence():
         seen.extend(tokens)
         return len(seen) >= 4
 
-    rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64)).start()
     h1 = rt.add(SequenceRequest([1, 2, 3], SamplingParams(max_tokens=30), on_step=on_step))
     h2 = rt.add(SequenceRequest([4, 5], SamplingParams(max_tokens=10)))
     rt.run()
@@ -178,7 +183,7 @@ def test_step_callback_stops_one_sequence():
 
 def test_bad_requests_and_unsupported_pairs_get_one_line_errors():
     target, draft = _pair("llama")
-    rt = BatchedRuntime(target, draft, max_batch=2, max_seq_len=16)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=16)).start()
     with pytest.raises(DFlashError, match="exceeds max_seq_len=16"):
         rt.add(SequenceRequest([1] * 10, SamplingParams(max_tokens=10)))
     with pytest.raises(DFlashError, match="empty"):
@@ -188,14 +193,15 @@ def test_bad_requests_and_unsupported_pairs_get_one_line_errors():
     gpt_oss = tiny_target("gpt_oss", seed=0)
     assert "gpt_oss" in unsupported_reason(gpt_oss)
     with pytest.raises(DFlashError, match="reference loop"):
-        BatchedRuntime(gpt_oss, random_draft(gpt_oss.config, block_size=4))
+        BatchedRuntime(gpt_oss, random_draft(gpt_oss.config, block_size=4), RuntimeOptions()).start()
     assert unsupported_reason(target, draft) is None
 
 
 def test_caches_are_allocated_once():
     """No per-step reallocation: the K/V tensors of every layer are the same objects after a run."""
     target, draft = _pair("llama", seed=8)
-    rt = BatchedRuntime(target, draft, max_batch=3, max_seq_len=64, policy=AdaptivePolicy(draft.block_size))
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=3, max_seq_len=64),
+                        None, RuntimeExtras(policy=AdaptivePolicy(draft.block_size))).start()
     rt.add(SequenceRequest([1, 2, 3], SamplingParams(max_tokens=4)))
     rt.run()
     ptrs = [t.data_ptr() for t in (*rt.cache.kv.keys, *rt.draft_cache.kv.keys, rt.features)]
@@ -214,7 +220,8 @@ def test_a_row_without_a_distribution_fails_alone_and_its_batch_goes_on():
     alone = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]
     seeded = dflash_generate(draft, target, PROMPTS[2], SamplingParams(max_tokens=BUDGETS[2], temperature=0.8,
                                                                        seed=3)).output_ids
-    rt = BatchedRuntime(target, draft, max_batch=6, max_seq_len=64, policy=FixedPolicy(draft.block_size - 1))
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=6, max_seq_len=64),
+                        None, RuntimeExtras(policy=FixedPolicy(draft.block_size - 1))).start()
     params = [SamplingParams(max_tokens=m) for m in BUDGETS]
     params[1] = SamplingParams(max_tokens=BUDGETS[1], temperature=1e-300)  # joins with the others: prefill
     params[2] = SamplingParams(max_tokens=BUDGETS[2], temperature=0.8, seed=3)
@@ -249,7 +256,8 @@ def test_newcomers_of_mixed_lengths_prefill_in_runs_and_decode_as_alone():
 
     target, draft = _pair("qwen3", seed=4)
     ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]
-    rt = BatchedRuntime(target, draft, max_batch=len(PROMPTS), policy=FixedPolicy(draft.block_size - 1))
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=len(PROMPTS)),
+                        None, RuntimeExtras(policy=FixedPolicy(draft.block_size - 1))).start()
     passes: list[int] = []
     forward = rt.target.forward
 
@@ -277,8 +285,8 @@ def test_verification_in_chunks_commits_what_one_pass_commits(chunk):
     stop = [plain[4]]
     params = [SamplingParams(max_tokens=m, stop_token_ids=stop) for m in BUDGETS]
     ref = [dflash_generate(draft, target, p, sp) for p, sp in zip(PROMPTS, params)]
-    rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, policy=FixedPolicy(draft.block_size - 1),
-                        verify_chunk=chunk)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=4, max_seq_len=64, verify_chunk=chunk),
+                        None, RuntimeExtras(policy=FixedPolicy(draft.block_size - 1))).start()
     results = batched_generate(draft, target, PROMPTS, params, arrivals=[0, 2, 1, 5, 0, 3], runtime=rt)
     for got, want in zip(results, ref):
         assert got.output_ids == want.output_ids

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
+from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate
 from dflash_trt.runtime.cuda_graphs import StaticPasses
 from dflash_trt.runtime.draft_model import make_draft_config
 from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
 from dflash_trt.runtime.tiny import random_draft, tiny_target
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import SpeculationSettings
 
@@ -69,7 +70,8 @@ def test_padded_rows_leave_a_perfect_drafter_perfect():
     draft = ShapeRecordingOracle(make_draft_config(target.config, num_layers=1, block_size=B),
                                  target.get_output_embeddings().weight.detach())
     draft.row_sequences, draft.shapes = [[0] * 64] * 4, []  # start-up captures every shape on padding rows
-    rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, policy=FixedPolicy(B - 1), cuda_graphs=True)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=True),
+                        None, RuntimeExtras(policy=FixedPolicy(B - 1))).start()
     draft.shapes = []
     handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=n_new))) for p in prompts]
     by_handle = {id(h): t for h, t in zip(handles, truth)}
@@ -103,8 +105,8 @@ def test_every_captured_pass_traces_as_one_graph_and_stays_lossless(monkeypatch)
     prompts, budgets = PROMPTS[:3], [6, 4, 7]
     ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(prompts, budgets)]
     monkeypatch.setattr(batched, "static_passes", lambda device: TracingPasses())
-    rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, policy=AdaptivePolicy(draft.block_size),
-                        cuda_graphs=True)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=True),
+                        None, RuntimeExtras(policy=AdaptivePolicy(draft.block_size))).start()
     assert {key[0] for key in rt.graphs.keys} == {"verify", "draft"}
     assert {key[1] for key in rt.graphs.keys} == {1, 2, 4}  # rows: powers of two
     results = batched_generate(draft, target, prompts, [SamplingParams(max_tokens=m) for m in budgets], runtime=rt)

@@ -195,7 +195,8 @@ def test_policies_and_max_draft_len(tiny_pair_dirs, tmp_path):
     tdir, ddir = tiny_pair_dirs
     base = ["--target", str(tdir), "--draft", str(ddir), "--num-prompts", "2", "--max-new-tokens", "10", "--no-plots"]
     result, _ = _bench(tmp_path / "k3", *base, "--max-draft-len", "3")
-    assert result["source"]["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed"}
+    assert result["source"]["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed",
+                                               "draft_method": "match"}
     assert result["source"]["runtimes"] == ["reference"]
     assert len(_rows(result, "reference", "dflash")[0]["per_position_acceptance"]) == 3
     assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3

@@ -120,7 +120,7 @@ def vllm_server(tmp_path_factory):
 def test_openai_endpoint_figures_come_from_the_servers_counters(vllm_server, tmp_path):
     from dflash_trt.bench.peer_vllm import PeerSettings, VllmEngine, encode_bench_prompts
     from dflash_trt.bench.prompts import from_categories
-    from dflash_trt.pairs import resolve_pair
+    from dflash_trt.pairs import PairSource, load_pair
 
     url, engine = vllm_server
     result = _bench(tmp_path, "--url", url, "--concurrency", "1")
@@ -128,7 +128,7 @@ def test_openai_endpoint_figures_come_from_the_servers_counters(vllm_server, tmp
     (row,) = result["rows"]
     assert row["acceptance_source"] == "server metrics (pooled over the run)" and row["errors"] == 0
 
-    pair = resolve_pair(engine_dir=engine)
+    pair = load_pair(PairSource(engine=engine))
     prompts = encode_bench_prompts(pair.codec, from_categories(["code", "math", "chat"])[:NUM_PROMPTS])
     settings = PeerSettings(target=engine / "target", draft=engine / "draft", enforce_eager=True,
                             max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=list(pair.codec.stop_token_ids))

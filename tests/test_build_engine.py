@@ -3,7 +3,7 @@ verify them, load them back into the reference runtime, and generate.
 
 "Reference" weights are rebuilt here independently of dflash_trt.checkpoints.dequant: FP8 as
 `float(W) * weight_scale`, NVFP4 through ModelOpt's own NVFP4QTensor.dequantize. The engine
-loaded with `load_engine` must generate exactly what the reference runtime generates on those
+loaded with `load_pair` must generate exactly what the reference runtime generates on those
 weights, and (DFlash being lossless) exactly what plain greedy decoding of that target does.
 TensorRT-LLM itself cannot run here; its input (llm_api_options.yaml) is checked against the
 upstream field names in test_build_llm_api.py.
@@ -22,11 +22,11 @@ from click.testing import CliRunner
 
 from dflash_trt.cli import main
 from dflash_trt.engine.builder import build_engine, prepare
-from dflash_trt.engine.loader import load_engine
 from dflash_trt.engine.manifest import load_manifest
 from dflash_trt.engine.spec import resolve_spec
 from dflash_trt.engine.verify import verify_engine
 from dflash_trt.errors import DFlashError
+from dflash_trt.pairs import PairSource, load_pair
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
 from dflash_trt.sampling_params import SamplingParams
@@ -121,7 +121,7 @@ def test_engine_directory_is_complete_and_verifies(engines, tiny_pair_dirs, quan
 @pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])
 def test_engine_generates_what_the_reference_runtime_generates(engines, tiny_pair_dirs, quant):
     eng = engines[quant]
-    pair = load_engine(eng)
+    pair = load_pair(PairSource(engine=eng))
     got = dflash_generate(pair.draft, pair.target, PROMPT, SamplingParams(max_tokens=24))
     ref_target = _reference_target(eng / "target")
     ref_draft = DFlashDraftModel.from_pretrained(tiny_pair_dirs[1])
@@ -157,7 +157,7 @@ def test_verify_fails_after_one_byte_changes(engines, tmp_path):
     r = CliRunner().invoke(main, ["verify", str(eng)])
     assert r.exit_code != 0 and rel in r.stderr and len(r.stderr.strip().splitlines()) == 1
     with pytest.raises(DFlashError, match=rel):
-        load_engine(eng)  # the loader verifies first
+        load_pair(PairSource(engine=eng))  # the loader verifies first
 
 
 def test_verify_rejects_an_unlisted_file_and_a_missing_manifest(engines, tmp_path):
@@ -183,7 +183,7 @@ def test_moe_engine_records_tp_ep_and_runs_in_the_reference_runtime(tmp_path):
     assert opts["moe_config"] == {"backend": "CUTLASS"}  # Hopper: CUTLASS does TP and EP
     hq = json.loads((eng / "target/hf_quant_config.json").read_text())["quantization"]
     assert any("router" in x for x in hq["exclude_modules"])  # MoE routers stay unquantized
-    pair = load_engine(eng)
+    pair = load_pair(PairSource(engine=eng))
     got = dflash_generate(pair.draft, pair.target, PROMPT, SamplingParams(max_tokens=16))
     ref_target = _reference_target(eng / "target")
     assert got.output_ids == dflash_generate(DFlashDraftModel.from_pretrained(draft), ref_target, PROMPT, SamplingParams(max_tokens=16)).output_ids
@@ -232,7 +232,7 @@ def test_sigterm_during_a_build_removes_the_temporary_directory(tmp_path):
     import os
     import signal
 
-    from dflash_trt.engine.builder import sigterm_as_interrupt
+    from dflash_trt.process import sigterm_as_interrupt
     from dflash_trt.fsutil import atomic_directory
 
     out = tmp_path / "engine"
@@ -262,7 +262,7 @@ def test_embedded_pair_builds_and_generates(tmp_path, quant):
     if quant != "none":
         assert m.acceptance["before"]["tau"] >= 1.0 and m.acceptance["after"]["tau"] >= 1.0
         print(f"embedded {quant}: tau {m.acceptance['before']['tau']:.2f} -> {m.acceptance['after']['tau']:.2f}")
-    pair = load_engine(eng)
+    pair = load_pair(PairSource(engine=eng))
     assert pair.tokenizer is not None
     ids = pair.tokenizer("The capital of France is")["input_ids"]
     got = dflash_generate(pair.draft, pair.target, ids, SamplingParams(max_tokens=12))

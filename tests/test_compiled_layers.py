@@ -26,6 +26,7 @@ from dflash_trt.runtime.compiled_layers import (
 from dflash_trt.runtime.lean_forward import EAGER
 from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.tiny import tiny_target
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 
 from tests.test_batched_runtime import BUDGETS, PROMPTS, _pair
@@ -38,7 +39,8 @@ pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not 
 def test_compiled_layers_decode_as_the_reference_loop(arch):
     target, draft = _pair(arch, seed=5)
     ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]
-    rt = BatchedRuntime(target, draft, max_batch=4, max_seq_len=64, cuda_graphs=True, torch_compile=True)
+    rt = BatchedRuntime(target, draft,
+                        RuntimeOptions(max_batch=4, max_seq_len=64, cuda_graphs=True, torch_compile=True)).start()
     assert TargetAdapter(target).lean.functions == compiled_functions()
     assert draft.layer_functions == compiled_draft_functions()
     assert rt.steps == 0 and rt.graph_stats()["replays"] == 0  # the start-up's warm-up left no trace

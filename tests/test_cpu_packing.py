@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_trt.pairs import PairSource, load_pair
 from dflash_trt.runtime import autoregressive_generate, dflash_generate
 from dflash_trt.runtime.batched import batched_generate
 from dflash_trt.runtime.cpu_packing import (
@@ -16,7 +17,8 @@ from dflash_trt.runtime.cpu_packing import (
     packing_unsupported,
     set_packed,
 )
-from dflash_trt.runtime.loading import load_pair, load_target
+from dflash_trt.runtime.loading import load_target
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
@@ -67,7 +69,7 @@ def test_greedy_text_is_unchanged_by_packing(tiny_pair_dirs):
     tdir, ddir = tiny_pair_dirs
     prompts = [[1, 5, 9, 2, 7, 3], [4, 4, 8]]
     stock = [autoregressive_generate(load_target(tdir), p, SamplingParams(max_tokens=24)).output_ids for p in prompts]
-    pair = load_pair(tdir, ddir)  # packs both models by default
+    pair = load_pair(PairSource(tdir, ddir))  # packs both models by default
     assert num_packed(pair.target) > 0 and num_packed(pair.draft) > 0
     for p, want in zip(prompts, stock):
         assert autoregressive_generate(pair.target, p, SamplingParams(max_tokens=24)).output_ids == want
@@ -80,7 +82,7 @@ def test_packing_declines_where_it_does_not_apply(tiny_pair_dirs):
     assert "bfloat16" in packing_unsupported(model)
     assert pack_cpu_linears(model) == 0
     assert type(model.get_output_embeddings()) is torch.nn.Linear
-    pair = load_pair(*tiny_pair_dirs, pack=False)
+    pair = load_pair(PairSource(*tiny_pair_dirs), RuntimeOptions(pack=False))
     assert num_packed(pair.target) == 0 and num_packed(pair.draft) == 0
 
 
@@ -103,12 +105,11 @@ def test_onednn_kernel_and_its_fallback_without_the_pointwise_op_compute_the_sam
 
 def test_a_pair_for_another_device_is_loaded_there_unpacked(tiny_pair_dirs):
     """Regression (seen on an H100): `bench --device cuda` loaded the pair on CPU, packed it, then
-    moved it, and the first GPU forward failed inside oneDNN. resolve_pair now loads on the device,
+    moved it, and the first GPU forward failed inside oneDNN. load_pair loads on the device,
     where packing declines. "meta" stands in for a GPU here (no GPU in CI): any non-CPU device."""
-    from dflash_trt.pairs import resolve_pair
-
-    on_cpu = resolve_pair(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]), dtype="float32")
+    on_cpu = load_pair(PairSource(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1])), RuntimeOptions(dtype="float32"))
     assert num_packed(on_cpu.target) > 0
-    pair = resolve_pair(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]), dtype="float32", device="meta")
+    pair = load_pair(PairSource(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1])),
+                     RuntimeOptions(dtype="float32", device="meta"))
     assert num_packed(pair.target) == 0 and num_packed(pair.draft) == 0
     assert {p.device.type for m in (pair.target, pair.draft) for p in m.parameters()} == {"meta"}

@@ -22,6 +22,7 @@ from dflash_trt.runtime.generate import dflash_generate
 from dflash_trt.runtime.sampling import sample, sample_checked
 from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 
 try:
@@ -73,7 +74,7 @@ def test_the_batched_runtime_refuses_a_target_spread_over_devices():
     why = unsupported_reason(target, draft)
     assert why == "the target is spread over 2 devices (cpu, meta); the batched runtime runs a target on one device"
     with pytest.raises(DFlashError, match="^batched runtime: the target is spread over 2 devices"):
-        BatchedRuntime(target, draft)
+        BatchedRuntime(target, draft, RuntimeOptions()).start()
 
 
 def test_draft_vocab_moves_with_the_drafter(tmp_path):
@@ -99,7 +100,7 @@ def test_reference_loop_and_batched_runtime_run_on_the_models_device():
     target, draft = _pair("meta")
     with strict_devices(), pytest.raises(HOST_READ, match=HOST_READ_MATCH):
         dflash_generate(draft, target, [1, 2, 3, 4])  # prefill, then the first token read
-    runtime = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64)
+    runtime = BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64)).start()
     runtime.add(SequenceRequest([1, 2, 3], SamplingParams(max_tokens=4)))
     runtime.add(SequenceRequest([5, 6], SamplingParams(max_tokens=4, temperature=0.8)))
     with strict_devices(), pytest.raises(HOST_READ, match=HOST_READ_MATCH):
@@ -132,7 +133,7 @@ def test_on_a_gpu_the_reference_loop_and_the_batched_runtime_give_the_cpu_tokens
     gpu_t, gpu_d = _pair("cuda")
     assert dflash_generate(gpu_d, gpu_t, [1, 2, 3, 4], SamplingParams(max_tokens=12)).output_ids == want
     for graphs in (False, True):
-        runtime = BatchedRuntime(gpu_t, gpu_d, max_batch=2, max_seq_len=64, cuda_graphs=graphs)
+        runtime = BatchedRuntime(gpu_t, gpu_d, RuntimeOptions(max_batch=2, max_seq_len=64, cuda_graphs=graphs)).start()
         seq = runtime.add(SequenceRequest([1, 2, 3, 4], SamplingParams(max_tokens=12)))
         runtime.run()
         assert seq.result.output_ids == want
@@ -221,8 +222,8 @@ def test_cuda_graphs_capture_and_replay_on_the_models_gpu(monkeypatch):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs two GPUs ({NO_GPU})")
 def test_cuda_graphs_on_the_second_gpu_give_the_eager_tokens():
     target, draft = _pair("cuda:1")
-    eager = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64)
-    graphed = BatchedRuntime(target, draft, max_batch=2, max_seq_len=64, cuda_graphs=True)
+    eager = BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64)).start()
+    graphed = BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64, cuda_graphs=True)).start()
     outs = []
     for runtime in (eager, graphed):
         seq = runtime.add(SequenceRequest([1, 2, 3, 4], SamplingParams(max_tokens=16)))

@@ -13,8 +13,9 @@ from click.testing import CliRunner
 
 from dflash_trt.cli import main
 from dflash_trt.errors import DFlashError
+from dflash_trt.pairs import PairSource, load_pair
 from dflash_trt.runtime import autoregressive_generate
-from dflash_trt.runtime.batched import BatchedRuntime, batched_generate
+from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, batched_generate
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.draft_vocab import (
     FILE,
@@ -25,8 +26,8 @@ from dflash_trt.runtime.draft_vocab import (
     rank_vocab,
     save_draft_vocab,
 )
-from dflash_trt.runtime.loading import load_pair
 from dflash_trt.runtime.policy import FixedPolicy
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.train.data import save_data
 
@@ -78,28 +79,31 @@ def test_batched_output_is_unchanged_whatever_the_draft_vocabulary(tiny_pair_dir
     draft_dir = tmp_path / "draft"
     shutil.copytree(ddir, draft_dir)
     prompts = [[1, 5, 9, 2, 7, 3], [4, 4, 8], [11, 12]]
-    pair = load_pair(tdir, draft_dir)
+    pair = load_pair(PairSource(tdir, draft_dir))
     truth = [autoregressive_generate(pair.target, p, SamplingParams(max_tokens=20)).output_ids for p in prompts]
     # the subset: tokens of the target's own answers (as train-draft counts them), capped at `size`
     seqs = [{"ids": p + t, "prompt_len": len(p)} for p, t in zip(prompts, truth)]
     save_draft_vocab(draft_dir, rank_vocab(count_tokens(seqs, pair.target.config.vocab_size), size))
     draft = DFlashDraftModel.from_pretrained(draft_dir)
     assert draft.draft_vocab is not None and 1 <= draft.draft_vocab.numel() <= size
-    rt = BatchedRuntime(pair.target, draft, max_batch=3, max_seq_len=64, policy=FixedPolicy(7))
+    rt = BatchedRuntime(pair.target, draft, RuntimeOptions(max_batch=3, max_seq_len=64),
+                        None, RuntimeExtras(policy=FixedPolicy(7))).start()
     assert rt.stats()["draft_vocab"] == draft.draft_vocab.numel()
     out = batched_generate(draft, pair.target, prompts, SamplingParams(max_tokens=20), runtime=rt)
     assert [r.output_ids for r in out] == truth
-    full = BatchedRuntime(pair.target, draft, max_batch=3, max_seq_len=64, policy=FixedPolicy(7), use_draft_vocab=False)
+    full = BatchedRuntime(pair.target, draft, RuntimeOptions(max_batch=3, max_seq_len=64),
+                          None, RuntimeExtras(policy=FixedPolicy(7), use_draft_vocab=False)).start()
     assert full.draft_head is None and full.stats()["draft_vocab"] == pair.target.config.vocab_size
 
 
 def test_a_draft_vocabulary_beyond_the_targets_vocabulary_is_refused(tiny_pair_dirs):
     tdir, ddir = tiny_pair_dirs
-    pair = load_pair(tdir, ddir)
+    pair = load_pair(PairSource(tdir, ddir))
     pair.draft.draft_vocab = torch.tensor([1, pair.target.config.vocab_size])  # e.g. made for another target
     with pytest.raises(DFlashError, match="beyond the target's vocabulary"):
-        BatchedRuntime(pair.target, pair.draft, max_batch=1, max_seq_len=32)
-    BatchedRuntime(pair.target, pair.draft, max_batch=1, max_seq_len=32, use_draft_vocab=False)  # opting out works
+        BatchedRuntime(pair.target, pair.draft, RuntimeOptions(max_batch=1, max_seq_len=32)).start()
+    BatchedRuntime(pair.target, pair.draft, RuntimeOptions(max_batch=1, max_seq_len=32),
+                   None, RuntimeExtras(use_draft_vocab=False)).start()  # opting out works
 
 
 def test_draft_vocab_command_writes_the_file_and_refuses_bad_input(tiny_pair_dirs, tmp_path):

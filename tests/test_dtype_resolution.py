@@ -1,4 +1,4 @@
-"""dtype resolution (runtime/loading.py): "auto" per device everywhere, 16-bit arithmetic on a CPU
+"""dtype resolution (runtime_options.py): "auto" per device everywhere, 16-bit arithmetic on a CPU
 only where it is native (issue 35; issue 36 found the engine loader resolving "auto" as for the CPU
 whatever the device).
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_trt.engine.loader import load_engine
-from dflash_trt.runtime.loading import auto_dtype, compute_dtype, cpu_has_native_bf16, parse_dtype
+from dflash_trt.pairs import PairSource, load_pair
+from dflash_trt.runtime_options import RuntimeOptions, auto_dtype, compute_dtype, cpu_has_native_bf16, torch_dtype
 
 try:
     from tests.engine_fixtures import make_tiny_engine
@@ -41,7 +41,7 @@ def _dtypes(model) -> set[torch.dtype]:
 def test_auto_follows_the_device_and_what_this_cpu_multiplies():
     native = cpu_has_native_bf16()
     assert auto_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
-    assert auto_dtype("meta") == parse_dtype("auto", "meta") == torch.bfloat16  # a GPU stand-in: its default
+    assert auto_dtype("meta") == torch_dtype("auto", "meta") == torch.bfloat16  # a GPU stand-in: its default
     # what a model in these weights runs in: 16 bits on a CPU only where native, always on other devices
     assert compute_dtype(torch.bfloat16, "cpu") == auto_dtype("cpu")
     assert compute_dtype(torch.float16, "cpu") == torch.float32
@@ -51,7 +51,7 @@ def test_auto_follows_the_device_and_what_this_cpu_multiplies():
 
 def test_the_engine_loader_resolves_auto_for_its_device(engine):
     for device in ("cpu", "meta"):
-        pair = load_engine(engine, "auto", device=device, pack=False)
+        pair = load_pair(PairSource(engine=engine), RuntimeOptions(dtype="auto", device=device, pack=False))
         assert _dtypes(pair.target) == _dtypes(pair.draft) == {auto_dtype(device)}, device
         assert {p.device.type for p in pair.target.parameters()} == {device}
 
@@ -60,9 +60,9 @@ CHILD = """
 import json, sys, torch
 from dflash_trt.engine.builder import resolve_compute_dtype
 from dflash_trt.engine.devices import BuildDevice
-from dflash_trt.engine.loader import load_engine
 from dflash_trt.engine.spec import BuildSpec
-from dflash_trt.runtime.loading import auto_dtype, compute_dtype, cpu_has_native_bf16
+from dflash_trt.pairs import PairSource, load_pair
+from dflash_trt.runtime_options import RuntimeOptions, auto_dtype, compute_dtype, cpu_has_native_bf16
 name = lambda d: str(d).removeprefix("torch.")
 dtypes = lambda m: sorted({name(p.dtype) for p in m.parameters()})
 out = {"capability": torch.backends.cpu.get_cpu_capability(), "native": cpu_has_native_bf16(),
@@ -72,7 +72,7 @@ out = {"capability": torch.backends.cpu.get_cpu_capability(), "native": cpu_has_
        "build_forced": name(resolve_compute_dtype(BuildSpec(compute_dtype="bfloat16"), torch.bfloat16,
                                                   BuildDevice("cpu")))}
 for device in ("cpu", "meta"):
-    pair = load_engine(sys.argv[1], "auto", device=device, pack=False)
+    pair = load_pair(PairSource(engine=sys.argv[1]), RuntimeOptions(dtype="auto", device=device, pack=False))
     out["engine_" + device] = dtypes(pair.target) + dtypes(pair.draft)
 print(json.dumps(out))
 """

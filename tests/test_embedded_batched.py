@@ -30,11 +30,11 @@ def setup():
     from dflash_trt.prompts import interleave, load_prompts
     from dflash_trt.runtime.cpu_packing import PackedCPULinear, repack
     from dflash_trt.runtime.generate import dflash_generate
-    from dflash_trt.runtime.loading import load_pair
+    from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime.tokens import TextCodec
     from dflash_trt.sampling_params import SamplingParams
 
-    pair = load_pair(*default_pair_dirs())  # float32, packed
+    pair = load_pair(PairSource(*default_pair_dirs()))  # float32, packed
     for model in (pair.target, pair.draft):
         repack(model, "panels", VARIANT)
         layers = [m for m in model.modules() if isinstance(m, PackedCPULinear)]

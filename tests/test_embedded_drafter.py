@@ -22,9 +22,9 @@ def pair_dirs():
 
 @pytest.fixture(scope="module")
 def pair(pair_dirs):
-    from dflash_trt.runtime.loading import load_pair
+    from dflash_trt.pairs import PairSource, load_pair
 
-    return load_pair(*pair_dirs)
+    return load_pair(PairSource(*pair_dirs))
 
 
 def test_committed_drafter_is_small_zlab_with_manifest():
@@ -121,7 +121,7 @@ def test_the_batched_gate_gives_each_held_out_prompt_the_reference_loops_tau(pai
     ({"num_target_layers": 24}, "num_target_layers=24"),
 ])
 def test_mismatched_drafter_is_refused_with_one_line(pair_dirs, tmp_path, edit, match):
-    from dflash_trt.runtime.loading import load_pair
+    from dflash_trt.pairs import PairSource, load_pair
 
     target_dir, draft_dir = pair_dirs
     bad = tmp_path / "draft"
@@ -130,5 +130,5 @@ def test_mismatched_drafter_is_refused_with_one_line(pair_dirs, tmp_path, edit, 
     cfg.update(edit)
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashError, match=match) as e:
-        load_pair(target_dir, bad)
+        load_pair(PairSource(target_dir, bad))
     assert "\n" not in str(e.value)

@@ -37,12 +37,13 @@ def both_sides(tmp_path_factory):
     from dflash_trt.bench.prompts import from_categories
     from dflash_trt.embedded import default_pair_dirs
     from dflash_trt.runtime.generate import dflash_generate
-    from dflash_trt.runtime.loading import load_pair
+    from dflash_trt.pairs import PairSource, load_pair
+    from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.runtime.tokens import TextCodec
     from dflash_trt.sampling_params import SamplingParams
 
     t_dir, d_dir = default_pair_dirs()
-    pair = load_pair(t_dir, d_dir, "float32")
+    pair = load_pair(PairSource(t_dir, d_dir), RuntimeOptions(dtype="float32"))
     codec = TextCodec.for_model(pair.tokenizer, pair.target.config)
     stop = list(codec.stop_token_ids)
     prompts = encode_bench_prompts(codec, from_categories(["code", "math", "chat"])[:NUM_PROMPTS])

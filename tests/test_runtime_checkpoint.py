@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.pairs import PairSource, load_pair
 from dflash_trt.runtime import DFlashDraftModel, build_target_layer_ids
-from dflash_trt.runtime.loading import load_pair
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime.validate import validate_pair
 
@@ -106,7 +106,7 @@ def test_pair_validation_errors_name_field_values_and_fix(pair, changes, expecte
     tdir, ddir = pair
     _edit(ddir / "config.json", **changes)
     with pytest.raises(DFlashError) as err:
-        load_pair(tdir, ddir)
+        load_pair(PairSource(tdir, ddir))
     assert expected in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -133,43 +133,48 @@ def test_missing_corrupt_and_pickle_weights_are_refused(pair):
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     with pytest.raises(DFlashError, match="corrupt or truncated safetensors"):
-        load_pair(tdir, ddir)
+        load_pair(PairSource(tdir, ddir))
     weights.unlink()
     with pytest.raises(DFlashError, match="no \\*.safetensors weight file"):
-        load_pair(tdir, ddir)
+        load_pair(PairSource(tdir, ddir))
     torch.save({"fc.weight": torch.zeros(1)}, ddir / "pytorch_model.bin")
     with pytest.raises(DFlashError, match="pickle can execute code"):
-        load_pair(tdir, ddir)
+        load_pair(PairSource(tdir, ddir))
 
 
 def test_weights_that_do_not_match_config_are_refused(pair):
     tdir, ddir = pair
     _edit(ddir / "config.json", num_hidden_layers=2)
     with pytest.raises(DFlashError, match="missing .* tensors .*layers.1"):
-        load_pair(tdir, ddir)
+        load_pair(PairSource(tdir, ddir))
 
 
 def test_not_a_drafter_is_refused(pair):
     tdir, _ = pair
     with pytest.raises(DFlashError, match="is not a DFlash drafter"):
-        load_pair(tdir, tdir)
+        load_pair(PairSource(tdir, tdir))
 
 
 def test_missing_directory(tmp_path, pair):
     tdir, _ = pair
     with pytest.raises(DFlashError, match="drafter config not found"):
-        load_pair(tdir, tmp_path / "nope")
+        load_pair(PairSource(tdir, tmp_path / "nope"))
     shutil.rmtree(tdir)
 
 
 def test_sliding_attention_layers_follow_zlab_masking():
     """z-lab: with no `is_causal` in the config, sliding_attention layers are causal and windowed;
-    full layers see the whole block. A window of 2 then hides everything but the last 2 keys."""
+    full layers see the whole block. A window of 2 then hides everything but the last 2 keys.
+    Without use_sliding_window, transformers' Qwen3Config (which z-lab 0.1.0 and vLLM read the
+    window through) drops the window: that combination is refused rather than run either way."""
     from dflash_trt.runtime.draft_model import make_draft_config
 
     target = tiny_target("qwen3")
     cfg = make_draft_config(target.config, num_layers=2, block_size=4)
     cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=2)
+    with pytest.raises(DFlashError, match="sliding_window=2 but use_sliding_window is not true"):
+        DFlashDraftModel(cfg)
+    cfg["use_sliding_window"] = True
     draft = DFlashDraftModel(cfg)
     sliding, full = (layer.self_attn for layer in draft.layers)
     assert sliding.is_causal and sliding.sliding_window == 2

@@ -123,10 +123,10 @@ def engine(tmp_path_factory) -> Path:
 def expected_text(engine) -> str:
     """The reference runtime's greedy output for PROMPT (what every server must answer)."""
     from dflash_trt.runtime.generate import dflash_generate
-    from dflash_trt.runtime.loading import load_pair
+    from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime.tokens import TextCodec
 
-    pair = load_pair(engine / "target", engine / "draft")
+    pair = load_pair(PairSource(engine / "target", engine / "draft"))
     codec = TextCodec.of_pair(pair)
     params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=codec.stop_token_ids)
     result = dflash_generate(pair.draft, pair.target, codec.encode(PROMPT), params)

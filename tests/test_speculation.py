@@ -2,11 +2,12 @@
 path; the drafter drafts its full trained block B at the budget's tail too; repeated target
 layer ids are accepted as z-lab's reference accepts them.
 
-The tail rule follows z-lab's reference loop (github.com/z-lab/dflash, dflash/model.py,
-`dflash_generate`, commit 44947fbf71114e241c96de194f4b382b5dd330d0: the block is always
-``output_ids[:, start : start + block_size]`` and the output is cut to ``max_length`` at the end)
-and TensorRT-LLM's one-model DFlash (tensorrt_llm/_torch/speculative/dflash.py,
-``dflash_draft_slot_ids``: K draft logits taken from a block of block_size slots).
+The tail rule follows TensorRT-LLM's one-model DFlash (tensorrt_llm/_torch/speculative/dflash.py,
+``dflash_draft_slot_ids``: K draft logits taken from a block of block_size slots) and z-lab's
+April reference (commit 44947fb: the block was always ``output_ids[:, start : start + block_size]``).
+z-lab's dflash 0.1.0 shortens its last blocks to the tokens left (``verify_size``) instead: that
+difference by design is tested apart in tests/test_zlab_oracle.py, which compares every other
+step with 0.1.0 itself.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dflash_trt.runtime.draft_model import build_target_layer_ids, make_draft_co
 from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime.validate import validate_pair
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import SpeculationSettings
 
@@ -94,7 +96,7 @@ def test_the_budgets_tail_drafts_the_full_block_batched_runtime():
     for p, t, m in zip(PROMPTS, truth, budgets):
         draft.row_sequences = [t]
         ref.append(dflash_generate(draft, target, p, SamplingParams(max_tokens=m), spec))
-    rt = BatchedRuntime(target, draft, max_batch=3, max_seq_len=64, speculation=spec)
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=3, max_seq_len=64), spec).start()
     handles = [rt.add(SequenceRequest(p, SamplingParams(max_tokens=m))) for p, m in zip(PROMPTS, budgets)]
     by_handle = {id(h): t for h, t in zip(handles, truth)}
     while rt.has_work():
@@ -177,7 +179,7 @@ def test_an_engine_with_a_smaller_max_draft_len_is_served_with_it(tmp_path):
     res = runner.invoke(main, ["generate", "--engine", str(engine), "--json", "--max-new-tokens", "10", "Hello"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed"}
+    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "fixed", "draft_method": "match"}
     assert len(out["per_position_acceptance"]) <= 3
     res = runner.invoke(main, ["generate", "--engine", str(engine), "--max-draft-len", "4", "Hello"])
     assert res.exit_code == 2 and res.output.startswith("error: ") and "above the 3" in res.output
@@ -198,5 +200,6 @@ def test_generate_adaptive_runs_the_batched_runtime_and_stays_lossless(tiny_pair
                                     "adaptive", "--max-draft-len", "3", "--max-new-tokens", "12", "--compare", "hi"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "adaptive"}
+    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "adaptive",
+                                  "draft_method": "match"}
     assert out["identical_to_plain"] is True and len(out["per_position_acceptance"]) <= 3

@@ -9,10 +9,11 @@ import torch
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.prompts import Prompt
-from dflash_trt.runtime.batched import BatchedRuntime
+from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras
 from dflash_trt.runtime.generate import autoregressive_generate
 from dflash_trt.runtime.tiny import tiny_target
 from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.train.answers import AnswerSettings, generate_answers
 from dflash_trt.train.data import compute_features
@@ -70,7 +71,8 @@ def test_hf_fallback_gives_the_same_rows():
 def test_capture_layer_ids_are_checked():
     target = tiny_target("llama", seed=0, num_layers=4)
     with pytest.raises(DFlashError, match="must name target layers 0..3"):
-        BatchedRuntime(target, None, max_batch=2, max_seq_len=32, capture_layer_ids=[1, 4])
+        BatchedRuntime(target, None, RuntimeOptions(max_batch=2, max_seq_len=32),
+                       None, RuntimeExtras(capture_layer_ids=[1, 4])).start()
 
 
 def test_train_data_job_extends_its_file_and_refuses_other_settings(tiny_pair_dirs, tmp_path):

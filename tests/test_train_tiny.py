@@ -8,9 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_trt.cli import main
+from dflash_trt.pairs import PairSource, load_pair
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
-from dflash_trt.runtime.loading import load_pair, load_target
+from dflash_trt.runtime.loading import load_target
 from dflash_trt.sampling_params import SamplingParams
 
 
@@ -35,7 +36,7 @@ def test_train_draft_writes_loadable_zlab_checkpoint_and_loss_decreases(tiny_pai
     assert vocab["size"] == len(vocab["token_ids"]) == manifest["draft_vocab"]["size"] and vocab["coverage"] == 1.0
 
     # the exported drafter loads through the normal pair loader and decodes losslessly
-    pair = load_pair(target_dir, out)
+    pair = load_pair(PairSource(target_dir, out))
     assert isinstance(pair.draft, DFlashDraftModel)
     assert pair.draft.draft_vocab is not None and pair.draft.draft_vocab.tolist() == vocab["token_ids"]
     prompt = [3, 14, 15, 92, 65]

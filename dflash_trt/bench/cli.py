@@ -8,24 +8,12 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option
-
-
-def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers, e.g. 1,2,4,8") from None
-
-
-def _str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
-    return None if value is None else [x.strip() for x in value.split(",") if x.strip()]
+from dflash_trt.cli_helpers import friendly_errors, int_list, max_draft_len_option, str_list
+from dflash_trt.runtime_options import DTYPE_NAMES
 
 
 def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
-    names = _str_list(ctx, param, value)
+    names = str_list(ctx, param, value)
     bad = [n for n in names or [] if n not in ("reference", "batched")]
     if bad:
         raise click.BadParameter(f"{bad[0]!r} is not a runtime; use reference, batched or both: reference,batched")
@@ -61,7 +49,7 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--metrics-url", help="OpenAI endpoint: its Prometheus metrics, for DFlash statistics the responses lack "
                                     "[default: <url>/metrics, where vLLM serves them].")
 @click.option("--stream/--no-stream", default=None, help="Triton endpoint: streamed responses [default: stream].")
-@click.option("--category", callback=_str_list, help="Project prompt sets, comma-separated [default: code,math,chat].")
+@click.option("--category", callback=str_list, help="Project prompt sets, comma-separated [default: code,math,chat].")
 @click.option("--prompts", type=click.Path(dir_okay=False),
               help='JSONL file: one {"prompt": ...} or {"messages": [...]} per line (instead of --category).')
 @click.option("--split", type=click.Choice(["eval", "train"]), help="Split of the project sets [default: eval].")
@@ -74,7 +62,7 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--tau-only", is_flag=True, default=None,
               help="DFlash only: acceptance figures (deterministic at temperature 0) in half the time; no plain "
                    "decoding, no speed ratios, no identity check. For comparing drafters.")
-@click.option("--concurrency", callback=_int_list, help="Concurrency levels to sweep, e.g. 1,4,8,16 [default: 1].")
+@click.option("--concurrency", callback=int_list("1,2,4,8"), help="Concurrency levels to sweep, e.g. 1,4,8,16 [default: 1].")
 @click.option("--repeats", type=int, help="Timed runs per side, mode and level, alternating; the fastest counts [1].")
 @click.option("--calibrate/--no-calibrate", default=None,
               help="Batched, adaptive: measure each candidate k's step cost at every level before the sweep (its "
@@ -90,7 +78,7 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="Greedy: compare every output with the reference loop's plain decoding (computed first when the "
                    "reference loop is not a side) [default: check].")
 @click.option("--device", help="In process: cpu or cuda[:N] [default: cpu].")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="In process weights [default: float32].")
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), help="In process weights [default: float32].")
 @click.option("--pack/--no-pack", default=None,
               help="In process, float32 on CPU: oneDNN-packed linear layers (runtime/cpu_packing.py) [default: pack].")
 @click.option("--gpu", help="GPU of the run for the bandwidth ceiling (b300, b200, h200, h100) [default: detected].")

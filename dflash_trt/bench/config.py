@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from dflash_trt.runtime_options import RuntimeChoices
 
 RUNTIMES = ("reference", "batched")
 POLICY_HINT = "use adaptive, fixed (K drafts every step) or fixed:k (k drafts every step, 0 <= k <= K)"
@@ -29,7 +31,11 @@ def parse_policy(value: str) -> tuple[str, int | None]:
     raise ValueError(f"--policy {value!r} is not a policy; {POLICY_HINT}")
 
 
-class BenchConfig(BaseModel):
+class BenchConfig(RuntimeChoices):
+    """Everything one `dflash-trt bench` run does. The in-process runtimes' device, dtype, CUDA
+    graphs, torch.compile and packing are the RuntimeChoices keys it inherits
+    (dflash_trt/runtime_options.py), handed on whole as RuntimeOptions."""
+
     model_config = ConfigDict(extra="forbid")
 
     # what runs: in process (engine | target+draft | embedded default), the vLLM peer beside it,
@@ -64,14 +70,8 @@ class BenchConfig(BaseModel):
     concurrency: list[int] = Field(default_factory=lambda: [1])
     repeats: int = Field(1, ge=1)  # timed runs per (side, mode, C), alternating; the fastest counts
     calibrate: bool = True  # batched adaptive: measure every candidate k's step cost at each C first
-    # batched runtime: static-shape passes captured at start-up as CUDA graphs (None: on for CUDA, off on CPU)
-    cuda_graphs: bool | None = None
-    torch_compile: bool = False  # batched runtime: the target's layers through torch.compile
     check: bool = True  # greedy: every output against the reference loop's plain decoding
-    # where
-    device: str = "cpu"
-    dtype: str = "float32"
-    pack: bool = True  # oneDNN-packed linear layers for float32 on CPU (runtime/cpu_packing.py)
+    # where (device, dtype, pack, cuda_graphs and torch_compile: the RuntimeChoices keys, in process)
     gpu: str | None = None  # hardware-table key for the ceiling; in process on CUDA it is detected
     threads: int | None = Field(None, ge=1)  # torch CPU threads (in process)
     timeout_s: float = Field(600.0, gt=0)  # per endpoint request

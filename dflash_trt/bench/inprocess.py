@@ -30,7 +30,7 @@ from dflash_trt.metrics import summarize
 
 @dataclass
 class PairInputs:
-    """What both sides share: the loaded pair (dflash_trt.pairs.ResolvedPair) and its prompt ids."""
+    """What both sides share: the loaded pair (dflash_trt.pairs.LoadedPair) and its prompt ids."""
 
     pair: Any
     _ids: dict[str, list[int]] = field(default_factory=dict)
@@ -176,10 +176,8 @@ class BatchedSide:
     inputs: PairInputs
     speculation: Any  # SpeculationSettings: B, K
     policy: str
-    max_batch: int
-    max_seq_len: int
-    cuda_graphs: bool | None = None  # None: on for a CUDA target
-    torch_compile: bool = False  # the target's layers through torch.compile (both modes: a fair ratio)
+    # RuntimeOptions of both modes' runtimes (the same graphs and compiled layers: a fair ratio)
+    options: Any
     calibrate_levels: Sequence[int] = ()  # adaptive: measure every candidate's step cost at these C first
     name: str = "batched"
     label: str = "ours, batched runtime"
@@ -194,19 +192,18 @@ class BatchedSide:
         here, before the warm-up and the timed runs."""
         if mode not in self._runtimes:
             t = time.perf_counter()
-            from dflash_trt.runtime.batched import BatchedRuntime
+            from dflash_trt.runtime.batched import RuntimeExtras
+            from dflash_trt.runtime.opener import open_runtime
             from dflash_trt.runtime.policy import FixedPolicy, make_policy
 
             pair = self.inputs.pair
             if mode == "plain":
-                rt = BatchedRuntime(pair.target, None, max_batch=self.max_batch, max_seq_len=self.max_seq_len,
-                                    cuda_graphs=self.cuda_graphs, torch_compile=self.torch_compile)
+                rt = open_runtime(pair.target, None, self.options, choice="batched")
             else:
                 spec = self.speculation.replace(policy="adaptive" if self.policy == "adaptive" else "fixed")
                 policy = make_policy(spec) if self.policy == "adaptive" else FixedPolicy(int(self.policy.split(":")[1]))
-                rt = BatchedRuntime(pair.target, pair.draft, max_batch=self.max_batch, max_seq_len=self.max_seq_len,
-                                    speculation=spec, policy=policy, cuda_graphs=self.cuda_graphs,
-                                    torch_compile=self.torch_compile)
+                rt = open_runtime(pair.target, pair.draft, self.options, spec, RuntimeExtras(policy=policy),
+                                  choice="batched")
             self._runtimes[mode] = rt
             self._startup[mode] = {"build_s": round(time.perf_counter() - t, 3), "graphs": rt.graph_stats()}
         return self._runtimes[mode]
@@ -219,8 +216,10 @@ class BatchedSide:
             rt.add(SequenceRequest(self.inputs.warm_ids(), self.inputs.params(8)))
             rt.run()
         if self.policy == "adaptive" and self.calibrate_levels and "dflash" in self.modes:
+            from dflash_trt.runtime.policy_calibration import calibrate
+
             t = time.perf_counter()
-            self.runtime("dflash").calibrate(sorted(set(self.calibrate_levels)))
+            calibrate(self.runtime("dflash"), sorted(set(self.calibrate_levels)))
             self.calibration_s = time.perf_counter() - t
 
     def run(self, mode: str, requests: Sequence[BenchRequest], concurrency: int, on_done: OnDone) -> RunResult:

@@ -199,6 +199,8 @@ def main(engine_path):
         wall = time.perf_counter() - t
         result = {"id": cmd["id"], "concurrency": cmd["concurrency"], "wall_s": wall, "requests": requests,
                   "counters": counters_delta(spec_counters(llm), before)}
+        # write-then-rename by hand: this file runs in the peer's environment and imports no dflash_trt
+        # (fsutil.atomic_file is the project's one helper; the reader only waits for the final name)
         tmp = cmd["result"] + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(result, f)

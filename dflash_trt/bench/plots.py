@@ -13,12 +13,11 @@ MODE_STYLE = {"dflash": "o-", "plain": "s--"}
 
 
 def _save(fig: Any, path: Path) -> None:
-    """Write beside `path` and rename: a PNG at `path` is always complete."""
-    import os
+    """Written through fsutil.atomic_file: a PNG at `path` is always complete."""
+    from dflash_trt.fsutil import atomic_file
 
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
 
 
 def _finish(fig: Any, ax: Any, out_dir: Path, name: str, written: dict[str, str], title: str, xlabel: str,

@@ -122,15 +122,16 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
 
     from dflash_trt.bench.ceiling import bytes_per_step
     from dflash_trt.bench.inprocess import BatchedSide, PairInputs, ReferenceSide
-    from dflash_trt.pairs import resolve_pair
+    from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime.policy import default_candidates
+    from dflash_trt.runtime_options import RuntimeOptions
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     kind, k = parse_policy(cfg.policy) if cfg.policy else ("fixed", None)
-    pair = resolve_pair(cfg.target, cfg.draft, engine_dir=cfg.engine, dtype=cfg.dtype, device=cfg.device,
-                        max_draft_len=cfg.max_draft_len, policy="adaptive" if kind == "adaptive" else "fixed",
-                        pack=cfg.pack)
+    options = RuntimeOptions.of(cfg)
+    pair = load_pair(PairSource(cfg.target, cfg.draft, engine=cfg.engine), options, max_draft_len=cfg.max_draft_len,
+                     policy="adaptive" if kind == "adaptive" else "fixed")
     spec = pair.speculation
     source: dict[str, Any] = {"kind": "in_process", "engine": cfg.engine, "target": cfg.target, "draft": cfg.draft,
                               "engine_manifest_sha256": None, "speculation": spec.to_dict()}
@@ -155,9 +156,9 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
         else:
             policy = "adaptive" if kind == "adaptive" else f"fixed:{k if k is not None else spec.max_draft_len}"
             n_cands = len(default_candidates(spec.max_draft_len))
-            sides.append(BatchedSide(inputs, spec, policy, max_batch=max(cfg.concurrency),
-                                     max_seq_len=_max_seq_len(cfg, inputs, prompts, spec.block_size, n_cands),
-                                     cuda_graphs=cfg.cuda_graphs, torch_compile=cfg.torch_compile,
+            limits = options.replace(max_batch=max(cfg.concurrency),
+                                     max_seq_len=_max_seq_len(cfg, inputs, prompts, spec.block_size, n_cands))
+            sides.append(BatchedSide(inputs, spec, policy, limits,
                                      calibrate_levels=cfg.concurrency if cfg.calibrate else (), modes=modes))
             source["batched_policy"] = policy
     source["runtimes"] = list(cfg.runtime or [])

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from dflash_trt.bench.prompts import BenchPrompt
+from dflash_trt.metrics import time_per_output_token, tokens_per_second
 
 MODES = ("dflash", "plain")
 
@@ -72,12 +73,11 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float:
-        n = self.num_output_tokens
-        return (self.t_end - self.t_first) / (n - 1) if n > 1 else 0.0
+        return time_per_output_token(self.t_end - self.t_first, self.num_output_tokens)
 
     @property
     def tokens_per_s(self) -> float:
-        return self.num_output_tokens / self.latency_s if self.latency_s > 0 else 0.0
+        return tokens_per_second(self.num_output_tokens, self.latency_s)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -21,7 +21,7 @@ from typing import Any
 
 from dflash_trt.bench.divergence import departures
 from dflash_trt.bench.runners import RequestRecord, RunResult
-from dflash_trt.metrics import GenerationStats, merge_stats, summarize
+from dflash_trt.metrics import GenerationStats, merge_stats, summarize, tokens_per_second
 
 PEER_SIDES = ("vllm", "vllm-eager")  # in order of preference for vs_peer
 
@@ -65,7 +65,7 @@ def summarize_records(records: list[RequestRecord], counters: dict[str, Any] | N
         "tpot_s": summarize([r.tpot_s for r in ok if r.num_output_tokens > 1]),
         "tokens_per_s": summarize([r.tokens_per_s for r in ok]),
         "queue_s": summarize([r.queue_s for r in ok]),
-        "total_tokens_per_s": pooled.num_output_tokens / wall if wall > 0 else 0.0,
+        "total_tokens_per_s": tokens_per_second(pooled.num_output_tokens, wall),
         "wall_s": wall,
     }
     decode = [r for r in ok if r.server_decode_s is not None]

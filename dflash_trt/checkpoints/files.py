@@ -89,17 +89,10 @@ def load_state_dict(directory: Path, allow_pickle: bool = False) -> dict[str, to
 
 
 def save_safetensors_atomic(state: dict[str, torch.Tensor], path: Path) -> None:
-    import os
-    import tempfile
-
+    """`state` as a safetensors file at `path`, written through fsutil.atomic_file (umask mode)."""
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, tmp, metadata={"format": "pt"})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from dflash_trt.fsutil import atomic_file
+
+    with atomic_file(path) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})

@@ -34,6 +34,7 @@ from dflash_trt.checkpoints.hf_config_compat import both_generations
 from dflash_trt.checkpoints.placement import device_of
 from dflash_trt.checkpoints.quiet import quiet_transformers
 from dflash_trt.errors import DFlashError
+from dflash_trt.runtime_options import dtype_name
 
 INDEX_NAME = "model.safetensors.index.json"
 # Small top-level files a checkpoint needs beside its weights (tokenizer, templates, configs).
@@ -41,7 +42,6 @@ INDEX_NAME = "model.safetensors.index.json"
 AUX_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
 WEIGHT_FILES = ("config.json", INDEX_NAME, "hf_quant_config.json")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 # safetensors dtype names (the format's header) -> torch dtypes
@@ -330,7 +330,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype, pro
         index = {"metadata": {"total_size": stats["bytes"]}, "weight_map": dict(sorted(weight_map.items()))}
         (dst / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     cfg = read_json(src / "config.json", what="target config")
-    name = DTYPE_NAMES[dtype]
+    name = dtype_name(dtype)
     cfg["dtype"] = name
     if "torch_dtype" in cfg:  # written by transformers < 5
         cfg["torch_dtype"] = name

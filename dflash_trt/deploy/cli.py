@@ -7,7 +7,9 @@ Heavy imports (mpi4py, tritonclient, the server) happen inside the commands.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -17,6 +19,33 @@ from dflash_trt.cli_helpers import friendly_errors
 def _own_server_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """`pytorch` (the serving backend's name everywhere) is what deploy/launch call `reference`."""
     return "reference" if value == "pytorch" else value
+
+
+def server_options(repository: str, http: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ports and the model repository of the servers a job (`deploy slurm`) or a rank (`launch`)
+    starts, declared once. The pytorch backend's replicas (old name: reference) count their ports
+    from rank 0's by --port-stride. `repository`: whose repository it is and its default."""
+    port = click.IntRange(1, 65535)
+    options = [
+        click.option("--model-repository", type=click.Path(file_okay=False),
+                     help=f"The model repository to serve (`dflash-trt deploy triton`): {repository}."),
+        click.option("--grpc-port", type=port, default=8001, show_default=True,
+                     help="gRPC port (pytorch backend: of rank 0; rank r uses grpc-port + r x port-stride)."),
+        *([click.option("--http-port", type=port, default=8000, show_default=True,
+                        help="HTTP port (tritonserver, trtllm-serve).")] if http else []),
+        click.option("--metrics-port", type=port, default=8002, show_default=True,
+                     help="Prometheus metrics port (pytorch backend: of rank 0; rank r uses metrics-port + r x "
+                          "port-stride)."),
+        click.option("--port-stride", type=click.IntRange(min=1), default=10, show_default=True,
+                     help="Port offset between the pytorch backend's replicas (ranks)."),
+    ]
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
 
 
 @click.command("slurm")
@@ -55,16 +84,8 @@ def _own_server_name(ctx: click.Context, param: click.Parameter, value: str) -> 
                                          "always mounted at their own paths.")
 @click.option("--container-dflash-bin", default="dflash-trt", show_default=True,
               help="The dflash-trt command inside --container-image.")
-@click.option("--model-repository", type=click.Path(file_okay=False),
-              help="tritonserver model repository (default: OUT/triton_repo, from `dflash-trt deploy triton`).")
-@click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True,
-              help="gRPC port (reference: of rank 0; rank r uses grpc-port + r x port-stride).")
-@click.option("--http-port", type=click.IntRange(1, 65535), default=8000, show_default=True,
-              help="HTTP port (tritonserver, trtllm-serve).")
-@click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True,
-              help="Prometheus metrics port (reference: of rank 0, + r x port-stride).")
-@click.option("--port-stride", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Port offset between reference replicas.")
+@server_options("tritonserver's or every replica's [default: OUT/triton_repo, from `dflash-trt deploy triton`]",
+                http=True)
 @click.option("--mpi", default="pmix", show_default=True,
               help="srun --mpi plugin (`srun --mpi=list`); pmi2 for an MPICH-only environment.")
 @click.option("--ready-timeout", type=click.IntRange(min=1), default=1800, show_default=True,
@@ -146,15 +167,7 @@ def wait_ready_cmd(urls: tuple[str, ...], timeout_s: float, pid: int | None, int
 @click.option("--check", "check_only", is_flag=True,
               help="Only check (world size vs TP x PP, tensorrt_llm importable) on every rank, then exit.")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address the reference server binds.")
-@click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True,
-              help="Reference backend: gRPC port of rank 0; rank r uses grpc-port + r x port-stride.")
-@click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True,
-              help="Reference backend: metrics port of rank 0; rank r uses metrics-port + r x port-stride.")
-@click.option("--port-stride", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Reference backend: port offset between ranks.")
-@click.option("--model-repository", type=click.Path(file_okay=False),
-              help="Reference backend: serve this repository (`dflash-trt deploy triton`) instead of a "
-                   "temporary one written per rank for ENGINE.")
+@server_options("the pytorch backend's [default: a temporary one written per rank for ENGINE]", http=False)
 @friendly_errors
 def launch_cmd(engine: str, server_cmd: tuple[str, ...], backend: str, check_only: bool, host: str,
                grpc_port: int, metrics_port: int, port_stride: int, model_repository: str | None) -> None:

@@ -8,15 +8,12 @@ build (Ctrl-C, OOM, a failed acceptance gate) never leaves a directory that look
 
 from __future__ import annotations
 
-import resource
 import shutil
 import sys
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dflash_trt.engine.archs import ArchSpec, resolve_arch
 from dflash_trt.engine.devices import BuildDevice
@@ -33,101 +30,9 @@ from dflash_trt.engine.plan import DraftShape, MemoryPlan, plan_memory, render_p
 from dflash_trt.engine.recipes import ResolvedRecipe, resolve_recipe
 from dflash_trt.engine.spec import BuildSpec
 from dflash_trt.errors import DFlashError
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Phases: wall time and peak RSS of each
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Profile:
-    phases: dict[str, float] = field(default_factory=dict)
-    peak_rss_mib: dict[str, float] = field(default_factory=dict)
-    peak_gpu_mib: dict[str, float] = field(default_factory=dict)  # largest per-GPU peak, when on GPUs
-    rss_mib: dict[str, float] = field(default_factory=dict)  # resident at the end of the phase
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
-            # The process's peak so far: read after each phase, the first phase whose value jumps
-            # is the one that set the peak.
-            self.peak_rss_mib[name] = peak_rss_mib()
-            self.rss_mib[name] = _proc_status_mib("VmRSS") or 0.0
-            gpu = _gpu_peak_mib()
-            if gpu is not None:
-                self.peak_gpu_mib[name] = gpu
-
-
-def _proc_status_mib(field: str) -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far (MiB): VmHWM on Linux, which starts afresh at
-    exec; getrusage's ru_maxrss survives exec, so a build started by a large parent process would
-    report the parent's peak."""
-    hwm = _proc_status_mib("VmHWM")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _gpu_peak_mib() -> float | None:
-    """The largest peak allocation on any GPU so far (None when torch has not touched a GPU)."""
-    if "torch" not in sys.modules:
-        return None
-    import torch
-
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 2**20
-
-
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM (timeout, scancel, kill) into KeyboardInterrupt so the temporary engine
-    directory is removed; by default SIGTERM kills Python without running any cleanup."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def versions(quantized: bool) -> dict[str, str]:
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    from dflash_trt import __version__
-
-    out = {"dflash-trt": __version__, "python": platform.python_version()}
-    libs = ["torch", "transformers", "safetensors", "pydantic", "pyyaml"] + (["nvidia-modelopt"] if quantized else [])
-    for lib in libs:
-        try:
-            out[lib] = version(lib)
-        except PackageNotFoundError:
-            out[lib] = "not installed"
-    return out
+from dflash_trt.process import Profile, library_versions, sigterm_as_interrupt
+from dflash_trt.runtime_options import dtype_name, engine_dtype_name, torch_dtype
+from dflash_trt.runtime_options import resolve_compute_dtype as resolve_compute_dtype_for
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +89,7 @@ def _check_tokenizers(target_dir: Path, draft_dir: Path | None, vocab_size: int)
 def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
     """All checks that need only configs; the memory plan. Raises DFlashError on the first problem."""
     from dflash_trt.checkpoints.files import read_json
+    from dflash_trt.runtime.drafter_family import is_speculators
     from dflash_trt.runtime.validate import validate_pair
 
     target, draft = _resolve_dirs(spec)
@@ -204,6 +110,9 @@ def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
         if not ddir.is_dir():
             raise DFlashError(f"drafter directory {ddir} not found; pass --draft DIR with config.json and model.safetensors")
         draft_cfg = read_json(ddir / "config.json", what="drafter config")
+        if is_speculators(draft_cfg):  # the engine ships draft/ as it is; TensorRT-LLM reads z-lab's
+            raise DFlashError(f"{ddir} is a drafter in the speculators format, which TensorRT-LLM does not read; "
+                              f"convert it first: dflash-trt convert-draft {ddir} OUT --to zlab, then --draft OUT")
 
         class _Cfg:  # validate_pair reads attributes
             hidden_size, num_hidden_layers, vocab_size = arch.hidden_size, arch.num_layers, arch.vocab_size
@@ -259,21 +168,15 @@ def print_spec(spec: BuildSpec, console: Any) -> None:
 
 def resolve_dtype_name(spec: BuildSpec, checkpoint_dtype: str | None) -> str:
     """The engine's unquantized dtype: --dtype, else the checkpoint's 16-bit one (bfloat16 for a
-    float32 checkpoint on a GPU engine); the CPU recipe keeps a float32 checkpoint in float32."""
-    if spec.dtype != "auto":
-        return spec.dtype
-    ckpt = str(checkpoint_dtype or "bfloat16").removeprefix("torch.")
-    if ckpt in ("bfloat16", "float16"):
-        return ckpt
-    return "float32" if GPUS[spec.gpu].emulated and ckpt == "float32" else "bfloat16"
+    float32 checkpoint on a GPU engine); the CPU recipe keeps a float32 checkpoint in float32
+    (runtime_options.engine_dtype_name)."""
+    return engine_dtype_name(spec.dtype, checkpoint_dtype, GPUS[spec.gpu].emulated)
 
 
 def resolve_compute_dtype(spec: BuildSpec, engine_dtype: Any, device: BuildDevice) -> Any:
     """The dtype the build runs its models in: --compute-dtype, else the engine's dtype where the
-    build device multiplies it natively, float32 elsewhere (runtime.loading.compute_dtype)."""
-    from dflash_trt.runtime.loading import DTYPES, compute_dtype
-
-    return DTYPES[spec.compute_dtype] if spec.compute_dtype != "auto" else compute_dtype(engine_dtype, device.kind)
+    build device multiplies it natively, float32 elsewhere (runtime_options.compute_dtype)."""
+    return resolve_compute_dtype_for(spec.compute_dtype, engine_dtype, device.kind)
 
 
 def _run_in(model: Any, dtype: Any) -> Any:
@@ -333,13 +236,13 @@ def load_models(p: Prepared, dtype: Any, device: BuildDevice, compute: Any) -> B
     from dflash_trt.checkpoints.placement import home_device
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.devices import device_map_for
-    from dflash_trt.runtime.draft_model import DFlashDraftModel
+    from dflash_trt.runtime.drafter_family import load_drafter
     from dflash_trt.runtime.loading import load_tokenizer
 
     assert p.target_dir is not None and p.draft_dir is not None
     placement = device_map_for(p.target_dir, dtype, device)
     target = _run_in(load_checkpoint(p.target_dir, dtype, device_map=placement), compute)
-    draft = _run_in(DFlashDraftModel.from_pretrained(p.draft_dir, dtype=dtype, device=home_device(target)), compute)
+    draft = _run_in(load_drafter(p.draft_dir, dtype=dtype, device=home_device(target)), compute)
     tokenizer = load_tokenizer(p.target_dir)
     return BuildModels(target, draft, placement, tokenizer)
 
@@ -359,7 +262,7 @@ class BuildRun:
 
     @property
     def compute_name(self) -> str:
-        return str(self.compute).removeprefix("torch.")
+        return dtype_name(self.compute)
 
     def say(self, msg: str) -> None:  # plain text: paths and [low, high] intervals are not rich markup
         if self.console is not None:  # one line stays one line (the gate's verdict), whatever the width
@@ -384,7 +287,6 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     from dflash_trt.engine.manifest import MANIFEST_NAME
     from dflash_trt.engine.verify import hash_tree
     from dflash_trt.fsutil import atomic_directory, write_json_atomic
-    from dflash_trt.runtime.loading import DTYPES
 
     spec, prof = p.spec, profile or Profile()
     return_large_frees_to_os()  # before any model: see dflash_trt.engine.host_memory
@@ -397,7 +299,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     quant_report: dict[str, Any] = {}
 
     with sigterm_as_interrupt(), atomic_directory(out, overwrite=overwrite) as tmp:
-        dtype = DTYPES[p.dtype_name]
+        dtype = torch_dtype(p.dtype_name)
         run = BuildRun(p, tmp, dtype, resolve_compute_dtype(spec, dtype, device), device, progress, console)
         models: BuildModels | None = None
         if quantized or gate_on:
@@ -613,7 +515,7 @@ def _manifest(run: BuildRun, out: Path, opts: dict[str, Any], files: Any, quant_
                         target_layer_ids=p.target_layer_ids),
         min_tensorrt_llm_version=min_version(opts),
         tensorrt_llm_requirements=requirements(opts),
-        versions=versions(spec.quant != "none"),
+        versions=library_versions(("nvidia-modelopt",) if spec.quant != "none" else ()),
         # the resolved spec, re-runnable as is with `build --spec` (the Slurm build job does that)
         spec={**spec.model_dump(), "target": str(p.target_dir), "draft": str(p.draft_dir), "out": str(out),
               "dtype": p.dtype_name},
@@ -623,25 +525,6 @@ def _manifest(run: BuildRun, out: Path, opts: dict[str, Any], files: Any, quant_
         timings_s={k: round(v, 3) for k, v in prof.phases.items()},
         build_device=run.device.describe(),
     )
-
-
-def render_profile(prof: Profile, console: Any) -> None:
-    from rich.table import Table
-
-    t = Table(title="build profile")
-    t.add_column("phase")
-    t.add_column("seconds", justify="right")
-    t.add_column("peak RSS so far (MiB)", justify="right")
-    t.add_column("RSS at end (MiB)", justify="right")
-    gpu = bool(prof.peak_gpu_mib)
-    if gpu:
-        t.add_column("peak GPU so far (MiB, largest GPU)", justify="right")
-    for name, secs in prof.phases.items():
-        row = [name, f"{secs:.2f}", f"{prof.peak_rss_mib.get(name, 0):.0f}", f"{prof.rss_mib.get(name, 0):.0f}"]
-        t.add_row(*row, *([f"{prof.peak_gpu_mib.get(name, 0):.0f}"] if gpu else []))
-    total = ["total", f"{sum(prof.phases.values()):.2f}", f"{max(prof.peak_rss_mib.values(), default=0):.0f}", ""]
-    t.add_row(*total, *([f"{max(prof.peak_gpu_mib.values()):.0f}"] if gpu else []))
-    console.print(t)
 
 
 def show_plan(p: Prepared, console: Any) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 
 import click
 
-from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option, no_progress_option
+from dflash_trt.cli_helpers import friendly_errors, int_list, max_draft_len_option, no_progress_option, str_list
+from dflash_trt.runtime_options import DTYPE_CHOICES
 
 # Flag name -> dotted build-spec key. Flags left unset (None) do not override the YAML.
 FLAG_TO_KEY = {
@@ -30,19 +31,6 @@ FLAG_TO_KEY = {
 }
 
 
-def _name_list(ctx: Any, param: Any, value: str | None) -> list[str] | None:
-    return None if value is None else [x.strip() for x in value.split(",") if x.strip()]
-
-
-def _layer_list(ctx: Any, param: Any, value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of layer indices (e.g. 0,29)")
-
-
 def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The build-spec flags shared by `build` and `plan` (each overrides the YAML key it names)."""
     opts = [
@@ -57,9 +45,9 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--recipe", type=click.Choice(["auto", "full", "mlp-only", "experts-only"]),
                      help="Which layers --quant applies to (auto: mlp-only, nvfp4 with down_proj kept in 16 bits; "
                           "on gpt-oss NVIDIA's nvfp4_mlp_only)."),
-        click.option("--keep-layers", callback=_layer_list, metavar="I,J",
+        click.option("--keep-layers", callback=int_list("0,29"), metavar="I,J",
                      help="Decoder layers left in 16 bits (comma-separated; negative from the end)."),
-        click.option("--keep-modules", callback=_name_list, metavar="NAME,NAME",
+        click.option("--keep-modules", callback=str_list, metavar="NAME,NAME",
                      help="Linear layers left in 16 bits in every decoder layer, e.g. down_proj ('' for none; "
                           "default: the recipe's, down_proj for nvfp4)."),
         click.option("--kv-cache-quant", type=click.Choice(["none", "fp8"]), help="KV-cache quantization."),
@@ -137,9 +125,9 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
 @spec_options
 @click.option("--out", type=click.Path(file_okay=False), help="Engine directory to write (default engines/NAME).")
 @click.option("--name", help="Engine name recorded in the manifest.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES),
               help="dtype of unquantized tensors (auto: the checkpoint's 16-bit one; float32 only for --gpu cpu).")
-@click.option("--compute-dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+@click.option("--compute-dtype", type=click.Choice(DTYPE_CHOICES),
               help="dtype calibration and the gate run in; the engine is in --dtype either way (auto: --dtype where "
                    "the build device multiplies it natively, else float32, e.g. on a CPU without AVX512-BF16).")
 @click.option("--calib-prompts", type=click.Path(dir_okay=False), help="Calibration prompts (.jsonl/.json/.txt).")
@@ -175,8 +163,9 @@ def build(spec_file: str | None, as_json: bool, dry_run: bool, force: bool, prof
 
     With no --target/--draft the embedded default pair is used. Flags override --spec keys.
     """
-    from dflash_trt.engine.builder import Profile, build_engine, default_name, prepare, print_spec, render_profile, show_plan
+    from dflash_trt.engine.builder import build_engine, default_name, prepare, print_spec, show_plan
     from dflash_trt.engine.devices import resolve_device
+    from dflash_trt.process import Profile, render_profile
 
     spec = _resolve(spec_file, flags)
     console = _console()

@@ -128,35 +128,44 @@ def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_to
     """Greedy DFlash on each prompt, K = max_draft_len drafts every step (the engine's); one
     TauSample entry per prompt, in prompt order.
 
-    `batched` (None: wherever it can run this pair): all prompts decode together on the batched
-    runtime, each taking exactly the reference loop's steps (K drafts a step, the whole vocabulary
-    drafted over, as the reference loop does; in float32 on a CPU its per-prompt tau equals the
-    reference loop's: tests/test_gate_batched.py), at a fraction of the time (one pass over the
-    weights for every prompt of a step). Otherwise (gpt-oss, a target spread over GPUs: see
-    runtime.batched.unsupported_reason) the reference loop decodes one prompt at a time."""
+    The runtime is runtime/opener.open_runtime's: where it can run the pair, all prompts decode
+    together on the batched runtime, each taking exactly the reference loop's steps (the fixed
+    policy, K drafts a step, over the whole vocabulary as the reference loop drafts; in float32 on
+    a CPU its per-prompt tau equals the reference loop's: tests/test_gate_batched.py), at a
+    fraction of the time (one pass over the weights for every prompt of a step). Otherwise
+    (gpt-oss, a target spread over GPUs: see runtime.batched.unsupported_reason) the reference loop
+    decodes one prompt at a time. `batched` pins one (None: the opener's choice)."""
+    import torch
     from tqdm import tqdm
 
+    from dflash_trt.checkpoints.placement import home_device
+    from dflash_trt.runtime.batched import RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.opener import open_runtime
+    from dflash_trt.runtime.policy import FixedPolicy
+    from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.sampling_params import SamplingParams
     from dflash_trt.speculation import SpeculationSettings
 
     params = SamplingParams(max_tokens=max_new_tokens)
     speculation = SpeculationSettings.for_block(draft.block_size, max_draft_len)
-    if batched is None:
-        from dflash_trt.runtime.batched import unsupported_reason
-
-        batched = unsupported_reason(target, draft) is None
-    with tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress, file=sys.stderr) as bar:
-        if batched:
-            stats = _batched_stats(target, draft, prompt_ids, params, speculation, lambda: bar.update(1))
-        else:
-            from dflash_trt.runtime.generate import dflash_generate
-
-            stats = []
-            for ids in prompt_ids:
-                stats.append(dflash_generate(draft, target, ids, params, speculation).stats)
+    # Eager passes: capturing CUDA graphs for one pass over the sample would cost more than it saves
+    chunk = CPU_VERIFY_CHUNK if home_device(target).type == "cpu" else None
+    options = RuntimeOptions(max_batch=len(prompt_ids), max_seq_len=max(len(p) for p in prompt_ids) + max_new_tokens,
+                             cuda_graphs=False, verify_chunk=chunk)
+    extras = RuntimeExtras(policy=FixedPolicy(speculation.max_draft_len), use_draft_vocab=False)
+    runtime = open_runtime(target, draft, options, speculation, extras,
+                           choice="auto" if batched is None else "batched" if batched else "reference")
+    with tqdm(total=len(prompt_ids), desc=desc, unit="prompt", disable=not progress, file=sys.stderr) as bar, \
+            torch.inference_mode():
+        seqs = [runtime.add(SequenceRequest(list(p), params)) for p in prompt_ids]
+        while runtime.has_work():
+            for _ in runtime.step():
                 bar.update(1)
+    failed = next((s.error for s in seqs if s.error), None)
+    if failed:
+        raise DFlashError(f"acceptance gate: decoding a prompt failed ({failed})")
     sample = TauSample()
-    for s in stats:
+    for s in (seq.result.stats for seq in seqs):
         sample.add(sum(s.acceptance_lengths), s.num_steps, s.total_draft_tokens, s.total_accepted_draft_tokens)
     return sample
 
@@ -165,29 +174,6 @@ def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_to
 # its first rejection (runtime/target_passes.TargetPasses.verify_chunked): a CPU step is bound by
 # arithmetic, and at K = 15 one pass computes 16 positions a prompt where ~2 decide anything.
 CPU_VERIFY_CHUNK = 4
-
-
-def _batched_stats(target: Any, draft: Any, prompt_ids: list[list[int]], params: Any, speculation: Any,
-                   on_done: Any) -> list[Any]:
-    """Every prompt decoded together on the batched runtime with the fixed policy (K every step);
-    GenerationStats per prompt, in prompt order. Eager passes: capturing CUDA graphs for one pass
-    over the sample would cost more than it saves."""
-    import torch
-
-    from dflash_trt.checkpoints.placement import home_device
-    from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest
-    from dflash_trt.runtime.policy import FixedPolicy
-    need = max(len(p) for p in prompt_ids) + params.resolve_max_tokens()
-    chunk = CPU_VERIFY_CHUNK if home_device(target).type == "cpu" else None
-    runtime = BatchedRuntime(target, draft, max_batch=len(prompt_ids), max_seq_len=need, speculation=speculation,
-                             policy=FixedPolicy(speculation.max_draft_len), use_draft_vocab=False, cuda_graphs=False,
-                             verify_chunk=chunk)
-    with torch.inference_mode():
-        seqs = [runtime.add(SequenceRequest(list(p), params)) for p in prompt_ids]
-        while runtime.has_work():
-            for _ in runtime.step():
-                on_done()
-    return [s.result.stats for s in seqs]
 
 
 def _fmt(s: TauSample) -> str:

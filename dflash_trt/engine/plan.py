@@ -123,148 +123,256 @@ class MemoryPlan:
         return d
 
 
-def _stage_layers(arch: ArchSpec, pp: int) -> list[list[int]]:
-    per = math.ceil(arch.num_layers / pp)
-    return [list(range(s * per, min((s + 1) * per, arch.num_layers))) for s in range(pp)]
+# ---------------------------------------------------------------------------------------------
+# The pieces: what the fullest rank holds, its weights, its KV cache, its reserve, the verdict
+# ---------------------------------------------------------------------------------------------
 
 
-def _linear(fmt: WeightFormat, params: float, tensors: int) -> float:
+@dataclass(frozen=True)
+class RankLayout:
+    """The rank every figure of the plan is for: one TP rank of the fullest pipeline stage."""
+
+    stages: tuple[tuple[int, ...], ...]  # the target's layer ids on each pipeline stage
+    layers: int  # layers on the fullest stage
+    kept_layers: int  # of those, the recipe's keep_layers: whole layers left in bf16
+    kv_heads: int  # KV heads per rank (kv/tp, or 1 when they are replicated: tp % kv == 0)
+    q_width: int  # query (and output) projection width per rank: heads/tp * head_dim
+    keep_modules: tuple[str, ...]  # projections the recipe leaves in bf16 in every layer
+
+    @property
+    def quantized_layers(self) -> int:
+        """Layers whose projections follow the recipe's formats (the others are kept whole)."""
+        return self.layers - self.kept_layers
+
+
+def rank_layout(arch: ArchSpec, spec: BuildSpec, recipe: ResolvedRecipe | None = None) -> RankLayout:
+    """Layers split into ceil(L/pp)-layer pipeline stages; the fullest stage sets the per-rank figures."""
+    per = math.ceil(arch.num_layers / spec.pp)
+    stages = tuple(tuple(range(s * per, min((s + 1) * per, arch.num_layers))) for s in range(spec.pp))
+    fullest = max(stages, key=len)
+    keep = set(recipe.keep_layers if recipe is not None else ())
+    return RankLayout(stages=stages, layers=len(fullest), kept_layers=sum(1 for i in fullest if i in keep),
+                      kv_heads=kv_heads_per_rank(arch.num_kv_heads, spec.tp),
+                      q_width=arch.num_heads // spec.tp * arch.head_dim,
+                      keep_modules=tuple(recipe.keep_modules) if recipe is not None else ())
+
+
+def _linear(fmt: WeightFormat, params: float, tensors: float) -> float:
     return fmt.bytes_per_param * params + fmt.per_tensor_bytes * tensors
 
 
-def _projections(fmt: WeightFormat, sizes: dict[str, float], tensors: int, keep_modules: tuple[str, ...]) -> float:
+def _projections(fmt: WeightFormat, sizes: dict[str, float], tensors: float, keep_modules: tuple[str, ...]) -> float:
     """Bytes of one layer's projections (name -> params), those in keep_modules in bf16."""
     bf16 = WEIGHT_FORMATS["bf16"]
     return sum(_linear(bf16 if name in keep_modules else fmt, n, tensors) for name, n in sizes.items())
 
 
-def _kept_on_fullest_stage(stages: list[list[int]], keep: tuple[int, ...]) -> int:
-    fullest = max(stages, key=len)
-    return sum(1 for i in fullest if i in set(keep))
+@dataclass(frozen=True)
+class TargetWeights:
+    """The target's bytes on the rank."""
+
+    quantized: float  # linear layers in the recipe's formats, scales included (MoE experts too)
+    unquantized: float  # bf16: embedding, lm_head, norms, router, biases, attention sinks
+    experts: float  # MoE expert weights (part of `quantized`); 0 for a dense target
+    notes: tuple[str, ...] = ()
+
+
+def target_weights(arch: ArchSpec, spec: BuildSpec, rank: RankLayout, recipe_name: str = "none") -> TargetWeights:
+    """Linear layers as the recipe quantizes them (attention only under `full`; kept layers and
+    keep_modules in bf16), MoE experts in the format `build` writes, the rest in bf16."""
+    bf16 = WEIGHT_FORMATS["bf16"]
+    quant_fmt = WEIGHT_FORMATS[QUANT_TO_FORMAT[spec.quant]]
+    attn_fmt = quant_fmt if recipe_name == "full" else bf16
+    hidden, head_dim, tp = arch.hidden_size, arch.head_dim, spec.tp
+    layers, kept, mods = rank.layers, rank.kept_layers, rank.keep_modules
+    kv_width = rank.kv_heads * head_dim
+    attn_sizes = {"q_proj": hidden * rank.q_width, "o_proj": hidden * rank.q_width,
+                  "k_proj": hidden * kv_width, "v_proj": hidden * kv_width}
+    attn_params = 2 * hidden * rank.q_width + 2 * hidden * kv_width
+    quantized = (rank.quantized_layers * _projections(attn_fmt, attn_sizes, 1, mods)
+                 + kept * _linear(bf16, attn_params, 4))
+    unquantized = layers * (2 * hidden) * BF16  # input/post-attention norms
+    if arch.attention_bias:
+        unquantized += layers * (rank.q_width + 2 * kv_width + hidden) * BF16
+    if arch.model_type == "gpt_oss":
+        unquantized += layers * (arch.num_heads // tp) * BF16  # attention sinks, one per head
+    notes: list[str] = []
+    experts = 0.0
+    if arch.is_moe:
+        experts, router, expert_biases, note = _moe_experts(arch, spec, rank)
+        quantized += experts
+        unquantized += router
+        unquantized += expert_biases
+        notes += [note] if note else []
+    else:
+        mlp_params = 3 * hidden * arch.intermediate_size / tp
+        mlp_sizes = {p: mlp_params / 3 for p in ("gate_proj", "up_proj", "down_proj")}
+        quantized += rank.quantized_layers * _projections(quant_fmt, mlp_sizes, 1, mods) + kept * _linear(bf16, mlp_params, 3)
+    embed = arch.vocab_size * hidden * BF16
+    lm_head = 0.0 if (arch.tie_word_embeddings and spec.pp == 1) else math.ceil(arch.vocab_size / tp) * hidden * BF16
+    # one stage holds the embedding and the other the lm_head (+ final norm) when pp > 1
+    unquantized += (embed + lm_head + hidden * BF16) if spec.pp == 1 else max(embed, lm_head + hidden * BF16)
+    return TargetWeights(quantized, unquantized, experts, tuple(notes))
+
+
+def _moe_experts(arch: ArchSpec, spec: BuildSpec, rank: RankLayout) -> tuple[float, float, float, str | None]:
+    """(expert bytes, router bytes, expert-bias bytes, a note when the written experts outweigh the shipped ones).
+
+    Each rank holds E/ep experts split moe_tp = tp/ep ways: E * 3 * H * I_e / tp parameters whatever
+    the split. gpt-oss fuses its experts (one gate_up_proj and one down_proj tensor per layer), so
+    its per-tensor scales count twice per layer, not per expert."""
+    bf16 = WEIGHT_FORMATS["bf16"]
+    experts_fmt_name = expert_format(arch, spec.quant, "bfloat16")
+    experts_fmt = WEIGHT_FORMATS[experts_fmt_name] if experts_fmt_name in WEIGHT_FORMATS else bf16
+    hidden, num_experts, width = arch.hidden_size, arch.num_experts, arch.expert_intermediate_size
+    moe_tp = spec.tp // spec.ep
+    params = num_experts * 3 * hidden * width / spec.tp
+    tensors = 2 if arch.model_type == "gpt_oss" else num_experts // spec.ep * 3
+    thirds = {p: params / 3 for p in ("gate_proj", "up_proj", "down_proj")}
+    experts = rank.quantized_layers * _projections(experts_fmt, thirds, tensors / 3, rank.keep_modules)
+    experts += rank.kept_layers * _linear(bf16, params, tensors)  # exported dequantized
+    router = rank.layers * (num_experts * hidden + num_experts) * BF16  # router weight + bias, replicated
+    biases = 0.0
+    if arch.model_type == "gpt_oss":  # expert biases: gate_up (2*I_e, split moe_tp) and down (H)
+        biases = rank.layers * (num_experts // spec.ep) * (2 * width / moe_tp + hidden) * BF16
+    note = None
+    if arch.native_expert_format and experts_fmt_name != arch.native_expert_format:
+        shipped = WEIGHT_FORMATS[arch.native_expert_format]
+        ratio = experts_fmt.bytes_per_param / shipped.bytes_per_param
+        if ratio >= 1.5:  # fp8 (1.9x) or 16-bit experts; NVFP4 is within 6% of MXFP4
+            note = (f"{experts_fmt_name.upper()} experts take {ratio:.1f}x the bytes of the shipped "
+                    f"{arch.native_expert_format.upper()} ones ({experts / GB:,.2f} GB vs "
+                    f"{rank.layers * _linear(shipped, params, tensors) / GB:,.2f} GB per GPU); "
+                    "--quant none keeps them as shipped, --quant nvfp4 casts them losslessly")
+    return experts, router, biases, note
+
+
+@dataclass(frozen=True)
+class KvCache:
+    """KV-cache bytes on the rank: the target's layers (at the stage whose sequences cost most;
+    sliding-window layers hold at most `sliding_window` tokens) plus the drafter's context K/V."""
+
+    target_per_token: float
+    target_per_sequence: float  # at max_seq_len
+    draft_per_token: float  # bf16 (the model dtype, not --kv-cache-quant)
+    max_seq_len: int
+
+    @property
+    def per_token(self) -> float:
+        return self.target_per_token + self.draft_per_token
+
+    @property
+    def per_sequence(self) -> float:
+        return self.target_per_sequence + self.draft_per_token * self.max_seq_len
+
+
+def kv_cache(arch: ArchSpec, spec: BuildSpec, rank: RankLayout, draft: DraftShape) -> KvCache:
+    """2 (K and V) * layers * KV heads per rank * head_dim * the KV element size, per token."""
+    element = KV_BYTES[spec.kv_cache_quant]
+    seq_len, window = spec.max_seq_len, arch.sliding_window
+    per_token, per_sequence = 0.0, 0.0
+    for layers in rank.stages:
+        sliding = sum(1 for i in layers
+                      if window and i < len(arch.layer_types) and arch.layer_types[i] == "sliding_attention")
+        full_tok = 2 * (len(layers) - sliding) * rank.kv_heads * arch.head_dim * element
+        sliding_tok = 2 * sliding * rank.kv_heads * arch.head_dim * element
+        seq = full_tok * seq_len + sliding_tok * min(window or seq_len, seq_len)
+        if seq > per_sequence:
+            per_token, per_sequence = full_tok + sliding_tok, seq
+    draft_tok = 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * BF16
+    return KvCache(per_token, per_sequence, draft_tok, seq_len)
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """GPU memory set aside before the KV budget: the runtime's own, live activations, FP32 logits."""
+
+    runtime: float  # CUDA context, NCCL/cuBLAS workspaces, CUDA graphs (the GPU table's figure)
+    activations: float  # max_num_tokens * (H + widest per-rank projection) * 2 B * 2 live buffers
+    logits: float  # max_batch_size * (max_draft_len + 1) * ceil(V/tp) * 4 B
+
+    @property
+    def total(self) -> float:
+        return self.runtime + self.activations + self.logits
+
+
+def reserve(arch: ArchSpec, spec: BuildSpec, rank: RankLayout, max_draft_len: int, max_num_tokens: int) -> Reserve:
+    """The rank's reserve (see :class:`Reserve`); the widest projection is the attention's q/k/v or
+    the MLP's gate+up (a token's routed experts' for MoE), per rank."""
+    if arch.is_moe:
+        widest = arch.experts_per_token * 2 * arch.expert_intermediate_size // (spec.tp // spec.ep)
+    else:
+        widest = 2 * arch.intermediate_size // spec.tp
+    width = arch.hidden_size + max(rank.q_width + 2 * rank.kv_heads * arch.head_dim, widest)
+    return Reserve(runtime=GPUS[spec.gpu].runtime_reserve_bytes, activations=max_num_tokens * width * BF16 * 2,
+                   logits=spec.max_batch_size * (max_draft_len + 1) * math.ceil(arch.vocab_size / spec.tp) * 4)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How much KV cache fits beside the weights and the reserve, and what that means."""
+
+    text: str
+    fits: bool
+    budget: float | None = None  # bytes the KV cache gets; None: the reference runtime (no HBM)
+    tokens: int | None = None
+    sequences: int | None = None
+
+
+def verdict(spec: BuildSpec, weights: float, reserve_bytes: float, kv: KvCache) -> Verdict:
+    """KV budget = (HBM - weights - reserve) * free_gpu_memory_fraction; it must hold max_batch_size
+    sequences of max_seq_len for a comfortable fit, and something for a tight one."""
+    hbm = GPUS[spec.gpu].hbm_bytes
+    if hbm is None:
+        return Verdict("n/a: reference runtime on the host (dequantized weights, no HBM budget)", True)
+    free = hbm - weights - reserve_bytes
+    budget = max(0.0, free) * spec.free_gpu_memory_fraction
+    per_seq, seq_len, batch = kv.per_sequence, spec.max_seq_len, spec.max_batch_size
+    seqs = int(budget // per_seq) if per_seq else 0
+    toks = int(budget // (per_seq / seq_len)) if per_seq else 0
+    if free <= 0:
+        return Verdict(f"DOES NOT FIT: weights + reserve = {(weights + reserve_bytes) / GB:.1f} GB > {hbm / GB:.0f} GB "
+                       "HBM; raise --tp/--pp or quantize", False, budget, toks, seqs)
+    if seqs < batch:
+        return Verdict(f"TIGHT: KV cache holds {seqs} sequences of {seq_len} tokens < max_batch_size {batch}; lower "
+                       "--max-seq-len/--max-batch-size or add GPUs", True, budget, toks, seqs)
+    return Verdict(f"fits: KV cache holds {seqs} sequences of {seq_len} tokens (>= max_batch_size {batch})", True,
+                   budget, toks, seqs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
 
 
 def plan_memory(arch: ArchSpec, spec: BuildSpec, draft: DraftShape, max_draft_len: int, max_num_tokens: int,
                 recipe: ResolvedRecipe | None = None) -> MemoryPlan:
-    gpu = GPUS[spec.gpu]
-    tp, pp, ep = spec.tp, spec.pp, spec.ep
-    H, hd, V = arch.hidden_size, arch.head_dim, arch.vocab_size
-    kvr = kv_heads_per_rank(arch.num_kv_heads, tp)
-    q_width = arch.num_heads // tp * hd
-    bf16 = WEIGHT_FORMATS["bf16"]
-    quant_fmt = WEIGHT_FORMATS[QUANT_TO_FORMAT[spec.quant]]
+    """The per-GPU plan: the pieces above, put together (the module docstring has the formulas)."""
+    rank = rank_layout(arch, spec, recipe)
     recipe_name = recipe.name if recipe is not None else "none"
-    attn_fmt = quant_fmt if recipe_name == "full" else bf16
-    experts = expert_format(arch, spec.quant, "bfloat16")
-    expert_fmt = WEIGHT_FORMATS[experts] if experts in WEIGHT_FORMATS else bf16
-    notes: list[str] = []
-
-    stages = _stage_layers(arch, pp)
-    L_r = max(len(s) for s in stages)
-    kept = _kept_on_fullest_stage(stages, recipe.keep_layers if recipe is not None else ())
-    L_q = L_r - kept  # layers quantized as the recipe says; `kept` layers are all bf16
-    mods = recipe.keep_modules if recipe is not None else ()
-    if mods:  # the plan's one-line recipe says what stays 16-bit
-        recipe_name += f" ({'/'.join(mods)} bf16)"
-
-    # -- target weights on the fullest stage ---------------------------------------------------
-    attn_params = 2 * H * q_width + 2 * H * kvr * hd  # q, o, k, v
-    attn_sizes = {"q_proj": H * q_width, "o_proj": H * q_width, "k_proj": H * kvr * hd, "v_proj": H * kvr * hd}
-    quantized = L_q * _projections(attn_fmt, attn_sizes, 1, mods) + kept * _linear(bf16, attn_params, 4)
-    unq = L_r * (2 * H) * BF16  # input/post-attention norms
-    if arch.attention_bias:
-        unq += L_r * (q_width + 2 * kvr * hd + H) * BF16
-    if arch.model_type == "gpt_oss":
-        unq += L_r * (arch.num_heads // tp) * BF16  # attention sinks, one per head
-    if arch.is_moe:
-        moe_tp = tp // ep
-        E, Ie = arch.num_experts, arch.expert_intermediate_size
-        expert_params = E * 3 * H * Ie / tp
-        # gpt-oss fuses its experts: one gate_up_proj and one down_proj tensor per layer
-        expert_tensors = 2 if arch.model_type == "gpt_oss" else E // ep * 3
-        thirds = {p: expert_params / 3 for p in ("gate_proj", "up_proj", "down_proj")}
-        expert_bytes = L_q * _projections(expert_fmt, thirds, expert_tensors / 3, mods)  # each third in its format
-        expert_bytes += kept * _linear(bf16, expert_params, expert_tensors)  # exported dequantized
-        quantized += expert_bytes
-        unq += L_r * (E * H + E) * BF16  # router weight + bias, replicated
-        if arch.model_type == "gpt_oss":  # expert biases: gate_up (2*I_e, split moe_tp) and down (H)
-            unq += L_r * (E // ep) * (2 * Ie / moe_tp + H) * BF16
-        widest = arch.experts_per_token * 2 * Ie // moe_tp
-        if arch.native_expert_format and experts != arch.native_expert_format:
-            shipped = WEIGHT_FORMATS[arch.native_expert_format]
-            ratio = expert_fmt.bytes_per_param / shipped.bytes_per_param
-            if ratio >= 1.5:  # fp8 (1.9x) or 16-bit experts; NVFP4 is within 6% of MXFP4
-                notes.append(f"{experts.upper()} experts take {ratio:.1f}x the bytes of the shipped "
-                             f"{arch.native_expert_format.upper()} ones ({expert_bytes / GB:,.2f} GB vs "
-                             f"{L_r * _linear(shipped, expert_params, expert_tensors) / GB:,.2f} GB per GPU); "
-                             "--quant none keeps them as shipped, --quant nvfp4 casts them losslessly")
-    else:
-        expert_bytes = 0.0
-        mlp_params = 3 * H * arch.intermediate_size / tp
-        mlp_sizes = {p: mlp_params / 3 for p in ("gate_proj", "up_proj", "down_proj")}
-        quantized += L_q * _projections(quant_fmt, mlp_sizes, 1, mods) + kept * _linear(bf16, mlp_params, 3)
-        widest = 2 * arch.intermediate_size // tp
-    embed = V * H * BF16
-    lm_head = 0.0 if (arch.tie_word_embeddings and pp == 1) else math.ceil(V / tp) * H * BF16
-    unq += (embed + lm_head + H * BF16) if pp == 1 else max(embed, lm_head + H * BF16)
-
+    weights = target_weights(arch, spec, rank, recipe_name)
     draft_bytes = draft.num_params() * BF16
-
-    # -- KV cache --------------------------------------------------------------------------------
-    kvb = KV_BYTES[spec.kv_cache_quant]
-    S = spec.max_seq_len
-    window = arch.sliding_window
-    best = (0.0, 0.0)
-    for layers in stages:
-        n_swa = sum(1 for i in layers if window and i < len(arch.layer_types) and arch.layer_types[i] == "sliding_attention")
-        n_full = len(layers) - n_swa
-        per_tok_full = 2 * n_full * kvr * hd * kvb
-        per_tok_swa = 2 * n_swa * kvr * hd * kvb
-        per_seq = per_tok_full * S + per_tok_swa * min(window or S, S)
-        if per_seq > best[1]:
-            best = (per_tok_full + per_tok_swa, per_seq)
-    draft_kv_tok = 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * BF16
-    kv_per_token = best[0] + draft_kv_tok
-    kv_per_seq = best[1] + draft_kv_tok * S
-
-    # -- reserve ---------------------------------------------------------------------------------
-    act_width = H + max(q_width + 2 * kvr * hd, widest)
-    activations = max_num_tokens * act_width * BF16 * 2
-    logits = spec.max_batch_size * (max_draft_len + 1) * math.ceil(V / tp) * 4
-    reserve = gpu.runtime_reserve_bytes + activations + logits
-
-    weights = quantized + unq + draft_bytes
-    budget: float | None = None
-    toks: int | None = None
-    seqs: int | None = None
-    if gpu.hbm_bytes is None:
-        verdict, fits = "n/a: reference runtime on the host (dequantized weights, no HBM budget)", True
-    else:
-        free = gpu.hbm_bytes - weights - reserve
-        budget = max(0.0, free) * spec.free_gpu_memory_fraction
-        seqs = int(budget // kv_per_seq) if kv_per_seq else 0
-        toks = int(budget // (kv_per_seq / S)) if kv_per_seq else 0
-        if free <= 0:
-            verdict, fits = (f"DOES NOT FIT: weights + reserve = {(weights + reserve) / GB:.1f} GB > "
-                             f"{gpu.hbm_bytes / GB:.0f} GB HBM; raise --tp/--pp or quantize"), False
-        elif seqs < spec.max_batch_size:
-            verdict, fits = (f"TIGHT: KV cache holds {seqs} sequences of {S} tokens < max_batch_size "
-                             f"{spec.max_batch_size}; lower --max-seq-len/--max-batch-size or add GPUs"), True
-        else:
-            verdict, fits = (f"fits: KV cache holds {seqs} sequences of {S} tokens (>= max_batch_size "
-                             f"{spec.max_batch_size})"), True
+    kv = kv_cache(arch, spec, rank, draft)
+    held = reserve(arch, spec, rank, max_draft_len, max_num_tokens)
+    decided = verdict(spec, weights.quantized + weights.unquantized + draft_bytes, held.total, kv)
+    notes = list(weights.notes)
+    if GPUS[spec.gpu].hbm_bytes is not None:
         if draft.estimated:
             notes.append(f"drafter size estimated: {draft.num_layers} Qwen3-style layers at the target's width (no "
                          "drafter dir)")
-        if kvr * tp > arch.num_kv_heads:
-            notes.append(f"{arch.num_kv_heads} KV heads replicated over {tp} TP ranks (1 per rank)")
+        if rank.kv_heads * spec.tp > arch.num_kv_heads:
+            notes.append(f"{arch.num_kv_heads} KV heads replicated over {spec.tp} TP ranks (1 per rank)")
+    if rank.keep_modules:  # the plan's one-line recipe says what stays 16-bit
+        recipe_name += f" ({'/'.join(rank.keep_modules)} bf16)"
     return MemoryPlan(
-        gpu=spec.gpu, tp=tp, pp=pp, ep=ep, quant=spec.quant, kv_cache_quant=spec.kv_cache_quant,
-        layers_per_rank=L_r, kv_heads_per_rank=kvr, target_quantized_bytes=quantized, target_unquantized_bytes=unq,
-        draft_bytes=draft_bytes, kv_bytes_per_token=kv_per_token, kv_bytes_per_sequence=kv_per_seq,
-        reserve_bytes=reserve, hbm_bytes=gpu.hbm_bytes, kv_budget_bytes=budget, kv_tokens_fit=toks,
-        sequences_fit=seqs, verdict=verdict, fits=fits, draft_estimated=draft.estimated, notes=notes,
-        recipe=recipe_name, expert_format=experts if arch.is_moe else None, expert_bytes=expert_bytes,
-        draft_kv_bytes_per_token=draft_kv_tok)
+        gpu=spec.gpu, tp=spec.tp, pp=spec.pp, ep=spec.ep, quant=spec.quant, kv_cache_quant=spec.kv_cache_quant,
+        layers_per_rank=rank.layers, kv_heads_per_rank=rank.kv_heads, target_quantized_bytes=weights.quantized,
+        target_unquantized_bytes=weights.unquantized, draft_bytes=draft_bytes, kv_bytes_per_token=kv.per_token,
+        kv_bytes_per_sequence=kv.per_sequence, reserve_bytes=held.total, hbm_bytes=GPUS[spec.gpu].hbm_bytes,
+        kv_budget_bytes=decided.budget, kv_tokens_fit=decided.tokens, sequences_fit=decided.sequences,
+        verdict=decided.text, fits=decided.fits, draft_estimated=draft.estimated, notes=notes, recipe=recipe_name,
+        expert_format=expert_format(arch, spec.quant, "bfloat16") if arch.is_moe else None,
+        expert_bytes=weights.experts, draft_kv_bytes_per_token=kv.draft_per_token)
 
 
 def render_plan(plan: MemoryPlan, arch: ArchSpec, console: Any = None) -> None:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dflash_trt.engine.devices import DeviceName
 from dflash_trt.engine.hardware import GpuName, KvQuantName, QuantName
 from dflash_trt.engine.recipes import RecipeName
+from dflash_trt.runtime_options import DtypeChoice
 
 
 class _Strict(BaseModel):
@@ -79,12 +80,12 @@ class BuildSpec(_Strict):
     keep_modules: list[str] | None = Field(None, description="linear layers (e.g. down_proj) left in 16 bits in every "
                                            "decoder layer (default: the recipe's; nvfp4 keeps down_proj)")
     kv_cache_quant: KvQuantName = "none"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+    dtype: DtypeChoice = Field(
         "auto", description="dtype of unquantized tensors in the engine (auto: the checkpoint's 16-bit dtype; "
         "float32 only for --gpu cpu)")
     device: DeviceName = Field("auto", description="where the build runs the model (calibration, gate): auto "
                                "(every visible GPU, else the CPU) | cpu | cuda")
-    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+    compute_dtype: DtypeChoice = Field(
         "auto", description="dtype the build RUNS its models in (calibration, gate); the engine's tensors are in "
         "`dtype` either way (auto: `dtype` where the build device multiplies it natively, else float32: a CPU "
         "without native bf16, where float32 runs 2-5x faster and holds twice the memory)")

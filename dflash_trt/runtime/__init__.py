@@ -4,13 +4,15 @@ It is the oracle every faster path (batched runtime, TensorRT-LLM) is tested aga
 instrument that measures acceptance. Runs on CPU and GPU.
 """
 
-from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
+from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate
 from dflash_trt.runtime.draft_model import DFlashDraftModel, build_target_layer_ids
 from dflash_trt.runtime.generate import GenerationResult, autoregressive_generate, dflash_generate
+from dflash_trt.runtime.opener import open_runtime
 from dflash_trt.runtime.target import TargetAdapter
 
 __all__ = [
     "BatchedRuntime",
+    "RuntimeExtras",
     "SequenceRequest",
     "batched_generate",
     "DFlashDraftModel",
@@ -19,4 +21,5 @@ __all__ = [
     "autoregressive_generate",
     "build_target_layer_ids",
     "dflash_generate",
+    "open_runtime",
 ]

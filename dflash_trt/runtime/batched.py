@@ -28,16 +28,17 @@ into the adaptive policy (runtime/policy.py), calibrated by runtime/policy_calib
 
 With static shapes (CUDA graphs, on by default on a GPU) the draft and verify passes of greedy
 steps run in shapes from a fixed set (step_shapes.py), every one captured when the runtime is
-built (cuda_graphs.py) and replayed by the steps; the host's work between replays is building the
+started (cuda_graphs.py) and replayed by the steps; the host's work between replays is building the
 row table and committing tokens.
 
 Per sequence the output equals the reference loop's (dflash_generate) token for token at
 temperature 0 (tests/test_batched_*.py), since every row sees exactly the K/V and context the
 reference would. At temperature > 0 each row samples with its own generator, as the reference.
 
-Unsupported here (falls back to the reference loop, see :func:`unsupported_reason`): targets
-with sliding-window layers or attention sinks (GptOss), drafters with sliding-window layers,
-and attention implementations that reject a 4D mask (flash_attention_2).
+Unsupported here (runtime/opener.open_runtime opens the reference loop instead and says why, see
+:func:`unsupported_reason`): targets with sliding-window layers or attention sinks (GptOss),
+drafters with sliding-window layers, and attention implementations that reject a 4D mask
+(flash_attention_2).
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ from dflash_trt.runtime.step_shapes import StepShapes
 from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.runtime.target_passes import TargetPasses
 from dflash_trt.sampling_params import GREEDY, SamplingParams
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.speculation import SpeculationSettings
 
-__all__ = ["BatchedRuntime", "BatchedSequence", "SequenceRequest", "batched_generate", "unsupported_reason"]
+__all__ = ["BatchedRuntime", "BatchedSequence", "RuntimeExtras", "SequenceRequest", "batched_generate",
+           "unsupported_reason"]
 
 # HF attention implementations that take an explicit 4D mask
 MASK_ATTENTION = ("sdpa", "eager", GROUPED_SDPA)
@@ -101,7 +104,17 @@ def unsupported_reason(target: Any, draft: DFlashDraftModel | None = None) -> st
         return f"{cfg.model_type} has sliding-window layers (their mask is not built by the batched runtime)"
     if draft is not None and any(layer.self_attn.sliding_window for layer in draft.layers):
         return "the drafter has sliding-window layers (one mask per pass here)"
+    if draft is not None and (why := draft.reference_only_reason()) is not None:  # DFlash2, causal layers
+        return why
     return None
+
+
+def reference_only_method(speculation: SpeculationSettings | None) -> str | None:
+    """Why these speculation settings need the reference loop (None: the batched runtime runs them):
+    its sampled steps verify by exact match, so another draft method would be silently ignored."""
+    if speculation is None or speculation.draft_method == "match":
+        return None
+    return f"draft_method {speculation.draft_method} verifies sampled steps by rejection sampling in the reference loop only"
 
 
 @dataclass
@@ -114,60 +127,78 @@ class Decoded:
     steady: bool  # its cost is a sample of steady decoding (every pass replayed / no drafter catch-up)
 
 
+@dataclass(frozen=True)
+class RuntimeExtras:
+    """What one caller or another adds to a batched runtime beyond its options and speculation."""
+
+    # a policy object that overrides the one the speculation settings name (benchmarks' fixed:k, the
+    # gate's fixed K, calibrated or probing policies)
+    policy: SpeculationPolicy | None = None
+    # False: the drafter proposes over the whole vocabulary, as the reference loop does (the gate),
+    # not over its draft_vocab.json head
+    use_draft_vocab: bool = True
+    # every finished sequence keeps the target's features at these layers for every position it
+    # fed (train-data: no second target pass over the answers)
+    capture_layer_ids: tuple[int, ...] | None = None
+    # static shapes: these row buckets instead of the default ones (max_batch is always one)
+    graph_batch_sizes: tuple[int, ...] | None = None
+
+
 class BatchedRuntime:
     """Continuous-batching DFlash decoder over one target and one drafter (draft=None: plain
     batched decoding, the honest baseline at the same concurrency).
 
-    Caches are allocated once for `max_batch` rows of `max_seq_len` positions (prompt + output).
-    Not thread-safe: one thread calls add() and step() (the server's scheduler thread).
+    Caches are allocated once for `options.max_batch` rows of `options.max_seq_len` positions
+    (prompt + output). Not thread-safe: one thread calls add() and step() (the server's scheduler
+    thread).
 
-    cuda_graphs (None: on for a CUDA target, off elsewhere): run the draft and verify passes of
-    greedy batches in static shapes (runtime/step_shapes.py: rows padded to a bucket on free slots
-    that write only to the dump index, mask widths to 128 x a power of two, the drafter's context
-    to k+1), every one of them captured at construction, before any request, and replayed
-    (runtime/cuda_graphs.py); `graph_batch_sizes` overrides the row buckets (max_batch is always
-    one). On a CPU the same passes run eagerly through the same dispatch: what the tests check
-    token for token. Prefills, steps with sampled rows, and a drafter's catch-up over a backlog
-    longer than k+1 stay eager.
+    Construction allocates; :meth:`start` is the start-up (compiling the layers, capturing the
+    static shapes, warming the compiled eager passes), which runtime/opener.open_runtime runs and
+    a runtime with static shapes or compiled layers needs before its first step.
+
+    options.cuda_graphs (None: on for a CUDA target, off elsewhere): run the draft and verify passes
+    of greedy batches in static shapes (runtime/step_shapes.py: rows padded to a bucket on free
+    slots that write only to the dump index, mask widths to 128 x a power of two, the drafter's
+    context to k+1), every one of them captured at start-up, before any request, and replayed
+    (runtime/cuda_graphs.py). On a CPU the same passes run eagerly through the same dispatch: what
+    the tests check token for token. Prefills, steps with sampled rows, and a drafter's catch-up
+    over a backlog longer than k+1 stay eager.
     """
 
-    def __init__(self, target: Any, draft: DFlashDraftModel | None = None, max_batch: int = 8,
-                 max_seq_len: int = 2048, speculation: SpeculationSettings | None = None,
-                 policy: SpeculationPolicy | None = None, use_draft_vocab: bool = True,
-                 capture_layer_ids: Sequence[int] | None = None, cuda_graphs: bool | None = None,
-                 graph_batch_sizes: Sequence[int] | None = None, verify_chunk: int | None = None,
-                 torch_compile: bool = False) -> None:
-        """`speculation`: B, K and the policy (default: K = B-1, fixed). `policy`: a policy object
-        that overrides the one `speculation` names (benchmarks, calibrated or probing policies).
-        `verify_chunk`: eager greedy steps verify their drafts in chunks of this many positions, a row
-        stopping at its first rejection (TargetPasses.verify_chunked: for a compute-bound CPU and a
-        long fixed k, the acceptance gate's case); None: one pass. `torch_compile`: the target's and the
-        drafter's decoder layers through torch.compile (runtime/compiled_layers.py), compiled by the
-        start-up's passes; a property of the models from then on (every runtime over them sees it)."""
+    def __init__(self, target: Any, draft: DFlashDraftModel | None = None, options: RuntimeOptions = RuntimeOptions(),
+                 speculation: SpeculationSettings | None = None, extras: RuntimeExtras = RuntimeExtras()) -> None:
+        """`speculation`: B, K and the policy (default: K = B-1, fixed). `options`: the limits, static
+        shapes (cuda_graphs), compiled layers (torch_compile: a property of the models from start-up
+        on; every runtime over them sees it) and chunked verification (verify_chunk: eager greedy
+        steps verify their drafts this many positions at a time, a row stopping at its first
+        rejection, TargetPasses.verify_chunked: for a compute-bound CPU and a long fixed k, the
+        acceptance gate's case). The options' device and dtypes are the loader's: the runtime runs
+        where the target is."""
         self.target = TargetAdapter(target)
         self.draft = draft
         why = unsupported_reason(self.target.model, draft)
         if why:
             raise DFlashError(f"batched runtime: {why}; use dflash_generate (the reference loop) for this pair")
-        if max_batch < 1 or max_seq_len < 2:
-            raise DFlashError(f"need max_batch >= 1 and max_seq_len >= 2, got {max_batch}, {max_seq_len}")
+        max_batch, max_seq_len = options.max_batch, options.max_seq_len
+        self.options = options
         self.speculation: SpeculationSettings | None = None
         if draft is not None:
             self.speculation = speculation or SpeculationSettings.for_block(draft.block_size)
             if self.speculation.block_size != draft.block_size:
                 raise DFlashError(f"speculation settings are for block_size {self.speculation.block_size} but the "
                                   f"drafter's block is {draft.block_size}; build them from this drafter")
+            if self.speculation.draft_method != "match":  # sampled steps verify by exact match here
+                raise DFlashError(f"batched runtime: {reference_only_method(self.speculation)}; use dflash_generate "
+                                  "(the reference loop) for this pair")
         self.block_size = draft.block_size if draft is not None else 1  # B: what a draft pass covers
         self.max_draft_len = self.speculation.max_draft_len if self.speculation is not None else 0  # K
-        self.policy: SpeculationPolicy = policy or (make_policy(self.speculation) if self.speculation is not None
-                                                     else FixedPolicy(0))
+        self.policy: SpeculationPolicy = extras.policy or (make_policy(self.speculation) if self.speculation is not None
+                                                            else FixedPolicy(0))
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         layer_ids = tuple(draft.target_layer_ids) if draft is not None else ()
-        # capture_layer_ids: every finished sequence keeps the target's features at these layers
-        # for every position it fed (train-draft's data: no second target pass over the answers)
-        self.keep_features = capture_layer_ids is not None
-        if capture_layer_ids is not None:
-            ids = tuple(int(i) for i in capture_layer_ids)
+        self.keep_features = extras.capture_layer_ids is not None
+        if extras.capture_layer_ids is not None:
+            ids = tuple(int(i) for i in extras.capture_layer_ids)
             if draft is not None and ids != layer_ids:
                 raise DFlashError(f"capture_layer_ids {list(ids)} differ from the drafter's target_layer_ids "
                                   f"{list(layer_ids)}; capture the drafter's layers or decode without it")
@@ -176,27 +207,20 @@ class BatchedRuntime:
                                   f"got {list(ids)}")
             layer_ids = ids
         self.device = home_device(self.target.model)
-        self.torch_compile = torch_compile
-        if torch_compile:
-            from dflash_trt.runtime.compiled_layers import compile_draft_layers, compile_target_layers
-
-            compile_target_layers(self.target)
-            if draft is not None:
-                compile_draft_layers(draft)
+        self.torch_compile = options.torch_compile
         # positions 0..max_seq_len-1, + block padding of rows near their end, + the dump index
         capacity = max_seq_len + self.block_size + 1
         self.transfers = HostTransfers(self.device)
         self.passes = TargetPasses(self.target, max_batch, capacity, layer_ids, self.transfers)
-        self.proposer = (DFlashProposer(draft, self.target, max_batch, capacity, use_draft_vocab)
+        self.proposer = (DFlashProposer(draft, self.target, max_batch, capacity, extras.use_draft_vocab)
                          if draft is not None else None)
         self.scheduler = Scheduler(max_batch, self.device)
         self.prefill_pad_limit = CPU_PREFILL_PAD_LIMIT if self.device.type == "cpu" else float("inf")
+        cuda_graphs = options.cuda_graphs
         self.static_shapes = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
-        if verify_chunk is not None and verify_chunk < 1:
-            raise DFlashError(f"verify_chunk must be >= 1 (positions a chunk verifies), got {verify_chunk}")
-        self.verify_chunk = verify_chunk
+        self.verify_chunk = options.verify_chunk
         self.shapes = StepShapes.make(max_batch, max_seq_len, self.block_size, capacity - 1, self.static_shapes,
-                                      graph_batch_sizes)
+                                      extras.graph_batch_sizes)
         self.steps = 0
         self.last_decision: Decision | None = None
         self.last_step_timed = False  # the last step's time was a cost sample (see step())
@@ -206,11 +230,31 @@ class BatchedRuntime:
         if self.static_shapes:
             self.graphs = static_passes(self.device)
             self.graphed = GraphedPasses(self.graphs, self.shapes, self.passes, self.proposer, self.transfers.upload)
-            with compile_errors(torch_compile):
+        # start-up has work to do: a step before start() would run uncaptured shapes and compile inside requests
+        self.started = not (self.static_shapes or self.torch_compile)
+
+    def start(self) -> "BatchedRuntime":
+        """Start-up, before any request (idempotent; returns the runtime): with torch_compile the
+        target's and the drafter's decoder layers switch to their compiled halves
+        (runtime/compiled_layers.py); with static shapes every shape a step can run is captured (on
+        a CPU: their eager dry run); with compiled layers two short dummy batches then compile the
+        passes that stay eager. A compiler failure is one line naming --torch-compile."""
+        if self.started:
+            return self
+        if self.torch_compile:
+            from dflash_trt.runtime.compiled_layers import compile_draft_layers, compile_target_layers
+
+            compile_target_layers(self.target)
+            if self.draft is not None:
+                compile_draft_layers(self.draft)
+        if self.graphed is not None:
+            with compile_errors(self.torch_compile):
                 self.graphed.capture(self._draft_lengths())  # every shape, before any request
-        if torch_compile:
+        self.started = True  # the warm-up below decodes through step()
+        if self.torch_compile:
             with compile_errors(True):
                 self._warm_up_eager_passes()
+        return self
 
     def _warm_up_eager_passes(self) -> None:
         """With compiled layers: decode two short dummy batches now (prefills of one row and of several,
@@ -295,6 +339,9 @@ class BatchedRuntime:
     def step(self) -> list[BatchedSequence]:
         """Admit, prefill newcomers, one draft + verify pass over the running rows, commit.
         Returns the sequences that finished in this step, in the order they were added."""
+        if not self.started:
+            raise RuntimeError("BatchedRuntime.start() must run before the first step (static shapes or compiled "
+                               "layers); runtime.opener.open_runtime starts the runtimes it opens")
         t_step = time.perf_counter()
         n_old = len(self.rows)
         new = self.scheduler.admit()
@@ -466,14 +513,7 @@ class BatchedRuntime:
 
         self.scheduler.compact(finished, move_row)
 
-    # -- calibration and figures -------------------------------------------------------------------
-    def calibrate(self, batch_sizes: Sequence[int], prompt_len: int = 16, reps: int = 3,
-                  progress: Any = None) -> None:
-        """The adaptive policy's step costs at these batch sizes (runtime/policy_calibration.py)."""
-        from dflash_trt.runtime.policy_calibration import calibrate
-
-        calibrate(self, batch_sizes, prompt_len, reps, progress)
-
+    # -- figures ---------------------------------------------------------------------------------
     def graph_stats(self) -> dict[str, Any] | None:
         """Static shapes: what start-up captured (shapes, seconds, graph memory; on a CPU the same
         passes run eagerly, capture_s is their dry run) and what steps replayed since; None when off."""
@@ -521,8 +561,8 @@ def batched_generate(
         raise DFlashError(f"{len(per_prompt)} SamplingParams for {n} prompts; give one, or one per prompt")
     if runtime is None:
         need = max(len(p) + sp.resolve_max_tokens() for p, sp in zip(prompts, per_prompt))
-        runtime = BatchedRuntime(target, draft, max_batch=max_batch or n, max_seq_len=max_seq_len or need,
-                                 speculation=speculation, policy=policy, cuda_graphs=cuda_graphs)
+        options = RuntimeOptions(max_batch=max_batch or n, max_seq_len=max_seq_len or need, cuda_graphs=cuda_graphs)
+        runtime = BatchedRuntime(target, draft, options, speculation, RuntimeExtras(policy=policy)).start()
     arrivals = list(arrivals) if arrivals is not None else [0] * n
     order = sorted(range(n), key=lambda i: arrivals[i])
     handles: dict[int, BatchedSequence] = {}

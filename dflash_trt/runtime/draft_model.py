@@ -10,6 +10,7 @@ draft KV cache; the block's own K/V are dropped after each step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.gqa_attention import grouped_attention
 from dflash_trt.runtime.lean_forward import LayerFunctions
+from dflash_trt.runtime.sampling import sampling_probs
+from dflash_trt.runtime_options import dtype_name
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -49,42 +52,67 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 @dataclass(frozen=True)
 class DFlashSettings:
-    """The DFlash-specific fields of a drafter config, wherever the checkpoint put them."""
+    """The DFlash fields of a drafter config, wherever the checkpoint put them: each is read as
+    z-lab 0.1.0 reads it (``dflash_config`` first, then the top level; drafter_config.draft_value).
+
+    The last three are the newer fields of z-lab's Gemma-family drafters, read by both families:
+    ``input_embedding_scale`` multiplies the target's raw embedding of every block slot (the anchor
+    too) before the drafter sees it; ``output_multiplier`` multiplies the draft logits, then
+    ``final_logit_softcapping`` c (None or <= 0: off) maps them to tanh(l / c) * c."""
 
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
-    num_target_layers: int
+    num_target_layers: int | None  # None: not recorded (a speculators checkpoint); ids are explicit then
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     @staticmethod
     def from_config_dict(cfg: dict[str, Any], where: str = "config.json") -> "DFlashSettings":
-        from dflash_trt.runtime.drafter_config import check_drafter_config
+        from dflash_trt.runtime.drafter_config import check_drafter_config, check_number, draft_value
+        from dflash_trt.runtime.drafter_family import zlab_config
 
+        cfg = zlab_config(cfg, where)  # a speculators config reads as its z-lab equivalent
         check_drafter_config(cfg, where)  # types and ranges first: one line, never a traceback
-        dcfg = cfg.get("dflash_config") or {}
         # block_size sits at top level in Qwen3/Llama drafters, inside dflash_config in newer ones.
-        block_size = dcfg.get("block_size", cfg.get("block_size"))
-        mask_token_id = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+        block_size = draft_value(cfg, "block_size")
+        mask_token_id = draft_value(cfg, "mask_token_id")
         num_target_layers = cfg.get("num_target_layers")
         if block_size is None:
             raise DFlashError(f"{where}: no block_size (top level or dflash_config); add e.g. \"block_size\": 16")
         if mask_token_id is None:
             raise DFlashError(f"{where}: no dflash_config.mask_token_id; set it to a token id the target never emits")
-        if num_target_layers is None:
-            raise DFlashError(f"{where}: no num_target_layers; set it to the target's num_hidden_layers")
-        layer_ids = dcfg.get("target_layer_ids")
+        layer_ids = draft_value(cfg, "target_layer_ids")
         if layer_ids is None:
+            if num_target_layers is None:
+                raise DFlashError(f"{where}: no num_target_layers and no dflash_config.target_layer_ids; set "
+                                  "num_target_layers to the target's num_hidden_layers")
             layer_ids = build_target_layer_ids(int(num_target_layers), int(cfg.get("num_hidden_layers", 1)))
-        return DFlashSettings(int(block_size), int(mask_token_id), tuple(int(i) for i in layer_ids), int(num_target_layers))
+        scale = draft_value(cfg, "input_embedding_scale", 1.0)
+        multiplier = draft_value(cfg, "output_multiplier", 1.0)
+        softcap = draft_value(cfg, "final_logit_softcapping")
+        if softcap is not None:
+            softcap = check_number(where, "final_logit_softcapping", softcap)
+        return DFlashSettings(
+            int(block_size), int(mask_token_id), tuple(int(i) for i in layer_ids),
+            None if num_target_layers is None else int(num_target_layers),
+            check_number(where, "input_embedding_scale", scale, positive=True),
+            check_number(where, "output_multiplier", multiplier, positive=True),
+            softcap if softcap is not None and softcap > 0 else None,  # z-lab: <= 0 turns it off
+        )
+
+    @property
+    def plain_logits(self) -> bool:
+        """True when the draft logits are the target head's own (no multiplier, no softcapping)."""
+        return self.output_multiplier == 1.0 and self.final_logit_softcapping is None
 
 
 def check_is_drafter(cfg: dict[str, Any], where: Any) -> None:
-    archs = cfg.get("architectures") or []
-    if archs and not any("DFlash" in a for a in archs):
-        raise DFlashError(
-            f"{where}: architectures={archs} is not a DFlash drafter; "
-            f"pass the drafter directory (config.json with architectures [\"{ARCHITECTURE}\"])"
-        )
+    """DFlashError unless `cfg` is a drafter config of a family this project runs."""
+    from dflash_trt.runtime.drafter_family import detect_family
+
+    detect_family(cfg, where)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -254,17 +282,29 @@ DRAFT_EAGER = LayerFunctions(draft_attention_inputs, draft_layer_output)
 
 
 class DFlashDraftModel(nn.Module):
-    """DFlash block-diffusion drafter. Weights named as z-lab's: layers.*, fc, hidden_norm, norm."""
+    """DFlash block-diffusion drafter. Weights named as z-lab's: layers.*, fc, hidden_norm, norm.
+
+    The module of the DFlash family (runtime/drafter_family.py holds its data): its layers, and how
+    a step turns the draft slots' hidden states into proposals (:meth:`propose`). DFlash2
+    (runtime/dflash2.py) subclasses it."""
+
+    family = "dflash"  # runtime/drafter_family.py: the family this class runs, detected from config.json
 
     def __init__(self, config: Qwen3Config | dict[str, Any]) -> None:
         super().__init__()
-        raw = config if isinstance(config, dict) else config.to_dict()
+        from dflash_trt.runtime.drafter_family import detect_family, zlab_config
+
+        raw = zlab_config(config if isinstance(config, dict) else config.to_dict())
+        found = detect_family(raw, "drafter config")
+        if found.name != self.family:  # never run a drafter as something it is not
+            raise DFlashError(f"drafter config: it describes a {found.name} drafter, not {self.family}; load it with "
+                              "dflash_trt.runtime.drafter_family.load_drafter, which picks the family")
         self.raw_config: dict[str, Any] = dict(raw)
         self.settings = DFlashSettings.from_config_dict(raw)
         self.config = config if isinstance(config, Qwen3Config) else Qwen3Config(**_qwen3_kwargs(raw))
         cfg = self.config
         n_ctx = len(self.settings.target_layer_ids)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(n_ctx * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -277,7 +317,14 @@ class DFlashDraftModel(nn.Module):
         self.register_buffer("draft_vocab", None, persistent=False)
         # the layers' halves: eager, or torch.compile'd by a runtime (runtime/compiled_layers.py)
         self.layer_functions: LayerFunctions | None = None
+        self.add_family_modules(cfg)
         self.reset_parameters()
+
+    def make_layer(self, config: Qwen3Config, layer_idx: int) -> nn.Module:
+        return DFlashDecoderLayer(config, layer_idx)
+
+    def add_family_modules(self, config: Qwen3Config) -> None:
+        """Modules a family adds beside the layers (DFlash2: its candidate selector)."""
 
     # -- properties used by the decoding loop ----------------------------------------------
     @property
@@ -291,6 +338,19 @@ class DFlashDraftModel(nn.Module):
     @property
     def target_layer_ids(self) -> list[int]:
         return list(self.settings.target_layer_ids)
+
+    def reference_only_reason(self) -> str | None:
+        """Why only the reference loop runs this drafter as it is (None: every runtime does).
+
+        The batched runtime builds one bidirectional mask per drafter pass and takes its drafts as
+        the argmax of the target's head; a causal layer or transformed logits would be run as
+        something they are not there."""
+        if any(layer.self_attn.is_causal for layer in self.layers):
+            return "the drafter has causal attention layers (the batched runtime's drafter mask is bidirectional)"
+        if not self.settings.plain_logits:
+            return ("the drafter transforms its logits (output_multiplier / final_logit_softcapping), which the "
+                    "batched runtime's draft head does not")
+        return None
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None, std: float | None = None) -> None:
@@ -309,6 +369,11 @@ class DFlashDraftModel(nn.Module):
         # [B, C, n_ctx*H] -> [B, C, H]
         return self.hidden_norm(self.fc(target_hidden))
 
+    def scale_embedding(self, noise_embedding: torch.Tensor) -> torch.Tensor:
+        """The block's target embeddings times input_embedding_scale (z-lab multiplies the raw rows)."""
+        scale = self.settings.input_embedding_scale
+        return noise_embedding if scale == 1.0 else noise_embedding * scale
+
     def forward(
         self,
         target_hidden: torch.Tensor,  # [B, C, n_ctx*H] raw target features of NEW context positions
@@ -324,23 +389,68 @@ class DFlashDraftModel(nn.Module):
         # the whole block: the same bits with the CPU runtime's panel kernel (batch-invariant
         # linear layers), the same to rounding with oneDNN or on a GPU (tests/test_draft_outputs.py).
         ctx = self.fuse_context(target_hidden)
-        x = noise_embedding
+        x = self.scale_embedding(noise_embedding)
         cos, sin = self.rotary_emb(x, position_ids)  # [B, C+S, hd]
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, cos, sin, cache, attn_mask, outputs if i == last else None, self.layer_functions)
         return self.norm(x)
 
+    # -- proposals ------------------------------------------------------------------------------
+    def compute_logits(self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Draft logits [..., V] of hidden states [..., H] through the target's `head`, with the
+        drafter's output_multiplier and final_logit_softcapping (z-lab's order: multiply, then cap)."""
+        s = self.settings
+        logits = head(hidden)
+        if s.output_multiplier != 1.0:  # x * 1.0 is x: skipping it keeps the same bits
+            logits = logits * s.output_multiplier
+        if s.final_logit_softcapping is not None:
+            c = s.final_logit_softcapping
+            logits = torch.tanh(logits / c) * c
+        return logits
+
+    def propose(
+        self,
+        hidden: torch.Tensor,  # [n, k, H] the draft slots 1..k after the final norm
+        anchor: torch.Tensor,  # [n] the block's slot 0: the last committed token
+        head: Callable[[torch.Tensor], torch.Tensor],  # the target's lm_head
+        temperature: float = 0.0,  # 0: argmax drafts; > 0: drafts sampled from q
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # drafts [n, k], q [n, k, V] (sampled) or None
+        """DFlash v1: each slot's argmax, or at temperature > 0 a draw from each slot's own tempered
+        nucleus distribution q, slots independent (z-lab 0.1.0), returned with q for the rejection test."""
+        logits = self.compute_logits(hidden, head)  # [n, k, V]
+        if temperature <= 0:
+            return logits.argmax(-1), None
+        q = sampling_probs(logits, temperature, top_p)  # [n, k, V]
+        drafts = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator).view(q.shape[:-1])
+        return drafts, q
+
     # -- z-lab checkpoint I/O -------------------------------------------------------------------
     def to_config_dict(self) -> dict[str, Any]:
+        """config.json in z-lab's layout: every DFlash key the checkpoint had stays readable where
+        z-lab reads it; the newer fields, when set, go inside dflash_config (where z-lab's MLX
+        loader, vLLM and SGLang read them, and the PyTorch loader reads them first)."""
+        from dflash_trt.runtime.drafter_family import FAMILIES
+
         cfg = dict(self.raw_config)
-        cfg["architectures"] = [ARCHITECTURE]
+        cfg["architectures"] = [FAMILIES[self.family].architecture]
         cfg["model_type"] = "qwen3"
         cfg.pop("auto_map", None)  # we never ship remote code; the format is data
         dcfg = dict(cfg.get("dflash_config") or {})
         dcfg.update(mask_token_id=self.mask_token_id, target_layer_ids=self.target_layer_ids)
+        s = self.settings
+        for name, value, default in (("input_embedding_scale", s.input_embedding_scale, 1.0),
+                                     ("output_multiplier", s.output_multiplier, 1.0),
+                                     ("final_logit_softcapping", s.final_logit_softcapping, None)):
+            cfg.pop(name, None)
+            dcfg.pop(name, None)
+            if value != default:
+                dcfg[name] = value
         cfg["dflash_config"] = dcfg
-        if "block_size" in (self.raw_config.get("dflash_config") or {}):
+        if "block_size" in (self.raw_config.get("dflash_config") or {}) or self.family != "dflash":
+            cfg.pop("block_size", None)
             dcfg["block_size"] = self.block_size
         else:
             cfg["block_size"] = self.block_size
@@ -352,63 +462,33 @@ class DFlashDraftModel(nn.Module):
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+        state = self.checkpoint_state()
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
         cfg = self.to_config_dict()
-        cfg["dtype"] = str(dtype or next(self.parameters()).dtype).removeprefix("torch.")
+        cfg["dtype"] = dtype_name(dtype or next(self.parameters()).dtype)
         save_safetensors_atomic(state, directory / WEIGHTS_NAME)
         write_json_atomic(directory / CONFIG_NAME, cfg)
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The tensors of model.safetensors, named as the released checkpoints name them."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
 
     @classmethod
     def from_pretrained(
         cls, directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
         allow_pickle: bool = False,
     ) -> "DFlashDraftModel":
-        """Load a z-lab drafter directory. Reads config.json and safetensors only: no remote code."""
-        from dflash_trt.checkpoints.files import load_state_dict, read_json
-        from dflash_trt.runtime.draft_vocab import load_draft_vocab
+        """Load a drafter directory (z-lab or speculators format) as the family its config.json
+        names (runtime/drafter_family.load_drafter). Reads config.json and safetensors only: no
+        remote code."""
+        from dflash_trt.runtime.drafter_family import load_drafter
 
-        directory = Path(directory)
-        cfg = read_json(directory / CONFIG_NAME, what="drafter config")
-        check_is_drafter(cfg, directory)
-        # built in the dtype it is loaded in: in float32 (torch's default) the modules' own
-        # random weights were 2x a bf16 drafter beside its loaded weights and the cast copy (the
-        # peak of a build's load phase at 830M parameters); the weights are overwritten either way
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype if dtype.is_floating_point else prev)
-        try:
-            model = cls(cfg)
-        finally:
-            torch.set_default_dtype(prev)
-        state = load_state_dict(directory, allow_pickle=allow_pickle)
-        model._load_checked(state, directory)
-        # bounds-checked against the drafter's vocab_size here, against the target's by the runtime
-        vocab = cfg.get("vocab_size")
-        model.draft_vocab = load_draft_vocab(directory, int(vocab) if vocab else None)
-        return model.to(device=device, dtype=dtype).eval()
-
-    def _load_checked(self, state: dict[str, torch.Tensor], where: Path) -> None:
-        expected = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing:
-            raise DFlashError(
-                f"{where}: drafter weights missing {len(missing)} tensors (first: {missing[0]}); "
-                "the checkpoint is incomplete or not in z-lab format"
-            )
-        if unexpected:
-            raise DFlashError(
-                f"{where}: drafter weights have {len(unexpected)} unexpected tensors (first: {unexpected[0]}); "
-                "num_hidden_layers or the architecture in config.json does not match the weights"
-            )
-        for k, v in expected.items():
-            if tuple(state[k].shape) != tuple(v.shape):
-                raise DFlashError(
-                    f"{where}: tensor {k} has shape {tuple(state[k].shape)} but config.json implies "
-                    f"{tuple(v.shape)}; config.json and model.safetensors disagree"
-                )
-        self.load_state_dict(state, strict=False)
+        model = load_drafter(directory, dtype, device, allow_pickle)
+        if not isinstance(model, cls):
+            raise DFlashError(f"{directory}: a {model.family} drafter, not {cls.family}; load it with "
+                              "DFlashDraftModel.from_pretrained, which picks the family")
+        return model
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -417,8 +497,8 @@ class DFlashDraftModel(nn.Module):
 def _qwen3_kwargs(raw: dict[str, Any]) -> dict[str, Any]:
     """Qwen3Config kwargs from a z-lab config dict (unknown keys are kept as attributes)."""
     kw = {k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "model_type", "dtype", "torch_dtype")}
-    if "sliding_attention" in (kw.get("layer_types") or ()):
-        kw.setdefault("use_sliding_window", True)  # else Qwen3Config drops sliding_window
+    # use_sliding_window is left as the config says: Qwen3Config then keeps or drops sliding_window
+    # exactly as it does for z-lab 0.1.0 (drafter_config refuses the ambiguous combination)
     if "rope_parameters" not in kw and "rope_theta" in kw:
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw["rope_theta"]}
     return kw
@@ -434,8 +514,11 @@ def make_draft_config(
     num_attention_heads: int | None = None,
     num_key_value_heads: int | None = None,
     head_dim: int | None = None,
+    dflash_fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A z-lab drafter config sized for `target_config` (hidden size must equal the target's)."""
+    """A z-lab drafter config sized for `target_config` (hidden size must equal the target's).
+    `dflash_fields`: more dflash_config keys (input_embedding_scale, output_multiplier,
+    final_logit_softcapping; a DFlash2 recipe, with architectures set by the caller)."""
     t = target_config
     hidden = t.hidden_size
     heads = num_attention_heads or t.num_attention_heads
@@ -465,6 +548,7 @@ def make_draft_config(
         "dflash_config": {
             "mask_token_id": mask_token_id if mask_token_id is not None else t.vocab_size - 1,
             "target_layer_ids": target_layer_ids or build_target_layer_ids(n_target, num_layers),
+            **(dflash_fields or {}),
         },
     }
 

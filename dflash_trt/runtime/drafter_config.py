@@ -35,6 +35,9 @@ FLOAT_FIELDS: dict[str, tuple[float, float]] = {  # open interval (lowest, highe
     "rope_theta": (0.0, float("inf")),
 }
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+# The attention layer kinds a drafter may name in `layer_types` (z-lab's two; the runtime builds
+# the mask of each: runtime/draft_model.py block_attention_mask).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _range(lo: int, hi: int | None) -> str:
@@ -49,6 +52,24 @@ def _check_int(where: str, name: str, value: Any, lo: int, hi: int | None) -> in
         raise DFlashError(f"{where}: {name}={value} is out of range; accepted: {_range(lo, hi)}, "
                           f"fix {name} in config.json")
     return value
+
+
+def draft_value(cfg: dict[str, Any], name: str, default: Any = None) -> Any:
+    """z-lab's lookup of a DFlash field (dflash 0.1.0, model.py `_draft_value`): ``dflash_config``
+    first, then the top level, then `default`. Every DFlash/DFlash2 key is read through this."""
+    dcfg = cfg.get("dflash_config") or {}
+    return dcfg[name] if name in dcfg else cfg.get(name, default)
+
+
+def check_number(where: str, name: str, value: Any, positive: bool = False) -> float:
+    """A finite number (bools excluded), > 0 when `positive`; else one line naming the field."""
+    import math
+
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or (positive and value <= 0):
+        want = "a finite number > 0" if positive else "a finite number"
+        raise DFlashError(f"{where}: {name}={value!r} is not {want}; fix {name} in config.json")
+    return float(value)
 
 
 def check_drafter_config(cfg: Any, where: str = "config.json") -> None:
@@ -89,5 +110,34 @@ def check_drafter_config(cfg: Any, where: str = "config.json") -> None:
                               f"accepted: a list of layer ids 0..{hi}, fix config.json")
         for i in ids:
             _check_int(where, "dflash_config.target_layer_ids[]", i, 0, hi)
-    if "attention_bias" in cfg and not isinstance(cfg["attention_bias"], bool):
-        raise DFlashError(f"{where}: attention_bias={cfg['attention_bias']!r} is not true/false; fix config.json")
+    for name in ("attention_bias", "use_sliding_window"):
+        if name in cfg and not isinstance(cfg[name], bool):
+            raise DFlashError(f"{where}: {name}={cfg[name]!r} is not true/false; fix config.json")
+    if cfg.get("is_causal") is not None and not isinstance(cfg["is_causal"], bool):
+        raise DFlashError(f"{where}: is_causal={cfg['is_causal']!r} is not true, false or null; fix config.json")
+    _check_layer_types(cfg, where)
+
+
+def _check_layer_types(cfg: dict[str, Any], where: str) -> None:
+    """`layer_types` names one known kind per layer; a sliding window is unambiguous.
+
+    z-lab 0.1.0 reads the window through transformers' Qwen3Config, which drops `sliding_window`
+    unless `use_sliding_window` is true (vLLM reads the same config object): a checkpoint with
+    sliding_attention layers, a sliding_window and no use_sliding_window runs there with NO window.
+    The author surely meant one, so that combination is refused rather than guessed."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return
+    n = cfg["num_hidden_layers"]
+    if not isinstance(types, list) or len(types) != n:
+        raise DFlashError(f"{where}: layer_types={types!r} must list one type per layer ({n}); fix config.json")
+    unknown = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
+    if unknown:
+        raise DFlashError(f"{where}: layer_types has {unknown[0]!r}, a kind of drafter layer this project does not "
+                          f"run (it runs {', '.join(LAYER_TYPES)}); use a drafter with those layers")
+    if ("sliding_attention" in types and cfg.get("sliding_window") is not None
+            and cfg.get("use_sliding_window") is not True):
+        raise DFlashError(f"{where}: layer_types has sliding_attention layers and sliding_window="
+                          f"{cfg['sliding_window']} but use_sliding_window is not true, so z-lab and vLLM run them "
+                          "without a window; set \"use_sliding_window\": true (a window) or remove sliding_window "
+                          "(none) in config.json")

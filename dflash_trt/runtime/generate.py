@@ -4,22 +4,28 @@ One step of DFlash, with B = the drafter's block size, K = the most drafts a ste
 (SpeculationSettings; K <= B-1) and `start` = number of tokens in the target KV cache:
 
     block  = [pending, MASK x (B-1)]             the full trained block, always
-    draft  = argmax lm_head(drafter(ctx_new, embed(block)))[1:K+1]   one pass, K proposals
-    verify = target([pending, draft])                                one pass, K+1 logits
-    post   = sample(verify logits)               post[j] = target's token AFTER block[j]
-    a      = longest prefix with draft[j] == post[j-1]
-    commit block[0..a] and post[a] (the bonus), at most the tokens the budget has left;
+    hidden = drafter(ctx_new, embed(block))      one pass over the block
+    draft  = propose(hidden[1:K+1])              K proposals: the argmax of each slot's logits
+                                                 (DFlash2: the selector's walk), or draws from q
+    verify = target([pending, draft])            one pass, K+1 logits
+    a, bonus = exact match: post = sample(verify logits), a = longest prefix with
+                              draft[j] == post[j-1], bonus = post[a]
+               or rejection sampling against q (runtime/rejection.py)
+    commit block[0..a] and the bonus, at most the tokens the budget has left;
     roll the target KV back to start + a + 1
 
-At the budget's tail the step is the same (full block drafted, K verified) and only what it
-commits is capped, as z-lab's reference does: a request's steps are those of the same request
-with a larger budget, up to its last one. A step's statistics count the drafts that could be
-committed (at the tail, min(K, tokens left - 1)), so tau stays "tokens committed per step".
+At temperature 0 every step drafts the argmax and accepts the exact match. Above it the
+speculation setting ``draft_method`` (speculation.py) says what is drafted and how it is verified.
 
-Lossless: post[j] is drawn from the target's distribution given block[0..j], and it is used
-only when block[1..j] equals what the target itself emitted, so every output token is a draw
-from the target (with a greedy draft this is exact-match acceptance; at temperature 0 the output
-is the target's greedy output, token for token).
+At the budget's tail the step is the same (full block drafted, K verified) and only what it
+commits is capped: a request's steps are those of the same request with a larger budget, up to
+its last one. A step's statistics count the drafts that could be committed (at the tail,
+min(K, tokens left - 1)), so tau stays "tokens committed per step".
+
+Lossless: with exact match, post[j] is drawn from the target's distribution given block[0..j],
+and it is used only when block[1..j] equals what the target itself emitted, so every output
+token is a draw from the target (at temperature 0 the output is the target's greedy output, token
+for token); rejection sampling is lossless for any q the drafts were drawn from (rejection.py).
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ from dflash_trt.checkpoints.placement import home_device
 from dflash_trt.errors import DFlashError, InvalidRequest
 from dflash_trt.metrics import GenerationStats
 from dflash_trt.runtime.draft_model import DFlashDraftModel, DraftKVCache
-from dflash_trt.runtime.sampling import sample
+from dflash_trt.runtime.rejection import one_hot_q, rejection_sample
+from dflash_trt.runtime.sampling import sample, sampling_probs
 from dflash_trt.runtime.target import TargetAdapter
 from dflash_trt.sampling_params import GREEDY, SamplingParams
-from dflash_trt.speculation import FIXED, SpeculationSettings
+from dflash_trt.speculation import FIXED, SpeculationSettings, rejection_verified, samples_drafts
 
 # Called with the tokens each step commits (for streaming); return True to stop early.
 StepCallback = Callable[[list[int]], "bool | None"]
@@ -116,7 +123,11 @@ def dflash_generate(
     B-1, the fixed policy); `on_step(new_tokens)` after every step, True stops early."""
     target = TargetAdapter(target)
     prompt = _as_ids(input_ids)
-    K = reference_settings(draft, speculation).max_draft_len
+    settings = reference_settings(draft, speculation)
+    K = settings.max_draft_len
+    T, top_p = params.temperature, params.top_p
+    sampled_drafts = T > 0 and samples_drafts(settings.draft_method)  # else each slot's argmax
+    rejection = T > 0 and rejection_verified(settings.draft_method)  # else the exact match
     budget = params.resolve_max_tokens()
     stop = set(params.stop_token_ids)
     dev = home_device(target.model)
@@ -129,7 +140,7 @@ def dflash_generate(
     cache, draft_cache = target.new_cache(), DraftKVCache()
     ids = torch.tensor([prompt], device=dev)
     logits, ctx_new = target.forward(ids, torch.arange(len(prompt), device=dev)[None], cache, layer_ids, logits_to_keep=1)
-    pending = int(sample(logits[:, -1], params.temperature, params.top_p, gen))  # not yet in the target KV cache
+    pending = int(sample(logits[:, -1], T, top_p, gen))  # not yet in the target KV cache
     out = [pending]
     stats.ttft_s = time.perf_counter() - t0
     done = pending in stop
@@ -147,14 +158,22 @@ def dflash_generate(
         hidden = draft(ctx_new, target.embed(block), draft_pos, draft_cache)  # [1, B, H]
         draft_cache.crop(start)  # keep context K/V only
         block = block[:, : K + 1]  # [1, K+1]: the anchor and the drafts this step verifies
-        block[0, 1:] = target.lm_head(hidden[:, 1 : K + 1]).argmax(-1)[0]  # slot j predicts position start+j
+        # slot j predicts position start+j; q [1, K, V] when the drafts were sampled from it
+        drafts, q = draft.propose(hidden[:, 1 : K + 1], block[:, 0], target.lm_head, T if sampled_drafts else 0.0,
+                                  top_p, gen)
+        block[0, 1:] = drafts[0]
         positions = torch.arange(start, start + K + 1, device=dev)[None]  # [1, K+1]
         logits, feats = target.forward(block, positions, cache, layer_ids)  # [1, K+1, V]
-        posterior = sample(logits[0], params.temperature, params.top_p, gen)  # [K+1]
-        matches = (block[0, 1:] == posterior[:-1]).int()
-        a = int(matches.cumprod(0).sum())  # accepted draft tokens
+        if rejection:
+            q = one_hot_q(drafts, logits.shape[-1]) if q is None else q
+            accepted, bonus = rejection_sample(drafts, sampling_probs(logits, T, top_p), q, gen)
+            a, next_token = int(accepted[0]), int(bonus[0])
+        else:
+            posterior = sample(logits[0], T, top_p, gen)  # [K+1]: post[j] = the target's token after block[j]
+            a = int((block[0, 1:] == posterior[:-1]).int().cumprod(0).sum())  # accepted draft tokens
+            next_token = int(posterior[a])
         left = budget - len(out)  # tokens the budget still allows (>= 1)
-        new = (block[0, 1 : a + 1].tolist() + [int(posterior[a])])[:left]
+        new = (block[0, 1 : a + 1].tolist() + [next_token])[:left]
         stats.record_step(drafted=min(K, left - 1), accepted=len(new) - 1)
         new, done = truncate_at_stop(new, stop)
         out.extend(new)

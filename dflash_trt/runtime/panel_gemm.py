@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.errors import DFlashError
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "panel_gemm.cpp"
@@ -100,6 +102,7 @@ def _load(variant: str) -> str | None:
         try:
             from torch.utils.cpp_extension import load
 
+            from dflash_trt.fsutil import atomic_file
             from dflash_trt.models.smollm2 import cache_root
 
             name = f"dflash_panel_gemm_{variant}"
@@ -112,12 +115,12 @@ def _load(variant: str) -> str | None:
             build_dir.mkdir(parents=True, exist_ok=True)
             copy = build_dir / SOURCE.name
             if not copy.is_file() or copy.read_bytes() != source:
-                tmp = copy.with_name(f".{copy.name}.{os.getpid()}")
-                tmp.write_bytes(source)
-                os.replace(tmp, copy)
+                with atomic_file(copy) as tmp:
+                    tmp.write_bytes(source)
             load(name, [str(copy)], extra_cflags=flags, build_directory=str(build_dir), is_python_module=False,
                  verbose=False)
-        except (OSError, RuntimeError, ImportError, ValueError) as e:  # no compiler, no ninja, a failed build
+        # no compiler or ninja, a failed build, a read-only cache (atomic_file's one line)
+        except (OSError, DFlashError, RuntimeError, ImportError, ValueError) as e:
             return f"cannot build {SOURCE.name}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
     _register_fake(ns)
     return None

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from dflash_trt.draft_len_schedule import DraftLenSchedule
     from dflash_trt.speculation import SpeculationSettings
 
 log = logging.getLogger("dflash_trt.policy")
@@ -83,6 +84,26 @@ class FixedPolicy:
 
     def draft_lengths(self, k_max: int) -> set[int]:
         return {min(self.k, k_max)}
+
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        pass
+
+    def observe_acceptance(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+@dataclass
+class SchedulePolicy:
+    """k = the draft-length schedule's value at the batch size (dflash_trt.draft_len_schedule):
+    what TensorRT-LLM does with the engine's ``draft_len_schedule``, so ``serve`` behaves as the node."""
+
+    schedule: "DraftLenSchedule"
+
+    def choose(self, batch: int, k_max: int) -> Decision:
+        return Decision(batch, min(self.schedule.draft_len(batch), k_max), reason="schedule")
+
+    def draft_lengths(self, k_max: int) -> set[int]:
+        return {min(k, k_max) for _, k in self.schedule.steps} | {0}
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
         pass
@@ -367,7 +388,11 @@ class AdaptivePolicy:
 
 
 def make_policy(settings: "SpeculationSettings") -> SpeculationPolicy:
-    """The policy `settings` names: fixed (k = K every step) or adaptive (candidates up to K)."""
+    """The policy `settings` names: fixed (k = K every step), adaptive (candidates up to K) or
+    schedule (k from the draft-length schedule at the step's batch size)."""
+    if settings.policy == "schedule":
+        assert settings.schedule is not None  # SpeculationSettings refuses a schedule policy without one
+        return SchedulePolicy(settings.schedule)
     if settings.policy == "adaptive":
         return AdaptivePolicy(settings.block_size, candidates=default_candidates(settings.max_draft_len))
     return FixedPolicy(settings.max_draft_len)

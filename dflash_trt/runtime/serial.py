@@ -1,6 +1,7 @@
 """The reference loop behind the batched runtime's interface: one sequence, one whole request per
 step, for pairs the batched runtime cannot run (sliding-window targets such as gpt-oss; see
-runtime.batched.unsupported_reason).
+runtime.batched.unsupported_reason). runtime/opener.open_runtime opens it in the batched
+runtime's place.
 
 A scheduler written for :class:`~dflash_trt.runtime.batched.BatchedRuntime` (``add``, ``step``,
 ``cancel``, ``has_work``, ``stats``) drives this unchanged: ``add`` queues, ``step`` runs the next
@@ -20,18 +21,22 @@ from dflash_trt.errors import InvalidRequest
 from dflash_trt.metrics import GenerationStats
 from dflash_trt.runtime.scheduling import BatchedSequence, SequenceRequest
 from dflash_trt.runtime.generate import GenerationResult, dflash_generate
+from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.speculation import SpeculationSettings
 
 
 class SerialRuntime:
-    """One request at a time through the reference loop (max_batch = 1)."""
+    """One request at a time through the reference loop (max_batch = 1). `reason`: why the batched
+    runtime does not run this pair (runtime/opener.py opens this one in its place)."""
 
     max_batch = 1
 
-    def __init__(self, target: Any, draft: Any, max_seq_len: int, speculation: SpeculationSettings) -> None:
+    def __init__(self, target: Any, draft: Any, options: RuntimeOptions, speculation: SpeculationSettings,
+                 reason: str) -> None:
         self.target, self.draft = target, draft
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = options.max_seq_len
         self.speculation = speculation.replace(policy="fixed")
+        self.reason = reason
         self.waiting: deque[BatchedSequence] = deque()
         self.steps = 0
 

@@ -58,9 +58,28 @@ def tiny_target(arch: str = "llama", seed: int = 0, **kw: Any):
     return model.eval()
 
 
-def random_draft(target_config: Any, seed: int = 0, **kw: Any) -> DFlashDraftModel:
-    cfg = make_draft_config(target_config, **kw)
-    model = DFlashDraftModel(cfg)
+# A small DFlash2 recipe for tiny drafters: 2 taps, groups of 8 channels, rank 8, 4 candidates.
+TINY_DFLASH2_RECIPE = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
+
+
+def random_draft(target_config: Any, seed: int = 0, family: str = "dflash", dflash2_recipe: dict[str, int] | None = None,
+                 **kw: Any) -> DFlashDraftModel:
+    """A random drafter for `target_config` (make_draft_config's sizes and fields). `family`
+    "dflash2": a DFlash2 drafter with `dflash2_recipe` (default TINY_DFLASH2_RECIPE), z-lab's layout."""
+    from dflash_trt.runtime.drafter_family import FAMILIES
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown drafter family {family!r}; use one of {', '.join(FAMILIES)}")
+    fields = dict(kw.pop("dflash_fields", None) or {})
+    if family == "dflash2":
+        fields.update(dflash2_recipe or TINY_DFLASH2_RECIPE)
+        kw.setdefault("block_size", 8)
+        fields["block_size"] = kw.pop("block_size")  # every DFlash2 key inside dflash_config
+    cfg = make_draft_config(target_config, dflash_fields=fields, **kw)
+    if family == "dflash2":
+        cfg.pop("block_size")
+    cfg["architectures"] = [FAMILIES[family].architecture]
+    model = FAMILIES[family].model_class()(cfg)
     model.reset_parameters(seed=seed)
     return model.eval()
 

@@ -104,8 +104,8 @@ class TextCodec:
 
     @classmethod
     def of_pair(cls, pair: Any, max_seq_len: int | None = None) -> "TextCodec":
-        """The codec of a loaded pair (runtime.loading.LoadedPair, engine.loader.load_engine);
-        `max_seq_len`: the engine's limit, when the pair came from one."""
+        """The codec of a loaded pair (anything with .tokenizer and .target); `max_seq_len`: the
+        engine's limit, when the pair came from one."""
         return cls.for_model(pair.tokenizer, pair.target.config, max_seq_len)
 
     def check_room(self, ids: Sequence[int], max_tokens: int | None = None) -> None:

@@ -27,8 +27,11 @@ def validate_pair(
     target_config: Any,
     where: str = "drafter",
 ) -> DFlashSettings:
-    """Raise DFlashError unless the drafter config fits the target config."""
+    """Raise DFlashError unless the drafter config (z-lab or speculators format) fits the target config."""
+    from dflash_trt.runtime.drafter_family import zlab_config
+
     check_is_drafter(draft_config, where)
+    draft_config = zlab_config(draft_config, where)
     s = DFlashSettings.from_config_dict(draft_config, where=f"{where} config.json")
     validate_settings(s, where)
     t_hidden = int(target_config.hidden_size)
@@ -40,7 +43,7 @@ def validate_pair(
             f"{where}: hidden_size={d_hidden} but the target's hidden_size={t_hidden}; the drafter borrows the "
             "target's embedding and lm_head, so use a drafter trained for this target"
         )
-    if s.num_target_layers != t_layers:
+    if s.num_target_layers is not None and s.num_target_layers != t_layers:
         raise DFlashError(
             f"{where}: num_target_layers={s.num_target_layers} but the target has {t_layers} layers; "
             "this drafter was trained for a different target"

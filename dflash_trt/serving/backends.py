@@ -20,10 +20,12 @@ import logging
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.runtime_options import RuntimeChoices
 from dflash_trt.serving.protocol import Backend
+from dflash_trt.speculation import Policy
 
 log = logging.getLogger("dflash_trt.serving")
 
@@ -44,9 +46,11 @@ def default_max_tokens_for(max_seq_len: int, requested: int | None = None) -> in
     return min(requested or min(256, max(1, max_seq_len // 2)), max_seq_len)
 
 
-class BackendSettings(BaseModel):
+class BackendSettings(RuntimeChoices):
     """How a server runs an engine: recorded in the Triton repository (config.pbtxt parameters)
-    and given by `serve` / `deploy triton` flags."""
+    and given by `serve` / `deploy triton` flags. The runtime choices it inherits (device, dtype,
+    cuda_graphs, torch_compile, pack: dflash_trt/runtime_options.py) apply to the pytorch backend
+    only; the engine's limits complete them into the RuntimeOptions it loads and runs with."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -56,16 +60,8 @@ class BackendSettings(BaseModel):
     # adaptive: the batched runtime picks k <= K per step from measured costs (down to plain
     # decoding), never slower than plain; fixed: K every step, as the reference loop does
     # (reproducible tau, e.g. for benchmarks comparing transports)
-    policy: Literal["adaptive", "fixed"] = "adaptive"
+    policy: Policy = "adaptive"
     max_draft_len: int | None = Field(None, ge=1)  # K; None: the engine's limits.max_draft_len
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # pytorch backend only
-    device: str = "cpu"  # pytorch backend only: cpu | cuda | cuda:N
-    # pytorch backend: greedy draft/verify passes captured as CUDA graphs at load, then replayed
-    # (runtime/cuda_graphs.py). None: on for a CUDA device, off on a CPU (True there runs the same
-    # static-shape passes eagerly)
-    cuda_graphs: bool | None = None
-    # pytorch backend: both models' layers through torch.compile at load (runtime/compiled_layers.py)
-    torch_compile: bool = False
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -108,22 +104,23 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
              "requested" if settings.backend == "pytorch" else why)
 
     from dflash_trt.checkpoints.placement import runtime_device
-    from dflash_trt.engine.loader import load_engine
+    from dflash_trt.pairs import PairSource, load_pair
+    from dflash_trt.runtime.opener import open_runtime
     from dflash_trt.runtime.target import TargetAdapter
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.serving.pytorch_backend import PyTorchBackend
 
     runtime_device(settings.device)  # before the engine's hashes and weights: one line on a bad device
-    # the engine loader re-checks every file's sha256 and dequantizes FP8/NVFP4 targets
-    pair = load_engine(engine_dir, dtype=settings.dtype, device=settings.device)
+    # the engine's limits size the runtime: its memory plan holds max_batch_size rows of max_seq_len
+    options = RuntimeOptions.of(settings, max_batch=manifest.limits.max_batch_size, max_seq_len=limit)
+    # the loader re-checks every file's sha256 and dequantizes FP8/NVFP4 targets
+    pair = load_pair(PairSource(engine=engine_dir), options, max_draft_len=settings.max_draft_len,
+                     policy=settings.policy)
     if pair.tokenizer is None:
         raise DFlashError(_no_tokenizer(engine_dir, manifest))
-    return PyTorchBackend(
-        engine_dir=engine_dir, target=TargetAdapter(pair.target), draft=pair.draft, codec=TextCodec.of_pair(pair, limit),
-        speculation=speculation, max_seq_len=limit, default_max_tokens=default, max_queue=settings.max_queue,
-        max_batch=manifest.limits.max_batch_size, cuda_graphs=settings.cuda_graphs,
-        torch_compile=settings.torch_compile,
-    )
+    runtime = open_runtime(TargetAdapter(pair.target), pair.draft, options, speculation)
+    return PyTorchBackend(engine_dir=engine_dir, runtime=runtime, codec=pair.codec, default_max_tokens=default,
+                          max_queue=settings.max_queue)
 
 
 def _no_tokenizer(engine_dir: Path, manifest: object) -> str:

@@ -9,6 +9,7 @@ import click
 
 from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option, policy_option
 from dflash_trt.errors import DFlashError
+from dflash_trt.runtime_options import DTYPE_NAMES
 from dflash_trt.serving.backends import BACKEND_ALIASES, BACKENDS, normalize_backend
 from dflash_trt.serving.limits import DEFAULT_MAX_STREAMS
 
@@ -42,7 +43,7 @@ def _repo_options(fn):
         policy_option("adaptive", "pytorch backend: adaptive = k <= K per step from measured costs (never slower "
                                   "than plain decoding); fixed = K every step (reproducible tau). TensorRT-LLM "
                                   "always verifies K."),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+        click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None,
                      help="Weights dtype for the pytorch backend [default: the engine's: its 16-bit dtype for a GPU "
                           "engine, float32 for a CPU one]."),
         click.option("--device", default=None,

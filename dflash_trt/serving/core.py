@@ -124,6 +124,20 @@ class LoopDeliveries:
             pass
 
 
+async def collect_responses(deliveries: LoopDeliveries) -> list[Any]:
+    """Every response of a request up to its final one (a unary gRPC or HTTP request); the first
+    error the model delivered is raised."""
+    out = []
+    while True:
+        d = await deliveries.queue.get()
+        if d.error is not None:
+            raise d.error
+        if d.response is not None:
+            out.append(d.response)
+        if d.final:
+            return out
+
+
 class InferenceCore:
     """The models and the request accounting every frontend shares (see the module docstring)."""
 

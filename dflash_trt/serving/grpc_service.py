@@ -177,7 +177,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 release()
 
     async def _unary(self, request: Any) -> Any:
-        from dflash_trt.serving.core import LoopDeliveries
+        from dflash_trt.serving.core import LoopDeliveries, collect_responses
 
         model = self.core.model(request.model_name, request.model_version)
         if model.decoupled:
@@ -194,16 +194,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         deliveries = LoopDeliveries(asyncio.get_running_loop())
         sender = await self.core.submit(model, timer, inputs, request.id, request_parameters(request), requested,
                                         deliveries)
-        data = []
         try:
-            while True:
-                d = await deliveries.queue.get()
-                if d.error is not None:
-                    raise d.error
-                if d.response is not None:
-                    data.append(d.response)
-                if d.final:
-                    break
+            data = await collect_responses(deliveries)
         except asyncio.CancelledError:  # client gone or deadline: stop generating for it
             sender.cancel()
             raise

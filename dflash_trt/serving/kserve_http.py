@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dflash_trt import __version__
-from dflash_trt.serving.core import EXTENSIONS, SERVER_NAME, InferenceCore, LoopDeliveries
+from dflash_trt.serving.core import EXTENSIONS, SERVER_NAME, InferenceCore, LoopDeliveries, collect_responses
 from dflash_trt.serving.host import (
     DECOUPLED_HTTP_REFUSAL,
     HostedModel,
@@ -388,23 +388,10 @@ async def _only_response(deliveries: LoopDeliveries, sender: Any, too_many: str)
     """The one response of a non-streamed request (the sender is cancelled if waiting fails);
     INTERNAL with `too_many` when the model sent several."""
     try:
-        responses = await _collect(deliveries)
+        responses = await collect_responses(deliveries)
     except BaseException:
         sender.cancel()
         raise
     if len(responses) != 1:
         raise InferError(grpc.StatusCode.INTERNAL, too_many)
     return responses[0]
-
-
-async def _collect(deliveries: LoopDeliveries) -> list[Any]:
-    """Every response of a request up to its final one; the first error is raised."""
-    out = []
-    while True:
-        d = await deliveries.queue.get()
-        if d.error is not None:
-            raise d.error
-        if d.response is not None:
-            out.append(d.response)
-        if d.final:
-            return out

@@ -8,8 +8,9 @@ What it runs, stated plainly (``--backend pytorch``; ``reference`` is the old na
   than plain decoding; ``fixed``: K every step, the reference loop's schedule). Each request gets
   exactly the answer it would get alone (greedy), and a seeded sample the same text under any load;
 - for pairs the batched runtime cannot run (gpt-oss: sliding window and attention sinks), the
-  reference loop one request at a time (runtime/serial.py), K drafts every step. The choice and
-  its reason are logged.
+  reference loop one request at a time (runtime/serial.py), K drafts every step. The choice is
+  runtime/opener.open_runtime's (serving/backends.load_backend opens the runtime), which logs it
+  with its reason; describe() repeats the reason.
 
 ONE scheduler thread drives either runtime: it takes requests from a bounded queue, admits them
 between steps, drops requests whose client left (or all of them at shutdown), runs a step, and
@@ -69,46 +70,45 @@ class PyTorchBackend:
     """dflash-trt's DFlash runtime for one engine (see the module docstring)."""
 
     engine_dir: Path
-    target: Any  # TargetAdapter
-    draft: Any  # DFlashDraftModel
+    # opened by runtime.opener.open_runtime: the BatchedRuntime, or the SerialRuntime (reference
+    # loop) for pairs the batched runtime cannot run, which says why in its `reason`
+    runtime: Any
     codec: TextCodec
-    speculation: SpeculationSettings
-    max_seq_len: int
     default_max_tokens: int
     max_queue: int = 64
-    max_batch: int = 8  # rows decoded together (the engine's max_batch_size)
-    cuda_graphs: bool | None = None  # see BackendSettings.cuda_graphs
-    torch_compile: bool = False  # see BackendSettings.torch_compile
     backend: str = "pytorch"
-    runtime: Any = field(init=False, default=None)  # BatchedRuntime, or SerialRuntime for unsupported pairs
-    why_serial: str | None = field(init=False, default=None)
     _queue: queue.Queue[_Job | None] = field(init=False)
     _worker: threading.Thread = field(init=False)
     _closing: threading.Event = field(init=False)
 
     def __post_init__(self) -> None:
-        from dflash_trt.runtime.batched import BatchedRuntime, unsupported_reason
-
         self._queue = queue.Queue()
         self._closing = threading.Event()
-        self.why_serial = unsupported_reason(self.target.model, self.draft)
-        if self.why_serial is None:
-            self.runtime = BatchedRuntime(self.target, self.draft, max_batch=self.max_batch,
-                                          max_seq_len=self.max_seq_len, speculation=self.speculation,
-                                          cuda_graphs=self.cuda_graphs, torch_compile=self.torch_compile)
-        else:
-            from dflash_trt.runtime.serial import SerialRuntime
-
-            self.runtime = SerialRuntime(self.target, self.draft, self.max_seq_len, self.speculation)
-            if self.speculation.policy != "fixed":
-                log.warning("engine %s: policy %s needs the batched runtime; this pair runs the reference loop "
-                            "(K drafts every step)", self.engine_dir, self.speculation.policy)
-            if self.torch_compile:
-                log.warning("engine %s: torch_compile applies to the batched runtime; this pair runs the reference "
-                            "loop uncompiled (%s)", self.engine_dir, self.why_serial)
         log.info("engine %s: %s", self.engine_dir, self.describe())
         self._worker = threading.Thread(target=self._schedule, name="dflash-runtime", daemon=True)
         self._worker.start()
+
+    # -- what the runtime holds, by the names the serving layer reads
+    @property
+    def speculation(self) -> SpeculationSettings:
+        return self.runtime.speculation
+
+    @property
+    def draft(self) -> Any:  # DFlashDraftModel
+        return self.runtime.draft
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.runtime.max_seq_len
+
+    @property
+    def max_batch(self) -> int:  # rows decoded together (the engine's max_batch_size; 1 on the reference loop)
+        return self.runtime.max_batch
+
+    @property
+    def why_serial(self) -> str | None:
+        """Why the batched runtime does not serve this pair (None: it does)."""
+        return getattr(self.runtime, "reason", None)
 
     def describe(self) -> str:
         s = self.speculation

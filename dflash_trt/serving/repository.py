@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.runtime_options import DtypeChoice, engine_runtime_defaults
 from dflash_trt.serving.backends import BackendSettings
 
 TEMPLATE_MODEL = "dflash"  # folder name inside triton_repo/
@@ -46,7 +47,7 @@ class TritonRepoSettings(BackendSettings):
     follow the engine (see the module docstring): :meth:`for_engine` resolves them."""
 
     backend: Literal["auto", "tensorrt_llm", "pytorch"] | None = None  # type: ignore[assignment]
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # type: ignore[assignment]
+    dtype: DtypeChoice | None = None  # type: ignore[assignment]
     device: str | None = None  # type: ignore[assignment]
     decoupled: bool = False  # as upstream's model.yaml: streaming needs --decoupled
     model_name: str = Field("dflash", pattern=r"^[A-Za-z0-9_.-]+$")
@@ -60,14 +61,12 @@ class TritonRepoSettings(BackendSettings):
         refusal = tensorrt_llm_refusal(manifest)
         if self.backend == "tensorrt_llm" and refusal:
             raise DFlashError(f"--backend tensorrt_llm: {refusal}")
-        # The engine's GPU decides, never the machine that runs `deploy`: a GPU engine's pytorch
-        # fallback decodes on cuda in the engine's 16-bit dtype.
-        engine_dtype = manifest.quantization.dtype
-        gpu_dtype = engine_dtype if engine_dtype in ("bfloat16", "float16") else "bfloat16"
+        # The engine's GPU decides, never the machine that runs `deploy` (runtime_options)
+        runs = engine_runtime_defaults(gpu, manifest.quantization.dtype)
         return self.model_copy(update={
             "backend": self.backend or ("tensorrt_llm" if gpu else "pytorch"),
-            "dtype": self.dtype or (gpu_dtype if gpu else "float32"),
-            "device": self.device or ("cuda" if gpu else "cpu"),
+            "dtype": self.dtype or runs["dtype"],
+            "device": self.device or runs["device"],
         })
 
 

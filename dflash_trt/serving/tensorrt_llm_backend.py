@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_trt.metrics import time_per_output_token
 from dflash_trt.runtime.tokens import TextCodec
 from dflash_trt.serving.protocol import (
     Chunk,
@@ -173,8 +174,7 @@ class TensorRTLLMBackend:
             end = time.perf_counter()
             stats.decode_s = end - t0
             stats.ttft_s = (first or end) - t0
-            n = stats.num_output_tokens
-            stats.tpot_s = (end - (first or end)) / (n - 1) if n > 1 else 0.0
+            stats.tpot_s = time_per_output_token(end - (first or end), stats.num_output_tokens)
             g.put(Chunk(tail, finished=True, finish_reason=reason, stats=stats, stop_reason=stop_reason))
         except Exception as e:  # noqa: BLE001 - the request fails, the backend keeps serving
             log.warning("request failed in TensorRT-LLM: %s: %s", type(e).__name__, e)

@@ -28,6 +28,7 @@ pass over the data is needed.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import deque
@@ -40,6 +41,7 @@ import torch
 from dflash_trt.errors import DFlashError
 
 OnBatch = Callable[[list[dict[str, Any]]], None]
+log = logging.getLogger("dflash_trt.train")
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,12 @@ def generate_answers(model: Any, tokenizer: Any, prompts: list[Any], settings: A
     encoded = [(p, codec.encode(p.prompt)) for p in prompts]
     if not encoded:
         return []
-    if via == "auto":
-        via = "hf" if unsupported_reason(model) else "runtime"
+    if via == "auto":  # the reference loop (runtime/opener.py's fallback) has no batched answers nor features
+        why = unsupported_reason(model)
+        via = "hf" if why else "runtime"
+        if why:
+            log.info("answers through HF generate over fixed batches: the batched runtime cannot run this target (%s)",
+                     why)
     run = _answers_with_hf_generate if via == "hf" else _answers_on_runtime
     return run(model, encoded, settings, first_eos(model.config), on_batch)
 
@@ -139,8 +145,10 @@ def _answers_on_runtime(model: Any, encoded: list[tuple[Any, list[int]]], s: Ans
                         on_batch: OnBatch | None) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
-    from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest
+    from dflash_trt.runtime.batched import RuntimeExtras, SequenceRequest
     from dflash_trt.runtime.cpu_packing import pack_cpu_linears
+    from dflash_trt.runtime.opener import open_runtime
+    from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.sampling_params import SamplingParams
 
     pack_cpu_linears(model)  # float32 on CPU only; transparent for anything else (frozen target)
@@ -148,10 +156,10 @@ def _answers_on_runtime(model: Any, encoded: list[tuple[Any, list[int]]], s: Ans
     if s.sampled:
         torch.manual_seed(s.seed)  # every row draws from the global generators (CPU and every GPU)
     # sampled answers run every step eagerly: no CUDA graphs to capture for them
-    runtime = BatchedRuntime(model, None, max_batch=s.batch_size,
-                             max_seq_len=max(len(ids) for _, ids in encoded) + s.max_new_tokens,
-                             capture_layer_ids=list(s.capture_layer_ids) if s.capture_layer_ids else None,
+    options = RuntimeOptions(max_batch=s.batch_size, max_seq_len=max(len(ids) for _, ids in encoded) + s.max_new_tokens,
                              cuda_graphs=False if s.sampled else None)
+    runtime = open_runtime(model, None, options, extras=RuntimeExtras(capture_layer_ids=s.capture_layer_ids or None),
+                           choice="batched")
     queue = deque((p, j if s.sampled else None, ids) for p, ids in encoded for j in range(s.samples))
     total, pending, out, t0 = len(queue), {}, [], time.time()
 

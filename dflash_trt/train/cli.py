@@ -8,8 +8,9 @@ from typing import Any
 
 import click
 
-from dflash_trt.cli_helpers import friendly_errors, no_progress_option
+from dflash_trt.cli_helpers import friendly_errors, int_list, no_progress_option
 from dflash_trt.errors import DFlashError
+from dflash_trt.runtime_options import DTYPE_NAMES
 
 
 @click.command("setup-default")
@@ -41,7 +42,8 @@ def setup_default(rebuild: bool) -> None:
 @click.option("--block-size", type=click.IntRange(min=2), help="Drafter block size B [16].")
 @click.option("--num-layers", type=click.IntRange(min=1), help="Drafter decoder layers [1].")
 @click.option("--intermediate-size", type=click.IntRange(min=1), help="Drafter MLP width [768].")
-@click.option("--target-layer-ids", help="Comma-separated target layers feeding the drafter [z-lab default for 3].")
+@click.option("--target-layer-ids", callback=int_list("1,14,27"),
+              help="Comma-separated target layers feeding the drafter [z-lab default for 3].")
 @click.option("--mask-token-id", type=int, help="Mask token id [a reserved special token of the tokenizer].")
 @click.option("--steps", type=click.IntRange(min=1), help="Optimizer steps (one sequence, many blocks each) [1000].")
 @click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=1), help="Stop training after this many seconds (still saves).")
@@ -64,7 +66,7 @@ def setup_default(rebuild: bool) -> None:
               help="Target features computed once before training (cached) or in every step (online) [cached on cpu, else online].")
 @click.option("--extra-data", multiple=True, type=click.Path(dir_okay=False, exists=True),
               help="More sequences to train on (an answer file from `dflash-trt train-data`); repeatable.")
-@click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype on disk [bfloat16].")
+@click.option("--save-dtype", type=click.Choice(DTYPE_NAMES), help="Weights dtype on disk [bfloat16].")
 @no_progress_option()
 @friendly_errors
 def train_draft(target: str | None, out: str, config_file: str | None, no_progress: bool, **flags) -> None:
@@ -85,22 +87,13 @@ def _resolve_config(target: str | None, out: str, config_file: str | None, flags
     from dflash_trt.train.config import TrainConfig
 
     flags = {**flags, "target": target, "out": out, "extra_data": list(flags["extra_data"]) or None,
-             "target_layer_ids": _int_list("--target-layer-ids", flags["target_layer_ids"])}
+             "target_layer_ids": flags["target_layer_ids"]}
     cfg = load_config(TrainConfig, config_file, flags, what="train-draft config")
     if cfg.target is None:
         from dflash_trt.embedded import ensure_default_target
 
         cfg = cfg.model_copy(update={"target": str(ensure_default_target())})
     return cfg
-
-
-def _int_list(flag: str, text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise DFlashError(f"{flag} {text!r}: give comma-separated integers, e.g. 1,14,27") from None
 
 
 @click.command("train-data")
@@ -114,19 +107,20 @@ def _int_list(flag: str, text: str | None) -> list[int] | None:
               help="Answer length cap.")
 @click.option("--batch-prompts", type=click.IntRange(min=1), default=64, show_default=True,
               help="Prompts decoded together; rows = this x --samples.")
-@click.option("--capture-layers", help="Also store the target's features at these comma-separated layers.")
+@click.option("--capture-layers", callback=int_list("1,14,27"),
+              help="Also store the target's features at these comma-separated layers.")
 @click.option("--max-prompts", type=click.IntRange(min=1), help="Answer only the first N train prompts (all by default).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt order and the samples' draws.")
 @click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True),
               help="Start no new answer after this many seconds.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32",
               show_default=True, help="Target weights dtype.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: torch's choice).")
 @no_progress_option()
 @friendly_errors
 def train_data(target: str, out_file: str, samples: int, temperature: float, max_new_tokens: int,
-               batch_prompts: int, capture_layers: str | None, max_prompts: int | None, seed: int,
+               batch_prompts: int, capture_layers: list[int] | None, max_prompts: int | None, seed: int,
                time_limit_s: float | None, dtype: str, device: str, threads: int | None, no_progress: bool) -> None:
     """Write the target's answers to the project's train prompts into OUT_FILE (resumable).
 
@@ -141,9 +135,9 @@ def train_data(target: str, out_file: str, samples: int, temperature: float, max
         import torch
 
         torch.set_num_threads(threads)
-    layers = _int_list("--capture-layers", capture_layers)
     settings = AnswerSettings(max_new_tokens=max_new_tokens, batch_size=batch_prompts * samples, samples=samples,
-                              temperature=temperature, seed=seed, capture_layer_ids=tuple(layers) if layers else None,
+                              temperature=temperature, seed=seed,
+                              capture_layer_ids=tuple(capture_layers) if capture_layers else None,
                               time_limit_s=time_limit_s, progress=not no_progress)
     t0 = time.time()
     kept, added = extend_answer_file(target, out_file, settings, max_prompts, dtype=dtype, device=device)

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dflash_trt.runtime_options import DtypeName
+
 
 class TrainConfig(BaseModel):
     """Every knob of a drafter training run (recorded in MANIFEST.json)."""
@@ -41,7 +43,7 @@ class TrainConfig(BaseModel):
     gamma: float | None = Field(None, gt=0)  # loss decay; default 7 for B=16, 4 for B=8
     seed: int = 0
     threads: int | None = Field(None, ge=1)
-    save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    save_dtype: DtypeName = "bfloat16"
     log_every: int = Field(25, ge=1)
     # Start from a trained drafter (same target, mask token, layer ids and hidden size): tensors
     # whose names and shapes match are copied; extra layers start as identity (see init_from).

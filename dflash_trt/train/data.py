@@ -80,7 +80,8 @@ def extend_answer_file(target_dir: str | Path, out_file: str | Path, settings: A
     with the settings its answers were made with, and save the file (partially at most once a
     minute), so an interrupted job is extended, not redone. Returns (rows kept, rows added)."""
     from dflash_trt.checkpoints.placement import runtime_device
-    from dflash_trt.runtime.loading import load_target, load_tokenizer, parse_dtype
+    from dflash_trt.runtime.loading import load_target, load_tokenizer
+    from dflash_trt.runtime_options import torch_dtype
     from dflash_trt.train.answers import generate_answers, train_prompts
 
     runtime_device(device)  # a GPU job started where there is none: one line, before anything loads
@@ -98,7 +99,7 @@ def extend_answer_file(target_dir: str | Path, out_file: str | Path, settings: A
     todo = [p for p in train_prompts(settings.seed, max_prompts) if p.id not in done]
     if device.startswith("cuda"):  # tf32 matmuls: the answers are sampled or argmax'ed from them anyway
         torch.backends.cuda.matmul.allow_tf32 = True
-    model = load_target(target_dir, parse_dtype(dtype, device), device=device)
+    model = load_target(target_dir, torch_dtype(dtype, device), device=device)
     tokenizer = load_tokenizer(target_dir)
     print(f"{len(have)} sequences kept from {out_file}, {len(todo)} prompts to answer", flush=True)
     last_save = time.time()

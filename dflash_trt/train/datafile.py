@@ -12,9 +12,7 @@ before any row is used. Files written before this module are read unchanged (sam
 
 from __future__ import annotations
 
-import os
 import pickle
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,21 +57,11 @@ def _check_row(path: Path, i: int, row: Any, fix: str) -> None:
 
 
 def write_answer_file(path: str | Path, sequences: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """Write atomically (a temporary file beside `path`, renamed over it), readable as the umask
-    says: a crash mid-write leaves the previous file whole."""
+    """Write atomically (fsutil.atomic_file: a temporary file beside `path`, renamed over it, mode
+    as the umask says): a crash mid-write leaves the previous file whole."""
     import torch
 
-    from dflash_trt.fsutil import apply_umask, io_errors
+    from dflash_trt.fsutil import atomic_file
 
-    path = Path(path)
-    with io_errors(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            torch.save({"sequences": sequences, "meta": meta}, tmp)
-            apply_umask(Path(tmp))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+    with atomic_file(path, what="the output") as tmp:
+        torch.save({"sequences": sequences, "meta": meta}, tmp)

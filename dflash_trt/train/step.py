@@ -23,13 +23,13 @@ class FrozenHead:
     The frozen 49152-row head dominates a step's cost (its matmul runs forward, and backward into
     the hidden states). bf16 makes it ~2.5x faster on AVX512-BF16 CPUs and GPUs; on a CPU without
     native bf16 it would be several times slower than float32, which it keeps there
-    (runtime.loading.auto_dtype). The loss itself is computed in float32 from those logits. An
+    (runtime_options.auto_dtype). The loss itself is computed in float32 from those logits. An
     instruct model's answers use few distinct ids (SmolLM2: ~3.7k of 49k), so the sampled head is
     ~2x faster again; the random others keep every row pushed down.
     """
 
     def __init__(self, target: Any, sampled_vocab: int | None, device: Any) -> None:
-        from dflash_trt.runtime.loading import auto_dtype
+        from dflash_trt.runtime_options import auto_dtype
 
         self.dtype = auto_dtype(device)
         self.weight = target.get_output_embeddings().weight.detach().to(self.dtype)  # [V, H]

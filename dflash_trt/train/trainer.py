@@ -43,7 +43,7 @@ def train_draft(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Run the whole pipeline (see the module docstring); returns the manifest written beside the drafter."""
     import torch
 
-    from dflash_trt.runtime.loading import parse_dtype
+    from dflash_trt.runtime_options import torch_dtype
     from dflash_trt.train.dataset import training_sequences, training_set
     from dflash_trt.train.drafter import drafter_config, feature_layer_ids, mask_token_for, new_drafter
 
@@ -52,7 +52,7 @@ def train_draft(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
         raise DFlashError("train-draft: no target; pass --target (the CLI defaults it to the embedded target)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    save_dtype = parse_dtype(cfg.save_dtype)
+    save_dtype = torch_dtype(cfg.save_dtype)
     device = training_device(cfg.device)
     online = (cfg.features or ("cached" if device.type == "cpu" else "online")) == "online"
     target, tokenizer = load_frozen_target(cfg.target, device)
