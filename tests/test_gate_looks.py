@@ -31,8 +31,8 @@ def never_decides(monkeypatch):
     """The gate's designs with a vanishing alpha: intervals so wide that no look decides."""
     real = GatePlan.design
 
-    def design(self, pool):
-        return SequentialDesign(real(self, pool).fractions, alpha=1e-12)
+    def design(self, pool, affordable=None):
+        return SequentialDesign(real(self, pool, affordable).fractions, alpha=1e-12)
 
     monkeypatch.setattr(GatePlan, "design", design)
 
@@ -107,6 +107,10 @@ def test_the_design_is_the_looks_the_source_allows():
     assert plan.design(1000).fractions == (0.25, 0.5, 0.75, 1.0)
     assert plan.design(39).fractions == (1.0,)
     assert plan.design(50).fractions == (39 / 50, 1.0)
+    # what the budget pays for: fewer looks (one at least), the fractions over what they decode
+    assert plan.design(156, 2).fractions == (0.5, 1.0)
+    assert plan.design(156, 0).fractions == plan.design(156, 1).fractions == (1.0,)
+    assert plan.design(156, 9).fractions == (0.25, 0.5, 0.75, 1.0)
 
 
 def test_the_budget_stops_the_gate_before_a_look_that_would_overrun_it_and_names_the_flag(never_decides):
@@ -120,7 +124,8 @@ def test_the_budget_stops_the_gate_before_a_look_that_would_overrun_it_and_names
     with pytest.raises(DFlashError) as e:
         verdict_record(looks, "nvfp4", 1.0, False, said.append)
     line = str(e.value)
-    assert "\n" not in line and line.startswith("acceptance gate inconclusive after look 1 of 2 (6 prompts x 8 tokens, ")
+    # the budget pays for no second look: the design plans one (look 1 of 1), still naming the flag
+    assert "\n" not in line and line.startswith("acceptance gate inconclusive after look 1 of 1 (6 prompts x 8 tokens, ")
     assert "straddles the 10% limit; the time budget stopped it (gate.budget_s 0 s: look 2 would need ~" in line
     assert "buy more evidence with --gate-budget 60 (the 1 look left)" in line
     assert line.endswith("or pass --accept-tau-drop to keep the engine")
@@ -165,19 +170,30 @@ def test_a_pass_is_said_in_one_line_with_its_look_and_interval():
 
 
 def test_a_look_predicted_past_the_budget_is_not_started(never_decides, monkeypatch):
-    """The prediction is the longest look so far: with look 1 taking 30 s (its two passes) and 50 s
-    of budget, look 2 would end at 60 s, so it is not started."""
+    """The looks are planned on look 1's unquantized pass (15 s: a look ~30 s): 50 s of budget
+    plans one look (a single look's level: 95% at the gate's alpha) and names the budget; 90 s plans both looks at the design's
+    level. The prediction before a later look is the longest look so far: a look 1 slower than
+    planned (its quantized pass 45 s) stops a gate planned for 2 looks before look 2."""
     target, draft, pool = _pair_and_pool(8)
-    clock = iter(range(0, 10_000, 15))  # each of the gate's perf_counter() calls 15 s after the last one
-    monkeypatch.setattr(gate_looks, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
-    loader = _Loader(target, _perturbed(target))
-    looks = GateLooks(GatePlan(wave=4, tokens=6, looks=2, budget_s=50, limit=0.10), pool, draft, progress=False)
-    looks.go_on(_start(looks, loader))
+
+    def gate(budget_s: float, steps: list[int]) -> GateLooks:
+        ticks = iter([t for dt in steps for t in (0.0, float(dt))])  # each decode's start and end
+        monkeypatch.setattr(gate_looks, "time", SimpleNamespace(perf_counter=lambda: next(ticks, 0.0)))
+        looks = GateLooks(GatePlan(wave=4, tokens=6, looks=2, budget_s=budget_s, limit=0.10), pool, draft,
+                          progress=False)
+        looks.go_on(_start(looks, _Loader(target, _perturbed(target))))
+        return looks
+
+    looks = gate(50, [15, 15])
+    assert looks.design.fractions == (1.0,) and looks.wanted == 2  # one look: a single look's level
     assert looks.seconds == 30 and looks.stopped == "budget" and looks.next_look_s == 30
-    looks = GateLooks(GatePlan(wave=4, tokens=6, looks=2, budget_s=90, limit=0.10), pool, draft, progress=False)
-    loader = _Loader(target, _perturbed(target))
-    looks.go_on(_start(looks, loader))
-    assert looks.stopped == "looks" and len(looks.looks) == 2
+    assert "~30 s more); buy more evidence with --gate-budget 60 (the 1 look left)" in looks.advice()
+    assert looks.plan_line().startswith("gate plan: up to 1 look of 4 prompts (2 wanted, the 50 s budget "
+                                        "(gate.budget_s) pays for 1: a look ~30 s here), look 1 at ")
+    looks = gate(90, [15, 15, 15, 0, 15])  # look 2: a pass, the swap, a pass
+    assert looks.design.looks == 2 and looks.stopped == "looks" and len(looks.looks) == 2
+    looks = gate(90, [15, 45])
+    assert looks.design.looks == 2 and looks.stopped == "budget" and len(looks.looks) == 1 and looks.next_look_s == 60
 
 
 def test_looks_taken_with_prompts_left_in_the_source_name_how_many_looks_more(never_decides):

@@ -315,6 +315,8 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                 with prof.phase("tau_before"):
                     looks.decode("before", models.target)
                 acceptance = _before_verdict(run, looks.before)
+                if quantized:  # the drop's looks, planned on the pass just timed
+                    run.say(looks.plan_line())
         if quantized:
             assert models is not None and quantize_and_export is not None
             with prof.phase("quantize_export"):

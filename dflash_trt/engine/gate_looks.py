@@ -16,10 +16,13 @@ is what a build costs), so the sides alternate as A B | B A | A B ...: each look
 with the model already loaded, then frees it and loads the other from its checkpoint (the source
 for the unquantized side, the exported target/ for the quantized one): one load a look.
 
-Budget. The looks are planned (gate.max_looks waves, fewer when the source runs out of prompts);
-before each look after the first, its time is predicted from the last one's (the same work), and
-a look that would end past `gate.budget_s` is not started. A gate stopped undecided is
-inconclusive and says which setting buys more evidence.
+Budget. The looks are planned (gate.max_looks waves, fewer when the source runs out of prompts,
+and fewer when the budget cannot pay for them): look 1's unquantized pass, the first thing the gate
+decodes and before any drop is known, times half a look, so the design plans only the looks
+`gate.budget_s` affords. A CPU that can afford one look gets one look at the 95% level, not the
+first of four at 98.2% and a budget that stops it there. Before each later look its time is
+predicted from the longest look so far, and a look that would end past the budget is not
+started. A gate stopped undecided is inconclusive and says which setting buys more evidence.
 """
 
 from __future__ import annotations
@@ -48,10 +51,12 @@ class GatePlan:
     limit: float  # gate.max_tau_drop
     max_draft_len: int | None = None
 
-    def design(self, pool: int) -> SequentialDesign:
-        """The looks a source of `pool` prompts allows, at their information fractions (each look's
-        prompts over the planned total): fixed before any look, from sizes alone."""
-        total = min(self.looks * self.wave, pool)
+    def design(self, pool: int, affordable: int | None = None) -> SequentialDesign:
+        """The looks a source of `pool` prompts allows (and at most `affordable` of them: what the
+        budget pays for), at their information fractions (each look's prompts over the planned
+        total): fixed before any drop is known, from sizes and the unquantized pass's time alone."""
+        looks = self.looks if affordable is None else max(1, min(self.looks, affordable))
+        total = min(looks * self.wave, pool)
         counts = [min((k + 1) * self.wave, total) for k in range(math.ceil(total / self.wave))]
         return SequentialDesign(tuple(c / total for c in counts))
 
@@ -100,6 +105,7 @@ class GateLooks:
     say: Callable[[str], None] = lambda msg: None
     source_prompts: int = 0
     design: SequentialDesign = field(init=False)
+    wanted: int = field(init=False)  # the looks the source allows (the design before the budget's say)
     before: TauSample = field(default_factory=TauSample)
     after: TauSample = field(default_factory=TauSample)
     looks: list[LookRecord] = field(default_factory=list)
@@ -111,6 +117,7 @@ class GateLooks:
 
     def __post_init__(self) -> None:
         self.design = self.plan.design(len(self.pool))
+        self.wanted = self.design.looks
         self.source_prompts = max(self.source_prompts, len(self.pool))
 
     @property
@@ -134,6 +141,24 @@ class GateLooks:
         self.seconds += dt
         self._look_s += dt
         self._done.add(side)
+        if self.look == 1 and side == "before" and self._done == {"before"}:
+            self._plan_for_budget(dt)
+
+    def _plan_for_budget(self, before_s: float) -> None:
+        """Plan the looks the budget pays for, a look costing twice look 1's unquantized pass
+        (`before_s`): known before any quantized tau, so the design does not depend on the drop."""
+        affordable = int(self.plan.budget_s // (2 * before_s)) if before_s > 0 else self.wanted
+        self.design = self.plan.design(len(self.pool), affordable)
+        self.next_look_s = 2 * before_s
+
+    def plan_line(self) -> str:
+        """What the gate plans, in one line (said after look 1's unquantized pass)."""
+        d, p = self.design, self.plan
+        why = (f"{self.wanted} wanted, the {p.budget_s:.0f} s budget (gate.budget_s) pays for "
+               f"{d.looks}: a look ~{self.next_look_s:.0f} s here" if d.looks < self.wanted else
+               f"within the {p.budget_s:.0f} s budget")
+        return (f"gate plan: up to {d.looks} look{'s' if d.looks > 1 else ''} of {p.wave} prompts ({why}), "
+                f"look 1 at {d.confidence(1):.1%}")
 
     def decide(self) -> Look:
         """Close the current look (both sides decoded) and judge it."""
@@ -150,7 +175,10 @@ class GateLooks:
         verdict = self.looks[-1].look
         while verdict.decision == "continue":
             if self.look > self.design.looks:
-                self.stopped = "prompts" if self.design.looks < self.plan.looks else "looks"
+                self.stopped = ("budget" if self.design.looks < self.wanted else
+                                "prompts" if self.wanted < self.plan.looks else "looks")
+                if self.stopped == "budget":
+                    self.next_look_s = max(r.seconds for r in self.looks)
                 break
             need = max(r.seconds for r in self.looks)  # a look decodes one wave on each side
             if self.seconds + need > self.plan.budget_s:
@@ -176,7 +204,7 @@ class GateLooks:
         """For an undecided gate: what stopped it and which setting buys more evidence."""
         p = self.plan
         if self.stopped == "budget":
-            left = self.design.looks - len(self.looks)
+            left = self.wanted - len(self.looks)
             need = self.seconds + self.next_look_s * left
             return (f"the time budget stopped it (gate.budget_s {p.budget_s:.0f} s: look {self.look} would need "
                     f"~{self.next_look_s:.0f} s more); buy more evidence with --gate-budget {_round_up(need)} "
