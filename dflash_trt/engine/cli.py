@@ -146,7 +146,7 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
 @click.option("--gate-looks", type=click.IntRange(min=1), help="Planned looks of the gate's sequential test (default "
               "4): an undecided look is followed by another with a wave of new prompts.")
 @click.option("--gate-budget", type=click.FloatRange(min=0, min_open=True), help="Seconds the gate may decode "
-              "(default 240): a look that would end past it is not started.")
+              "(default 240): the gate plans the looks it pays for, and a look that would end past it is not started.")
 @click.option("--min-tau", type=click.FloatRange(min=1.0),
               help="Refuse a pair whose unquantized tau is surely below this (default 1.2: a drafter that does not "
                    "fit the target).")
