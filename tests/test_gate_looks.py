@@ -186,6 +186,8 @@ def test_a_look_predicted_past_the_budget_is_not_started(never_decides, monkeypa
 
     looks = gate(50, [15, 15])
     assert looks.design.fractions == (1.0,) and looks.wanted == 2  # one look: a single look's level
+    record = verdict_record(looks, "fp8", 1.0, True, lambda msg: None)
+    assert (record["planned_looks"], record["looks_wanted"], record["stopped"]) == (1, 2, "budget")
     assert looks.seconds == 30 and looks.stopped == "budget" and looks.next_look_s == 30
     assert "~30 s more); buy more evidence with --gate-budget 60 (the 1 look left)" in looks.advice()
     assert looks.plan_line().startswith("gate plan: up to 1 look of 4 prompts (2 wanted, the 50 s budget "

@@ -232,6 +232,7 @@ def verdict_record(looks: GateLooks, quant: str, min_tau: float, accept_drop: bo
     p, last = looks.plan, looks.looks[-1]
     record = gate_record(looks.before, looks.after, last.look, p.limit, min_tau, looks.design)
     record.update(tokens_per_prompt=p.tokens, seconds=round(looks.seconds, 3), budget_s=p.budget_s,
+                  looks_wanted=looks.wanted,  # before the budget planned `planned_looks` of them
                   stopped=looks.stopped or "decided", looks=[r.to_dict() for r in looks.looks])
     more = looks.advice() if record["decision"] == "inconclusive" else ""
     record = settle(record, quant, accept_drop, more)
