@@ -16,7 +16,7 @@ EMBEDDED_MODULES = {"test_embedded_target", "test_embedded_drafter", "test_embed
 # integration: real servers and subprocesses (gRPC, HTTP, the CLI in a child process), ModelOpt
 # quantization and export, drafter training runs.
 INTEGRATION_MODULES = {
-    "test_build_engine", "test_build_dequant", "test_train_batched", "test_train_tiny", "test_triton_server",
+    "test_build_engine", "test_build_dequant", "test_build_gate_e2e", "test_train_batched", "test_train_tiny", "test_triton_server",
     "test_triton_cli", "test_bench_endpoint", "test_launch_ready",
     # transformers 4.57 installed from the package index into the cache; the Dockerfile's pip commands
     "test_transformers_generations", "test_container_install", "test_engine_from_anywhere",

@@ -71,10 +71,13 @@ def test_decide_passes_fails_or_is_inconclusive_on_the_interval():
     small = _sample([29, 20, 39, 24, 34, 28], [10] * 6)  # ~2.8% drop, narrow
     rec = decide(before, small, "fp8", 0.10, False, 1.2)
     assert rec["decision"] == "pass" and rec["relative_drop_high"] <= 0.10
-    assert "95% intervals" in describe(rec, "fp8") and ": pass" in describe(rec, "fp8")
+    line = describe(rec, "fp8")
+    assert line.startswith("acceptance gate passed at look 1 of 1 (6 prompts): tau 2.967 ") and "\n" not in line
+    assert "(95.0% interval, 2.5% error each side over 1 look) within the 10% limit" in line
 
     big = _sample([20, 13, 27, 17, 23, 19], [10] * 6)  # ~1/3 drop everywhere
-    with pytest.raises(DFlashError, match=r"acceptance gate failed: tau fell from 2\.967 .* > 10%"):
+    with pytest.raises(DFlashError, match=r"acceptance gate failed at look 1 of 1 \(6 prompts\): tau 2\.967 .* "
+                                          r"past the 10% limit; choose a milder recipe"):
         decide(before, big, "nvfp4", 0.10, False, 1.2)
     rec = decide(before, big, "nvfp4", 0.10, True, 1.2)
     assert rec["decision"] == "fail" and rec["accepted_by_flag"]

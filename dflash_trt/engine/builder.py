@@ -202,8 +202,9 @@ def default_name(p: Prepared) -> str:
 
 
 def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool
-                              ) -> tuple[list[list[int]], list[list[int]], bool]:
-    """Calibration ids, gate ids, and whether the gate's source has prompts the gate leaves out."""
+                              ) -> tuple[list[list[int]], list[list[int]], int]:
+    """Calibration ids, the gate's prompt ids (its first look's `gate.num_prompts`, then as many more
+    as its later looks can decode in waves: engine/gate_looks.py) and how many its source has."""
     from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
 
     spec = p.spec
@@ -212,20 +213,19 @@ def _gate_and_calibration_ids(p: Prepared, tokenizer: Any, gate_on: bool
         prompts = load_calibration_prompts(spec.calibration.prompts, spec.calibration.num_samples, split="train")
         calib = encode_prompts(tokenizer, prompts, p.arch.vocab_size, spec.calibration.max_length)
     gate: list[list[int]] = []
-    left = False
+    available: list[str] = []
     if gate_on:
-        available = load_calibration_prompts(spec.gate.prompts, sys.maxsize, split="eval")
+        available = load_calibration_prompts(spec.gate.prompts, sys.maxsize, split="held-out")
         if len(available) < spec.gate.num_prompts and "num_prompts" in spec.gate.model_fields_set:
-            where = "the held-out split" if spec.gate.prompts is None else "gate.prompts"
+            where = "the held-out prompts" if spec.gate.prompts is None else "gate.prompts"
             raise DFlashError(f"--gate-prompts {spec.gate.num_prompts}: {where} has {len(available)} prompts; ask for "
                               "fewer, or give more in gate.prompts (a JSONL/JSON/TXT file in the build spec)")
-        left = len(available) > spec.gate.num_prompts
-        prompts = available[: spec.gate.num_prompts]
+        prompts = available[: spec.gate.num_prompts * spec.gate.max_looks]
         gate = encode_prompts(tokenizer, prompts, p.arch.vocab_size, spec.calibration.max_length)
         if len(gate) < 2:
             raise DFlashError(f"the acceptance gate needs at least 2 prompts for an interval, got {len(gate)}; "
                               "give more gate prompts")
-    return calib, gate, left
+    return calib, gate, len(available)
 
 
 @dataclass
@@ -269,7 +269,6 @@ class BuildRun:
     device: BuildDevice
     progress: bool
     console: Any = None
-    gate_prompts_left: bool = True  # the gate's prompt source has more than it decodes
     schedule: ScheduleDecision | None = None  # the schedule and K the engine writes (after the gate)
 
     @property
@@ -277,8 +276,8 @@ class BuildRun:
         return dtype_name(self.compute)
 
     def say(self, msg: str) -> None:  # plain text: paths and [low, high] intervals are not rich markup
-        if self.console is not None:
-            self.console.print(msg, markup=False, highlight=False)
+        if self.console is not None:  # one line stays one line (the gate's verdict), whatever the width
+            self.console.print(msg, markup=False, highlight=False, soft_wrap=True)
 
 
 def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool = True,
@@ -309,7 +308,7 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
     quantize_and_export = _import_quantizer(spec.quant) if quantized else None
     acceptance: dict[str, Any] | None = None
     quant_report: dict[str, Any] = {}
-    before = after = None  # the gate's TauSamples, when it runs
+    looks = None  # the gate's looks, when it runs
 
     with sigterm_as_interrupt(), atomic_directory(out, overwrite=overwrite) as tmp:
         dtype = torch_dtype(p.dtype_name)
@@ -322,11 +321,14 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
                            f"{p.dtype_name}, several times faster where {p.dtype_name} is not native)"
                            if run.compute != dtype else ""))
                 models = load_models(p, run.dtype, device, run.compute)
-                calib_ids, gate_ids, run.gate_prompts_left = _gate_and_calibration_ids(p, models.tokenizer, gate_on)
+                calib_ids, gate_ids, source_prompts = _gate_and_calibration_ids(p, models.tokenizer, gate_on)
             if gate_on:
+                looks = _gate_looks(run, models.draft, gate_ids, source_prompts)
                 with prof.phase("tau_before"):
-                    before = _gate_pass(run, models.target, models.draft, gate_ids, "tau (unquantized)")
-                acceptance = _before_verdict(run, before)
+                    looks.decode("before", models.target)
+                acceptance = _before_verdict(run, looks.before)
+                if quantized:  # the drop's looks, planned on the pass just timed
+                    run.say(looks.plan_line())
         if quantized:
             assert models is not None and quantize_and_export is not None
             with prof.phase("quantize_export"):
@@ -335,8 +337,13 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
             release_freed_memory()
             if gate_on:
                 with prof.phase("tau_after"):
-                    after = _gate_after_export(run, models, gate_ids)
-                acceptance = _after_verdict(run, before, after, acceptance)
+                    slot = _gate_after_export(run, models, looks)
+                if looks.looks[-1].look.decision == "continue":
+                    with prof.phase("gate_looks"):  # the models alternate: one held at a time
+                        looks.go_on(slot)
+                slot = None
+                release_freed_memory()
+                acceptance = _after_verdict(run, looks, acceptance)
         else:
             models = None
             release_freed_memory()
@@ -346,7 +353,8 @@ def build_engine(p: Prepared, out: Path, overwrite: bool = False, progress: bool
         # (and a source saved by transformers 5) spells them in transformers 5's form only
         rewrite_for_both_generations(tmp / "target", source_dir=p.target_dir)
         models = None
-        run.schedule = _final_schedule(run, after if after is not None else before)
+        # the engine's own weights' acceptance: after quantization when it quantized
+        run.schedule = _final_schedule(run, None if looks is None else looks.after if looks.after.n else looks.before)
         with prof.phase("write"):
             opts = _write_draft_and_launch(run)
         with prof.phase("hash"):
@@ -378,13 +386,13 @@ def _import_quantizer(quant: str) -> Any:
     return quantize_and_export
 
 
-def _gate_pass(run: BuildRun, target: Any, draft: Any, gate_ids: list[list[int]], label: str) -> Any:
-    """tau of `target` with the drafter over the gate's prompts (a gate.TauSample)."""
-    from dflash_trt.engine import gate as gate_mod
+def _gate_looks(run: BuildRun, draft: Any, gate_ids: list[list[int]], source_prompts: int) -> Any:
+    """The gate's looks over its prompts (engine/gate_looks.GateLooks), as the spec plans them."""
+    from dflash_trt.engine.gate_looks import GateLooks, GatePlan
 
-    spec = run.p.spec
-    return gate_mod.measure_tau(target, draft, gate_ids, spec.gate.max_new_tokens, label, run.progress,
-                                run.p.max_draft_len)
+    g = run.p.spec.gate
+    plan = GatePlan(g.num_prompts, g.max_new_tokens, g.max_looks, g.budget_s, g.max_tau_drop, run.p.max_draft_len)
+    return GateLooks(plan, gate_ids, draft, run.progress, run.say, source_prompts)
 
 
 def _before_verdict(run: BuildRun, before: Any) -> dict[str, Any]:
@@ -395,7 +403,7 @@ def _before_verdict(run: BuildRun, before: Any) -> dict[str, Any]:
     fit = gate_mod.check_fit(before, spec.gate.min_tau)
     lo, hi = before.interval()
     run.say(f"unquantized tau {before.tau:.3f} [{lo:.3f}, {hi:.3f}] (95%, {before.n} prompts x "
-            f"{spec.gate.max_new_tokens} tokens)")
+            f"{spec.gate.max_new_tokens} tokens, look 1)")
     return {"before": before.summary(), "fit": fit, "compute_dtype": run.compute_name}
 
 
@@ -419,27 +427,32 @@ def _quantize_export(run: BuildRun, quantize_and_export: Any, target: Any, calib
     return report
 
 
-def _gate_after_export(run: BuildRun, models: BuildModels, gate_ids: list[list[int]]) -> Any:
-    """tau of the EXPORTED weights (dequantized, placed as the float target was), freed after."""
+def _gate_after_export(run: BuildRun, models: BuildModels, looks: Any) -> Any:
+    """Look 1's tau of the EXPORTED weights (dequantized, placed as the float target was), judged;
+    the slot that holds that model (the only reference to it), and reloads either side for later looks."""
     from dflash_trt.checkpoints.streaming import load_checkpoint
+    from dflash_trt.engine.gate_looks import ModelSlot
     from dflash_trt.engine.host_memory import release_freed_memory
 
-    qtarget = _run_in(load_checkpoint(run.tmp / "target", run.dtype, device_map=models.placement), run.compute)
-    after = _gate_pass(run, qtarget, models.draft, gate_ids, f"tau ({run.p.spec.quant})")
-    qtarget = None
-    release_freed_memory()
-    return after
+    assert run.p.target_dir is not None
+    dirs = {"before": run.p.target_dir, "after": run.tmp / "target"}
+    slot = ModelSlot("after", None, lambda side: _run_in(load_checkpoint(dirs[side], run.dtype,
+                                                                          device_map=models.placement), run.compute),
+                     release_freed_memory)
+    slot.model = slot.load("after")
+    looks.decode("after", slot.model)
+    looks.decide()
+    run.say(looks.progress_line())
+    return slot
 
 
-def _after_verdict(run: BuildRun, before: Any, after: Any, acceptance: dict[str, Any] | None) -> dict[str, Any]:
-    """The gate's decision on the drop from `before` to `after`."""
-    from dflash_trt.engine import gate as gate_mod
+def _after_verdict(run: BuildRun, looks: Any, acceptance: dict[str, Any] | None) -> dict[str, Any]:
+    """The gate's decision, its one line, and its record; DFlashError on a failed or undecided gate."""
+    from dflash_trt.engine.gate_looks import verdict_record
 
     spec = run.p.spec
-    decided = {**gate_mod.decide(before, after, spec.quant, spec.gate.max_tau_drop, spec.gate.accept_tau_drop,
-                                 spec.gate.min_tau, prompts_left=run.gate_prompts_left),
+    decided = {**verdict_record(looks, spec.quant, spec.gate.min_tau, spec.gate.accept_tau_drop, run.say),
                "fit": acceptance["fit"] if acceptance else None, "compute_dtype": run.compute_name}
-    run.say(gate_mod.describe(decided, spec.quant))
     return decided
 
 

@@ -36,15 +36,16 @@ def _text_of(row: Any, where: str) -> str:
 
 def load_calibration_prompts(source: str | list[str] | None, limit: int, split: str = "train") -> list[str]:
     """Up to `limit` prompt strings from `source` (None: the project's prompts of `split`:
-    train prompts calibrate, held-out "eval" prompts feed the acceptance gate, so the gate does
-    not measure tau on prompts the embedded drafter was trained on)."""
+    train prompts calibrate, the "held-out" ones -- eval, then gate -- feed the acceptance gate,
+    so the gate does not measure tau on prompts the embedded drafter was trained on)."""
     if isinstance(source, list):
         prompts = [str(p) for p in source]
     elif source is None:
         try:
-            from dflash_trt.prompts import interleave, load_prompts
+            from dflash_trt.prompts import HELD_OUT, interleave, load_prompts
 
-            prompts = [p.prompt for p in interleave(load_prompts(split=split))]
+            splits = HELD_OUT if split == "held-out" else (split,)
+            prompts = [p.prompt for s in splits for p in interleave(load_prompts(split=s))]
         except (ImportError, DFlashError, OSError):
             prompts = list(BUILTIN_PROMPTS)
     else:

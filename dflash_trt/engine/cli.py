@@ -26,7 +26,8 @@ FLAG_TO_KEY = {
     "calib_max_length": "calibration.max_length", "max_tau_drop": "gate.max_tau_drop",
     "accept_tau_drop": "gate.accept_tau_drop", "gate": "gate.enabled", "gate_prompts": "gate.num_prompts",
     "recipe": "recipe", "keep_layers": "keep_layers", "keep_modules": "keep_modules", "device": "device", "min_tau": "gate.min_tau",
-    "gate_tokens": "gate.max_new_tokens", "compute_dtype": "compute_dtype",
+    "gate_tokens": "gate.max_new_tokens", "gate_looks": "gate.max_looks", "gate_budget": "gate.budget_s",
+    "compute_dtype": "compute_dtype",
     "draft_len_schedule": "draft_len_schedule", "acceptance_profile": "acceptance_profile",
     "rejection_sampling": "rejection_sampling", "acceptance_rate_window": "acceptance_rate_window",
     "acceptance_rate_threshold": "acceptance_rate_threshold",
@@ -151,8 +152,13 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
               help="Run the acceptance gate (default: on when quantizing; with --quant none it only checks that the "
                    "drafter fits the target).")
 @click.option("--gate-prompts", type=click.IntRange(min=2),
-              help="Held-out prompts the acceptance gate decodes (default 39, the whole held-out split; the interval narrows as 1/sqrt(n)).")
+              help="Prompts each look of the acceptance gate decodes (default 39: the eval split, then waves of the "
+                   "gate split's 117 more held-out prompts).")
 @click.option("--gate-tokens", type=click.IntRange(min=2), help="Tokens per gate prompt (default 96).")
+@click.option("--gate-looks", type=click.IntRange(min=1), help="Planned looks of the gate's sequential test (default "
+              "4): an undecided look is followed by another with a wave of new prompts.")
+@click.option("--gate-budget", type=click.FloatRange(min=0, min_open=True), help="Seconds the gate may decode "
+              "(default 240): the gate plans the looks it pays for, and a look that would end past it is not started.")
 @click.option("--min-tau", type=click.FloatRange(min=1.0),
               help="Refuse a pair whose unquantized tau is surely below this (default 1.2: a drafter that does not "
                    "fit the target).")

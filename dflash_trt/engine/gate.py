@@ -1,4 +1,4 @@
-"""The acceptance gate: tau before vs after quantization, decided on a 95% interval.
+"""The acceptance gate: tau before vs after quantization, decided by a sequential test.
 
 Quantization keeps DFlash lossless (the target verifies) but can silently cost acceptance: the
 drafter was trained on the float target's hidden states and outputs. The gate decodes the same
@@ -9,19 +9,24 @@ Statistics. Greedy decoding is deterministic, so the uncertainty is over prompts
 estimator (sum of committed tokens over sum of steps), and prompts are the independent units.
 Its standard error comes from the linearization z_i = (c_i - tau * s_i) / mean(s) (the delta
 method for a ratio, clustered by prompt); the drop compares the two runs PROMPT BY PROMPT (paired:
-the same prompts before and after, so prompt-to-prompt variation largely cancels). Intervals use
-Student's t with n - 1 degrees of freedom.
+the same prompts before and after, so prompt-to-prompt variation largely cancels). The drop's
+interval is symmetric on the log scale, -ln(tau_after / tau_before), where the ratio's sampling
+law is nearly symmetric, with Student's t at n - 1 degrees of freedom.
 
 Decisions on the interval, never on a point estimate:
-- fit: the pair is refused when the unquantized tau's upper bound is below `min_tau` -- a
+- fit: the pair is refused when the unquantized tau's upper bound (95%) is below `min_tau` -- a
   drafter whose tokens this target never accepts ("does not fit this target").
-- drop: the build passes when the upper bound of the relative drop is <= `max_tau_drop`; it
-  fails when the lower bound exceeds it, and when the interval straddles it ("inconclusive":
-  more prompts narrow it), unless the drop is accepted by flag.
+- drop: judged look by look (engine/gate_looks.py decodes each look, engine/sequential.py holds
+  the design and its error rates): a look passes when its interval's upper end is <= `max_tau_drop`,
+  fails when its lower end exceeds it, and otherwise the gate looks again with a wave of new
+  prompts; undecided after its planned looks, its prompts or its time budget it is "inconclusive" and
+  says which setting buys more evidence. A failed or inconclusive gate refuses the build unless
+  the drop is accepted by flag.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import sys
@@ -29,26 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_trt.engine.sequential import Look, SequentialDesign, decide_look, t_quantile
 from dflash_trt.errors import DFlashError
 
 CONFIDENCE = 0.95
-
-
-def t_quantile(p: float, df: int) -> float:
-    """Student's t quantile: exact for df 1 and 2, else the Cornish-Fisher expansion around the
-    normal quantile (Abramowitz & Stegun 26.7.5; at p = 0.975 within 0.03 of the exact value for
-    df = 3 and within 0.001 from df = 7 on)."""
-    z = statistics.NormalDist().inv_cdf(p)
-    if df <= 0:
-        return math.inf
-    if df == 1:
-        return math.tan(math.pi * (p - 0.5))  # Cauchy: exact
-    if df == 2:
-        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))  # exact
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    return z + g1 / df + g2 / df**2 + g3 / df**3
 
 
 @dataclass
@@ -71,6 +60,9 @@ class TauSample:
         self.steps.append(steps)
         self.drafted += drafted
         self.accepted += accepted
+        self._add_positions(position_drafted, position_accepted)
+
+    def _add_positions(self, position_drafted: Sequence[int], position_accepted: Sequence[int]) -> None:
         for j, (d, a) in enumerate(zip(position_drafted, position_accepted)):
             if j == len(self.position_drafted):
                 self.position_drafted.append(0)
@@ -82,6 +74,14 @@ class TauSample:
     def per_position_acceptance(self) -> list[float]:
         """Slot j+1 accepted / drafted, pooled over prompts (with K drafts every step: P(a >= j+1))."""
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    def append(self, more: TauSample) -> None:
+        """`more`'s prompts (a later look's wave) join this sample."""
+        self.committed += more.committed
+        self.steps += more.steps
+        self.drafted += more.drafted
+        self.accepted += more.accepted
+        self._add_positions(more.position_drafted, more.position_accepted)  # the schedule reads every wave
 
     @property
     def n(self) -> int:
@@ -112,18 +112,40 @@ class TauSample:
                 "runtime": self.runtime}
 
 
-def drop_interval(before: TauSample, after: TauSample) -> tuple[float, float, float]:
-    """(relative drop 1 - tau_after / tau_before, low, high) at 95%, paired by prompt."""
+def drop_estimate(before: TauSample, after: TauSample) -> tuple[float, float, int]:
+    """(relative drop 1 - tau_after / tau_before, its standard error, degrees of freedom), paired
+    by prompt: the delta method on each prompt's influence on tau_after / tau_before."""
     if before.n != after.n or before.n == 0:
         raise ValueError("the gate compares the same prompts before and after")
     rb, ra = before.tau, after.tau
     q = ra / rb if rb else 0.0
     if before.n < 2 or not rb or not ra:
-        return 1 - q, 1 - q, 1 - q
+        return 1 - q, 0.0, max(before.n - 1, 0)
     u, v = after._linearized(), before._linearized()
     w = [q * (ui / ra - vi / rb) for ui, vi in zip(u, v)]  # influence of each prompt on tau_a / tau_b
-    half = t_quantile(0.5 + CONFIDENCE / 2, before.n - 1) * statistics.stdev(w) / math.sqrt(before.n)
-    return 1 - q, 1 - (q + half), 1 - (q - half)
+    return 1 - q, statistics.stdev(w) / math.sqrt(before.n), before.n - 1
+
+
+def _log_scale(drop: float, se: float) -> tuple[float, float]:
+    """The drop as -ln(tau_after / tau_before) and its standard error (delta method): on this scale
+    the ratio's sampling distribution is nearly symmetric, so the interval's two ends each hold
+    their error (simulated at the gate's noise: 2.5% beyond each end of a 95% interval, against
+    2.0% / 2.9% for an interval symmetric in the drop itself)."""
+    q = 1 - drop
+    return -math.log(q), se / q
+
+
+def _from_log(x: float) -> float:
+    return 1 - math.exp(min(-x, 700.0))  # an interval of 2 prompts at a tiny level may reach past float range
+
+
+def drop_interval(before: TauSample, after: TauSample, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """(relative drop 1 - tau_after / tau_before, low, high) at `confidence`, paired by prompt; the
+    interval is symmetric on the log scale (_log_scale)."""
+    drop, se, df = drop_estimate(before, after)
+    x, se_x = _log_scale(drop, se)
+    half = t_quantile(0.5 + confidence / 2, df) * se_x if se_x > 0 else 0.0
+    return drop, _from_log(x - half), _from_log(x + half)
 
 
 def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_tokens: int, desc: str,
@@ -198,44 +220,83 @@ def check_fit(before: TauSample, min_tau: float) -> dict[str, Any]:
     return record
 
 
-def decide(before: TauSample, after: TauSample, quant: str, max_drop: float, accept_drop: bool,
-           min_tau: float, prompts_left: bool = True) -> dict[str, Any]:
-    """The gate's record (kept in the manifest); DFlashError when the drop is not shown to be
-    within `max_drop` at 95%, unless `accept_drop`. `prompts_left`: the gate's prompt source has
-    prompts it did not decode (what an inconclusive verdict advises depends on it)."""
-    drop, lo, hi = drop_interval(before, after)
-    record = {"before": before.summary(), "after": after.summary(), "relative_drop": drop,
-              "relative_drop_low": lo, "relative_drop_high": hi, "confidence": CONFIDENCE,
-              "max_tau_drop": max_drop, "min_tau": min_tau, "accepted_by_flag": False,
-              "method": "paired by prompt, ratio estimator, delta method, Student t"}
-    if hi <= max_drop:
-        record["decision"] = "pass"
+def judge(before: TauSample, after: TauSample, max_drop: float, design: SequentialDesign, look: int) -> Look:
+    """Look `look` of `design` on the paired samples: pass, fail or continue against `max_drop`."""
+    return judge_drop(*drop_estimate(before, after), max_drop, design, look)
+
+
+def judge_drop(drop: float, se: float, df: int, max_drop: float, design: SequentialDesign, look: int) -> Look:
+    """Look `look` of `design` on a drop estimate (drop_estimate's): its interval at the look's level,
+    symmetric on the log scale, against `max_drop`."""
+    x, se_x = _log_scale(drop, se)
+    v = decide_look(design, look, x, se_x, df, _log_scale(max_drop, 0.0)[0])  # monotone: the same decision
+    return dataclasses.replace(v, estimate=drop, low=_from_log(v.low), high=_from_log(v.high))
+
+
+def gate_record(before: TauSample, after: TauSample, verdict: Look, max_drop: float, min_tau: float,
+                design: SequentialDesign) -> dict[str, Any]:
+    """The gate's record (kept in the manifest): both samples, the last look's drop and interval and
+    the decision ("inconclusive" where the last look could not decide)."""
+    return {"before": before.summary(), "after": after.summary(), "relative_drop": verdict.estimate,
+            "relative_drop_low": verdict.low, "relative_drop_high": verdict.high,
+            "confidence": verdict.confidence, "max_tau_drop": max_drop, "min_tau": min_tau,
+            "decision": "inconclusive" if verdict.decision == "continue" else verdict.decision,
+            "accepted_by_flag": False, "look": verdict.look, "planned_looks": design.looks,
+            "alpha_each_side": design.alpha,
+            "method": f"paired by prompt, ratio estimator, delta method, log scale, Student t; {design.describe()}"}
+
+
+FAIL_FIX = "choose a milder recipe (recipe mlp-only, keep_layers), --quant fp8, or pass --accept-tau-drop to keep the engine"
+
+
+def verdict_line(record: dict[str, Any], quant: str, extra: str = "") -> str:
+    """The gate's decision and why, in one line: the look, the sample, both taus, the drop's
+    interval at the look's level against the limit. `extra`: what stopped an undecided gate and
+    how to buy more evidence."""
+    b, a, d = record["before"], record["after"], record["decision"]
+    limit = record["max_tau_drop"]
+    where = {"pass": f"within the {limit:.0%} limit", "fail": f"past the {limit:.0%} limit",
+             "inconclusive": f"straddles the {limit:.0%} limit"}[d]
+    sample = f"{b['prompts']} prompts" + (f" x {record['tokens_per_prompt']} tokens" if record.get("tokens_per_prompt")
+                                          else "")
+    if record.get("seconds") is not None:
+        sample += f", {record['seconds']:.0f} s"
+    verb = {"pass": "passed at", "fail": "failed at", "inconclusive": "inconclusive after"}[d]
+    return (f"acceptance gate {verb} look {record['look']} of {record['planned_looks']} "
+            f"({sample}): tau {b['tau']:.3f} [{b['tau_low']:.3f}, {b['tau_high']:.3f}] unquantized -> {a['tau']:.3f} "
+            f"[{a['tau_low']:.3f}, {a['tau_high']:.3f}] {quant}, drop {record['relative_drop']:+.1%} "
+            f"[{record['relative_drop_low']:+.1%}, {record['relative_drop_high']:+.1%}] "
+            f"({record['confidence']:.1%} interval, {record['alpha_each_side']:.1%} error each side over "
+            f"{record['planned_looks']} look{'s' if record['planned_looks'] > 1 else ''}) {where}"
+            + (f"; {extra}" if extra else "")
+            + ("; kept by --accept-tau-drop" if record["accepted_by_flag"] else ""))
+
+
+def settle(record: dict[str, Any], quant: str, accept_drop: bool, more: str) -> dict[str, Any]:
+    """A record that did not pass: DFlashError with its one line (`more`: how to buy more evidence,
+    for an inconclusive one), unless `accept_drop` keeps the engine."""
+    if record["decision"] == "pass":
         return record
-    verdict = "fail" if lo > max_drop else "inconclusive"
-    record["decision"] = verdict
     if not accept_drop:
-        why = (f"tau fell from {_fmt(before)} to {_fmt(after)} after {quant} quantization: drop {drop:.1%} "
-               f"[{lo:.1%}, {hi:.1%}] (95%, {before.n} prompts)")
-        if verdict == "fail":
-            fix = ("choose a milder recipe (recipe mlp-only, keep_layers), --quant fp8, or pass --accept-tau-drop "
-                   "to keep the engine")
-            raise DFlashError(f"acceptance gate failed: {why} > {max_drop:.0%}; {fix}")
-        more = ("decode more prompts (--gate-prompts) or longer answers (--gate-tokens) to narrow the interval"
-                if prompts_left else
-                "every gate prompt was decoded: decode longer answers (--gate-tokens, e.g. twice as many) or give "
-                "more prompts (gate.prompts in the build spec: a JSONL/JSON/TXT file) to narrow the interval")
-        raise DFlashError(f"acceptance gate inconclusive: {why} reaches past {max_drop:.0%}; {more}, or pass "
-                          "--accept-tau-drop to keep the engine")
+        fix = FAIL_FIX if record["decision"] == "fail" else f"{more}, or pass --accept-tau-drop to keep the engine"
+        raise DFlashError(verdict_line(record, quant, fix))
     record["accepted_by_flag"] = True
     return record
 
 
+def decide(before: TauSample, after: TauSample, quant: str, max_drop: float, accept_drop: bool,
+           min_tau: float, prompts_left: bool = True) -> dict[str, Any]:
+    """The gate's decision on one look at 95% (a design of one look): its record; DFlashError when the
+    drop is not shown to be within `max_drop`, unless `accept_drop`. `prompts_left`: the prompt
+    source has prompts this sample left out (what an inconclusive verdict advises)."""
+    design = SequentialDesign.equal(1)
+    record = gate_record(before, after, judge(before, after, max_drop, design, 1), max_drop, min_tau, design)
+    more = ("decode more prompts (--gate-prompts) or longer answers (--gate-tokens) to narrow the interval"
+            if prompts_left else
+            "every gate prompt was decoded: decode longer answers (--gate-tokens) or give more prompts "
+            "(gate.prompts in the build spec: a JSONL/JSON/TXT file) to narrow the interval")
+    return settle(record, quant, accept_drop, more)
+
+
 def describe(record: dict[str, Any], quant: str) -> str:
-    b, a = record["before"], record["after"]
-    return (f"acceptance gate ({b['prompts']} prompts, 95% intervals): tau {b['tau']:.3f} [{b['tau_low']:.3f}, "
-            f"{b['tau_high']:.3f}] unquantized -> {a['tau']:.3f} [{a['tau_low']:.3f}, {a['tau_high']:.3f}] {quant}; "
-            f"drop {record['relative_drop']:+.1%} [{record['relative_drop_low']:+.1%}, "
-            f"{record['relative_drop_high']:+.1%}] vs allowed {record['max_tau_drop']:.0%}: {record['decision']}"
-            + (" (kept by --accept-tau-drop)" if record["accepted_by_flag"] else ""))
-
-
+    return verdict_line(record, quant)

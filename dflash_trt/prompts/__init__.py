@@ -1,7 +1,8 @@
 """Prompt sets written by this project, shipped as package data: code, math and chat.
 
-Each ``<category>.jsonl`` row is ``{"id", "category", "split": "train"|"eval", "prompt"}``.
-Training uses only ``split == "train"``; the benchmark uses only ``split == "eval"``.
+Each ``<category>.jsonl`` row is ``{"id", "category", "split": "train"|"eval"|"gate", "prompt"}``.
+Training uses only ``split == "train"``; the benchmark uses only ``split == "eval"``; the
+acceptance gate decodes the held-out prompts, eval then gate (:data:`HELD_OUT`).
 (Regenerate with ``python -m dflash_trt.prompts.build``.)
 """
 
@@ -15,7 +16,8 @@ from dflash_trt.errors import DFlashError
 
 HERE = Path(__file__).resolve().parent
 CATEGORIES = ("code", "math", "chat")
-SPLITS = ("train", "eval")
+SPLITS = ("train", "eval", "gate")
+HELD_OUT = ("eval", "gate")  # never trained on: what the acceptance gate decodes, in this order
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 All prompts are written by this project (no data set is copied). TRAIN prompts are templated
 combinations of the lists below; EVAL prompts are hand-written separately, on subjects that no
-train prompt uses, so the benchmark measures a drafter on prompts it never saw.
+train prompt uses, so the benchmark measures a drafter on prompts it never saw; GATE prompts are
+more of those, held out for the acceptance gate's later looks.
 
 Run ``python -m dflash_trt.prompts.build`` after editing; the jsonl files are committed.
 """
@@ -257,6 +258,137 @@ CHAT_EVAL = [
     "How can I keep my computer secure?",
     "Write a short story about a dragon who is afraid of the dark.",
     "What should a beginner know about gardening?",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# gate: more held-out prompts, for the acceptance gate's later looks (engine/gate_looks.py)
+# ---------------------------------------------------------------------------------------------
+# Hand-written like the eval prompts, on subjects no train or eval prompt uses (checked against
+# both by shared rare words when written; build() asserts no prompt occurs twice). Their own split,
+# so the benchmark's eval set stays the 39 it was; the gate decodes eval first, then these.
+CODE_GATE = [
+    'Write a Python function that checks whether a string is a valid ISBN-10 number.',
+    'Write a Python function that wraps a sentence into lines of at most 40 characters without breaking words.',
+    'Write a Python function that computes the edit distance between two words.',
+    'Write a Python function that turns a title like Hello World Again into a URL slug.',
+    'Write a Python function that returns the longest strictly increasing run in a list of numbers.',
+    'Write a Python class for a parking lot that tracks free and taken spaces.',
+    'Write a Python function that checks whether a 3x3 grid of numbers is a magic square.',
+    'Write a Python function that counts the ways to climb n stairs taking one or two steps at a time.',
+    'Write a Python function that checks a credit card number with the Luhn algorithm.',
+    'Write a Python function that spells out a whole number below one hundred in English words.',
+    'Write a Python function that returns the positions of the local peaks of a list, the values larger than both neighbours.',
+    'Write a Python function that returns the elements of a square matrix in spiral order.',
+    'Write a Python function that flood-fills a region of a grid starting from one cell.',
+    'Write a Python function that returns the weekday name of a date given as day, month and year.',
+    'Write a Python generator that yields the lines of a log file that contain the word ERROR.',
+    'Write a Python function that finds the two numbers in a list whose product is the largest.',
+    'Write a Python function that computes the Jaccard similarity of two sets.',
+    'Write a Python class for a to-do list with add, complete and show methods.',
+    'Write a Python function that returns the elements that occur exactly once in a list.',
+    'Write a Python function that returns an order in which tasks can run, given which tasks each one depends on.',
+    'Write a Python function that finds the length of the shortest path through a maze given as a grid of walls and open cells.',
+    'Write a Python function that computes the centroid of a list of 2D points.',
+    'Write a Python decorator that prints how many seconds a function took.',
+    'Write a Python function that scales a list of numbers so that they add up to one.',
+    'Write a Python function that returns the three highest scores from a dictionary of players and scores.',
+    'Write a SQL query that returns the ten most recent rows of an orders table.',
+    'Write a JavaScript function that debounces another function by a given delay.',
+    'Write a JavaScript function that makes a deep copy of a plain object.',
+    'Write a bash script that counts the files in a folder by their extension.',
+    'Write a Python function that parses a URL query string like a=1&b=2 into a dictionary.',
+    'Write a Python function that tells whether a day, month and year form a real calendar date.',
+    'Write a Python function that converts a weight in pounds and ounces into kilograms.',
+    'Write a Python function that writes a positive integer in base 7.',
+    'Write a Python function that estimates pi by throwing random points into a square.',
+    'Write a Python function that checks whether a number is divisible by the sum of its digits.',
+    'Write a Python function that says a clock time like 14:05 in words, like five past two.',
+    'Write a Python class for a 2D vector with addition and length.',
+    'Write a Python function that returns the longest run of the same character in a string.',
+    'Write a Python function that converts a list of Celsius readings into a small text bar chart.',
+]
+MATH_GATE = [
+    'A recipe uses 2/3 cup of sugar for one cake. How much sugar is needed for 4 cakes? Show your work.',
+    'A bag has 5 red and 7 blue marbles. If you pick one at random, what is the chance it is red?',
+    'The angles of a triangle are 48 degrees and 67 degrees. What is the third angle? Explain.',
+    'A circle has a radius of 6 cm. What is its circumference? Use 3.14 for pi and show your steps.',
+    'A map uses a scale of 1 cm to 4 km. Two towns are 7.5 cm apart on the map. How far apart are they?',
+    'A phone battery loses 12 percent of its charge every hour. Starting full, how much is left after 3 hours?',
+    'A hiker climbs 350 meters in the first hour and 280 meters in the second. What is the average climb per hour?',
+    'What is the least common multiple of 12 and 18? Show how you found it.',
+    'Write 0.375 as a fraction in lowest terms. Explain each step.',
+    'A tree is 3 meters tall and grows 45 cm a year. How tall will it be in 6 years?',
+    'Two angles are supplementary and one is 38 degrees larger than the other. Find both angles.',
+    'A loan of 2000 dollars has 5 percent simple interest per year. How much interest is paid in 3 years?',
+    'A clock shows 3:00. What is the angle between the hour hand and the minute hand?',
+    'A cylinder has a radius of 3 cm and a height of 10 cm. What is its volume? Use 3.14 for pi.',
+    'The ratio of cats to dogs at a shelter is 3 to 5. There are 40 animals. How many are cats?',
+    'A runner finishes 5 km in 27 minutes. What is the average pace per kilometer?',
+    'What is the median of 7, 3, 9, 4, 12 and 6? Explain how you found it.',
+    'A flight leaves at 22:40 and lands 5 hours and 35 minutes later. At what time does it land?',
+    'A quiz has 20 questions. Each right answer gives 4 points and each wrong one loses 1. Mia answers all and gets 55 points. How many did she get right?',
+    'What is 3/4 plus 5/6? Give the answer as a fraction and explain.',
+    'A square garden has an area of 144 square meters. How long is one side, and what is the perimeter?',
+    'A bike wheel has a diameter of 70 cm. How far does the bike move in 100 turns of the wheel?',
+    'Prices rose by 10 percent one year and fell by 10 percent the next. Are they back where they started? Explain.',
+    'A pool fills at 15 liters per minute. How long does it take to fill 2700 liters, in hours and minutes?',
+    'What is the greatest common factor of 84 and 126? Show each step.',
+    'A shop mixes 3 kg of nuts at 8 dollars per kg with 2 kg at 13 dollars per kg. What is the price per kg of the mix?',
+    'Round 4.5678 to two decimal places and to the nearest whole number.',
+    'A right triangle has legs of 9 cm and 12 cm. How long is the hypotenuse? Explain.',
+    'The temperature was -6 degrees at night and 11 degrees at noon. By how much did it rise?',
+    'A die is rolled twice. What is the probability that both rolls show a six?',
+    "A car's value drops by 2400 dollars a year. It cost 18000 dollars. What is it worth after 4 years?",
+    'Order these from smallest to largest: 0.6, 5/8, 0.58, 3/5. Explain how you compared them.',
+    'A school trip needs 130 seats and each coach has 48 seats. How many coaches are needed?',
+    'What is 15 percent of 80, and what is 80 percent of 15? Compare the answers.',
+    'A ladder 5 meters long leans on a wall with its foot 3 meters from the wall. How high up the wall does it reach?',
+    'Three friends split a bill of 87 dollars and add a 15 percent tip. How much does each pay?',
+    'Simplify the expression 3(2x - 4) + 5x. Show each step.',
+    'A train leaves at 9:15 and travels 210 km at 84 km per hour. When does it arrive?',
+    'What is the sum of the interior angles of a hexagon? Explain the rule you used.',
+]
+CHAT_GATE = [
+    'Explain how a violin produces sound.',
+    'Give me three key facts about octopuses.',
+    'Write a short paragraph about the history of chess.',
+    'Suggest five ways to make a long commute more enjoyable.',
+    'Write a haiku about a foggy harbour.',
+    'How do I prepare for my first marathon swim in open water?',
+    'Write a short email asking a school to excuse a child from sports day.',
+    'What are some tips for shooting a good video on a tablet?',
+    'Explain what a tornado is to a child.',
+    'Give me ideas for a farewell gift for a colleague who is retiring.',
+    'How can I protect my online accounts from phishing?',
+    'Write a short story about a turtle who becomes a postman.',
+    'What should a beginner know about beekeeping?',
+    'Explain how noise travels through walls and how to reduce it.',
+    'Give me three key facts about the Sahara.',
+    'Write a short paragraph about why libraries lend tools as well as books.',
+    'Suggest five houseplants that are hard to kill.',
+    'Write a haiku about a heron standing in a river.',
+    'How do I get ready for a job that starts very early in the morning?',
+    'Write a short note congratulating a colleague on a promotion.',
+    'What are some tips for reading faster without losing understanding?',
+    'Explain what a sandstorm is to someone who has never seen one.',
+    'Give me ideas for a weekend trip with a dog.',
+    'How can I make my old laptop run faster?',
+    'Write a short story about a painter who can only paint the colour blue.',
+    'What should a beginner know about rock climbing?',
+    'Explain how a suspension bridge carries a load.',
+    'Give me three key facts about Antarctica.',
+    'Write a short paragraph about the first people to reach the top of Mount Everest.',
+    'Suggest five ways to use leftover rice.',
+    'Write a haiku about an empty playground.',
+    'How do I choose a good pair of hiking boots?',
+    'Write a short message to a landlord saying I will move out at the end of the month.',
+    'What are some tips for staying warm at an outdoor football match in December?',
+    'Explain what a heat wave is and how to stay safe in one.',
+    'Give me ideas for a neighbourhood clean-up day.',
+    'How can I teach my grandparents to use video calls?',
+    'Write a short story about a cloud that is afraid of heights.',
+    'What should a beginner know about birdwatching?',
 ]
 
 
@@ -593,15 +725,17 @@ def build(seed: int = 0) -> dict[str, list[dict]]:
                              exclude=frozenset(math_first + math_second + math_third + math_fourth))
     math_before = math_first + math_second + math_third + math_fourth + math_fifth
     math_sixth = _math_train(random.Random(seed + 5), 700, MATH_TEMPLATES_6, exclude=frozenset(math_before))
-    sets = {"code": (_code_train(), CODE_EVAL),
-            "math": (math_before + math_sixth, MATH_EVAL),
-            "chat": (_chat_train(), CHAT_EVAL)}
+    sets = {"code": (_code_train(), CODE_EVAL, CODE_GATE),
+            "math": (math_before + math_sixth, MATH_EVAL, MATH_GATE),
+            "chat": (_chat_train(), CHAT_EVAL, CHAT_GATE)}
     out: dict[str, list[dict]] = {}
-    for cat, (train, evals) in sets.items():
+    for cat, (train, evals, gate) in sets.items():
         assert not set(train) & set(evals), cat
         assert len(set(train)) == len(train), f"{cat}: a train prompt occurs twice"
+        assert len(set(gate)) == len(gate) and not set(gate) & (set(train) | set(evals)), f"{cat}: a gate prompt repeats"
         rows = [{"id": f"{cat}-train-{i:03d}", "category": cat, "split": "train", "prompt": p} for i, p in enumerate(train)]
         rows += [{"id": f"{cat}-eval-{i:03d}", "category": cat, "split": "eval", "prompt": p} for i, p in enumerate(evals)]
+        rows += [{"id": f"{cat}-gate-{i:03d}", "category": cat, "split": "gate", "prompt": p} for i, p in enumerate(gate)]
         out[cat] = rows
     return out
 
@@ -614,7 +748,7 @@ def main() -> None:
 
     for cat, rows in build().items():
         write_text_atomic(HERE / f"{cat}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-        print(cat, sum(r["split"] == "train" for r in rows), "train", sum(r["split"] == "eval" for r in rows), "eval")
+        print(cat, *(f"{sum(r['split'] == split for r in rows)} {split}" for split in ("train", "eval", "gate")))
 
 
 if __name__ == "__main__":
