@@ -187,7 +187,8 @@ def test_frontier_of_the_run_and_its_report(run):
     --interactivity` reads each mode's best throughput at X from bench.json alone."""
     result, out, _ = run
     front = result["frontier"]
-    assert front["gpus"] == 1 and front["gpus_source"] == "in process: one device" and front["at"] == []
+    assert front["gpus"] == 1 and front["gpus_source"] == "in process: one device (cpu)" and front["at"] == []
+    assert front["per"] == "per device" and front["throughput"] == "total tokens/s per device"
     points = {(s["side"], s["mode"], p["concurrency"]): p for s in front["series"] for p in s["points"]}
     assert len(points) == len(result["rows"])
     for row in result["rows"]:

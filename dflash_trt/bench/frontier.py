@@ -8,7 +8,8 @@ a sweep is one point of that chart:
   of NVIDIA's charts. TTFT and queueing stay out: a closed loop of C users inflates both with C
   whatever the decoding does.
 - y, throughput: total tokens/s of all users, per GPU where the GPU count is known (in process:
-  one device; a server: ``--gpus`` or the engine manifest's tp x pp), else per server.
+  one device, a CPU's "per device"; a server: ``--gpus`` or the engine manifest's tp x pp), else
+  per server.
 
 Raising C trades interactivity for throughput; the **Pareto front** is the set of points no
 other point of the same series beats on both axes. ``best_at(points, X)`` answers "the highest
@@ -87,6 +88,13 @@ def best_at(points: Sequence[Point], target: float) -> Reach:
 # ------------------------------------------------------------------------------------------------
 # a run's frontier (bench.json)
 # ------------------------------------------------------------------------------------------------
+def unit_of(gpus: int | None, gpus_source: str) -> str:
+    """What the throughput is divided by, in words: per GPU, per device (one CPU), or per server."""
+    if not gpus:
+        return "per server"
+    return "per device" if gpus_source.endswith("(cpu)") else "per GPU"
+
+
 def gpu_basis(result: dict[str, Any]) -> tuple[int | None, str]:
     """(GPUs the throughput is divided by, where that number came from) of a finished run; runs
     written before the frontier existed: one device in process, unknown at an endpoint."""
@@ -94,8 +102,9 @@ def gpu_basis(result: dict[str, Any]) -> tuple[int | None, str]:
     if frontier:
         return frontier.get("gpus"), frontier.get("gpus_source") or ""
     if result["source"].get("kind") == "in_process":
-        return 1, "in process: one device"
-    return None, "unknown (pass --gpus N)"
+        device = (result.get("environment") or {}).get("device") or "cpu"
+        return 1, f"in process: one device ({'cpu' if device == 'cpu' else 'gpu'})"
+    return None, "unknown: pass --gpus N or --engine ENGINE"
 
 
 def series_of(result: dict[str, Any], gpus: int | None) -> dict[tuple[str, str], list[Point]]:
@@ -116,9 +125,10 @@ def frontier(result: dict[str, Any], gpus: int | None, gpus_source: str,
     X and side, each mode's highest throughput at >= X and DFlash / plain."""
     series = series_of(result, gpus)
     labels = {r["side"]: r["label"] for r in result["rows"]}
+    per = unit_of(gpus, gpus_source)
     out: dict[str, Any] = {
-        "interactivity": INTERACTIVITY,
-        "throughput": "total tokens/s per GPU" if gpus else "total tokens/s per server (GPU count unknown: --gpus N)",
+        "interactivity": INTERACTIVITY, "per": per,
+        "throughput": f"total tokens/s {per}" + ("" if gpus else " (GPU count unknown: --gpus N)"),
         "gpus": gpus, "gpus_source": gpus_source, "interpolation": INTERPOLATION, "series": [], "at": []}
     for (side, mode), points in series.items():
         front = set(pareto_front(points))
@@ -151,7 +161,7 @@ def _reach_text(mode: str, r: dict[str, Any] | None, unit: str) -> str:
 
 def at_lines(front: dict[str, Any]) -> list[str]:
     """One line per target and side: each mode's highest throughput at >= X and the ratio."""
-    unit = "tok/s per GPU" if front["gpus"] else "tok/s per server"
+    unit = f"tok/s {front['per']}"
     lines = []
     for e in front["at"]:
         ratio = (f" -> DFlash/plain {e['dflash_over_plain']:.2f}x" if e["dflash_over_plain"] is not None

@@ -136,6 +136,6 @@ def _frontier_plot(front: dict[str, Any], out_dir: Path, written: dict[str, str]
                 color=color, label=f"{s['label']}, {s['mode']} (Pareto front)")
     for e in {e["interactivity"] for e in front["at"]}:
         ax.axvline(e, color="black", linestyle=":", linewidth=1)
-    per = "per GPU" if front["gpus"] else "per server"
+    per = front["per"]
     _finish(fig, ax, out_dir, "frontier", written, "Throughput vs interactivity: each mode's Pareto front",
             "interactivity: tokens/s per user (1 / mean TPOT)", f"output tokens/s {per} (all users)", grid=True)

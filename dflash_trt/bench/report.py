@@ -155,14 +155,16 @@ def with_targets(result: dict[str, Any], targets: list[float]) -> dict[str, Any]
 
 
 def frontier_table(result: dict[str, Any]) -> Table | None:
+    from dflash_trt.bench.frontier import unit_of
+
     front = frontier_of(result)
     if not front["series"]:
         return None
-    per = "per GPU" if front["gpus"] else "per server"
+    per = front.get("per") or unit_of(front["gpus"], front["gpus_source"])
     rows = [[s["label"], "DFlash" if s["mode"] == "dflash" else "plain", str(p["concurrency"]),
              f"{p['interactivity']:.1f}", f"{p['throughput']:.1f}", "*" if p["pareto"] else ""]
             for s in front["series"] for p in s["points"]]
-    gpus = f"{front['gpus']} GPU ({front['gpus_source']})" if front["gpus"] else front["gpus_source"]
+    gpus = f"divided by {front['gpus']}: {front['gpus_source']}" if front["gpus"] else front["gpus_source"]
     return Table(f"Interactivity / throughput frontier: tokens/s per user = 1 / mean TPOT, tokens/s {per} "
                  f"[{gpus}]; * = on its series' Pareto front",
                  ("side", "mode", "C", "tok/s per user (1/TPOT)", f"tok/s {per}", "Pareto"), rows)

@@ -321,7 +321,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
 def _gpus(cfg: BenchConfig) -> tuple[int | None, str]:
     """The GPUs a run's throughput is divided by, and where that number came from."""
     if cfg.in_process:
-        return 1, "in process: one device"
+        return 1, f"in process: one device ({'cpu' if cfg.device == 'cpu' else 'gpu'})"
     if cfg.gpus:
         return cfg.gpus, "--gpus"
     if cfg.engine:
