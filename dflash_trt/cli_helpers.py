@@ -54,19 +54,27 @@ def policy_option(default: str | None, help: str) -> Callable[[Callable[..., Any
                         help=help)
 
 
-def int_list(example: str) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:
-    """A click callback for a comma-separated integer flag: "1,2,4" -> [1, 2, 4], not given -> None,
-    anything else one line naming the flag, the value and `example`."""
-
-    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+def _number_list(kind: type, what: str, example: str) -> Callable[[click.Context, click.Parameter, str | None], Any]:
+    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list[Any] | None:
         if value is None:
             return None
         try:
-            return [int(x) for x in value.split(",") if x.strip()]
+            return [kind(x) for x in value.split(",") if x.strip()]
         except ValueError:
-            raise click.BadParameter(f"{value!r} is not a list of comma-separated integers, e.g. {example}") from None
+            raise click.BadParameter(f"{value!r} is not a list of comma-separated {what}, e.g. {example}") from None
 
     return parse
+
+
+def int_list(example: str) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:
+    """A click callback for a comma-separated integer flag: "1,2,4" -> [1, 2, 4], not given -> None,
+    anything else one line naming the flag, the value and `example`."""
+    return _number_list(int, "integers", example)
+
+
+def float_list(example: str) -> Callable[[click.Context, click.Parameter, str | None], list[float] | None]:
+    """As :func:`int_list`, for numbers: "20,60.5" -> [20.0, 60.5]."""
+    return _number_list(float, "numbers", example)
 
 
 def str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:

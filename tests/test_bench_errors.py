@@ -60,7 +60,12 @@ def test_unreachable_url():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--url", "127.0.0.1:1", "--engine", "x"], "drop --engine"),
+    (["--url", "127.0.0.1:1", "--target", "x", "--draft", "y"], "drop --target/--draft"),
+    (["--url", "127.0.0.1:1", "--engine", "nowhere"], "not a dflash-trt engine directory"),
+    (["--gpus", "2"], "--gpus counts the GPUs behind a server"),
+    (["--url", "127.0.0.1:1", "--gpus", "0"], "--gpus"),
+    (["--interactivity", "20,0"], "> 0"),
+    (["--interactivity", "fast"], "comma-separated numbers"),
     (["--target", "x"], "both --target and --draft"),
     (["--plain-url", "127.0.0.1:1"], "add --url"),
     (["--concurrency", "0,2"], ">= 1"),

@@ -181,10 +181,41 @@ def test_report_is_regenerated_from_bench_json(run, tmp_path):
     assert terminal.exit_code == 0 and "ours, batched runtime" in terminal.output
 
 
+def test_frontier_of_the_run_and_its_report(run):
+    """Every row is a point: interactivity = 1 / its mean TPOT, throughput = its total tokens/s over
+    one device; DFlash / plain interactivity at the same C is the speedup; `bench report
+    --interactivity` reads each mode's best throughput at X from bench.json alone."""
+    result, out, _ = run
+    front = result["frontier"]
+    assert front["gpus"] == 1 and front["gpus_source"] == "in process: one device (cpu)" and front["at"] == []
+    assert front["per"] == "per device" and front["throughput"] == "total tokens/s per device"
+    points = {(s["side"], s["mode"], p["concurrency"]): p for s in front["series"] for p in s["points"]}
+    assert len(points) == len(result["rows"])
+    for row in result["rows"]:
+        p = points[(row["side"], row["mode"], row["concurrency"])]
+        assert p["interactivity"] == pytest.approx(1 / row["tpot_s"]["mean"])
+        assert p["throughput"] == pytest.approx(row["total_tokens_per_s"])
+        if row["mode"] == "dflash":
+            plain = points[(row["side"], "plain", row["concurrency"])]
+            assert p["interactivity"] / plain["interactivity"] == pytest.approx(row["speedup"])
+    batched = [p for (side, mode, _), p in points.items() if side == "batched" and mode == "dflash"]
+    inside = (min(p["interactivity"] for p in batched) + max(p["interactivity"] for p in batched)) / 2
+    outside = 10 * max(p["interactivity"] for p in points.values())
+    res = CliRunner().invoke(main, ["bench", "report", str(out / "bench.json"), "--interactivity",
+                                    f"{inside},{outside}"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert f"at >= {inside:g} tokens/s per user, ours, batched runtime: DFlash " in text
+    assert f"at >= {outside:g} tokens/s per user, ours, batched runtime: DFlash never reaches it" in text
+    assert "linear in log2(C)" in text and "Interactivity / throughput frontier" in text
+    bad = CliRunner().invoke(main, ["bench", "report", str(out / "bench.json"), "--interactivity", "0"])
+    assert bad.exit_code != 0 and "> 0" in bad.output and "Traceback" not in bad.output
+
+
 def test_plots_are_valid_pngs(run):
     result, out, _ = run
     assert set(result["plots"]) == {"throughput", "tokens_per_s_by_concurrency", "tau_histogram",
-                                    "per_position_acceptance"}
+                                    "per_position_acceptance", "frontier"}
     for name in result["plots"].values():
         with Image.open(out / name) as im:
             im.verify()

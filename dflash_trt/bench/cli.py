@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli_helpers import friendly_errors, int_list, max_draft_len_option, str_list
+from dflash_trt.cli_helpers import float_list, friendly_errors, int_list, max_draft_len_option, str_list
 from dflash_trt.runtime_options import DTYPE_NAMES
 
 
@@ -21,7 +21,9 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 
 @click.group("bench", invoke_without_command=True)
-@click.option("--engine", type=click.Path(file_okay=False), help="Engine directory from `dflash-trt build` (in process).")
+@click.option("--engine", type=click.Path(file_okay=False),
+              help="Engine directory from `dflash-trt build` (in process); with --url: the engine that server runs "
+                   "(its manifest's tp x pp is the GPU count of the frontier).")
 @click.option("--target", type=click.Path(file_okay=False), help="Target HF checkpoint directory (with --draft).")
 @click.option("--draft", type=click.Path(file_okay=False), help="DFlash drafter directory (with --target).")
 @click.option("--runtime", callback=_runtimes,
@@ -84,6 +86,11 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--gpu", help="GPU of the run for the bandwidth ceiling (b300, b200, h200, h100) [default: detected].")
 @click.option("--threads", type=int, help="torch CPU threads in process [default: torch's].")
 @click.option("--timeout", "timeout_s", type=float, help="Seconds per endpoint request [default: 600].")
+@click.option("--gpus", type=int, help="With --url: the GPUs behind the server, for throughput per GPU [default: the "
+                                      "--engine manifest's tp x pp; in process: 1].")
+@click.option("--interactivity", callback=float_list("20,60"),
+              help="Tokens/s per user (1 / TPOT), comma-separated: print each mode's highest throughput at or above "
+                   "each, and DFlash / plain (interpolated in log2 C between measured levels, never beyond them).")
 @click.option("--out", type=click.Path(file_okay=False), help="Write bench.json, table.md and PNG plots here.")
 @click.option("--plots/--no-plots", default=None, help="Write PNG plots into --out [default: yes].")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
@@ -99,7 +106,9 @@ def bench(ctx: click.Context, config_file: str | None, no_progress: bool, **flag
     and --concurrency level (a closed loop of C users): tau, per-position acceptance, TTFT, TPOT,
     tokens/s per user and total, DFlash/plain, ours/vLLM, and whether every output equals the
     reference loop's greedy decoding; then what limits each DFlash figure (a step's cost in plain
-    steps: drafter, verify, other, against tau). `dflash-trt bench report bench.json` prints it again.
+    steps: drafter, verify, other, against tau), and the interactivity / throughput frontier (tokens/s
+    per user = 1 / TPOT against tokens/s per GPU, its Pareto front; --interactivity X reads each mode's
+    best throughput at >= X). `dflash-trt bench report bench.json` prints it again.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -167,14 +176,19 @@ def _run_with_progress(cfg, console, no_progress: bool):
 @click.argument("bench_json", type=click.Path(dir_okay=False))
 @click.option("--markdown", "as_markdown", is_flag=True, help="Markdown tables (for docs/results.md) instead of the terminal.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the markdown here instead of stdout.")
+@click.option("--interactivity", callback=float_list("20,60"),
+              help="Tokens/s per user (1 / TPOT), comma-separated: each mode's highest throughput at or above each "
+                   "[default: the run's own --interactivity].")
 @friendly_errors
-def report(bench_json: str, as_markdown: bool, out: str | None) -> None:
+def report(bench_json: str, as_markdown: bool, out: str | None, interactivity: list[float] | None) -> None:
     """Print the report of a finished run again, from its bench.json (the terminal tables, or markdown)."""
     from rich.console import Console
 
-    from dflash_trt.bench.report import load_result, markdown, print_report
+    from dflash_trt.bench.report import load_result, markdown, print_report, with_targets
 
     result = load_result(bench_json)
+    if interactivity is not None:
+        result = with_targets(result, interactivity)
     if as_markdown or out:
         text = markdown(result)
         if out:

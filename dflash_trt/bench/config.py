@@ -39,7 +39,8 @@ class BenchConfig(RuntimeChoices):
     model_config = ConfigDict(extra="forbid")
 
     # what runs: in process (engine | target+draft | embedded default), the vLLM peer beside it,
-    # or a server at --url (host:port = Triton gRPC; http(s)://host:port = an OpenAI-compatible server)
+    # or a server at --url (host:port = Triton gRPC; http(s)://host:port = an OpenAI-compatible server);
+    # with --url, engine names the engine that server runs (its tp x pp: the GPUs of the frontier)
     engine: str | None = None
     target: str | None = None
     draft: str | None = None
@@ -77,12 +78,23 @@ class BenchConfig(RuntimeChoices):
     timeout_s: float = Field(600.0, gt=0)  # per endpoint request
     out: str | None = None
     plots: bool = True
+    # the interactivity / throughput frontier (bench/frontier.py): GPUs behind the server (in process: 1)
+    # and the interactivities (tokens/s per user = 1 / TPOT) to read each mode's best throughput at
+    gpus: int | None = Field(None, ge=1)
+    interactivity: list[float] = Field(default_factory=list)
 
     @field_validator("concurrency")
     @classmethod
     def _levels(cls, v: list[int]) -> list[int]:
         if not v or any(c < 1 for c in v):
             raise ValueError("concurrency levels must be integers >= 1, e.g. 1,2,4,8")
+        return sorted(set(v))
+
+    @field_validator("interactivity")
+    @classmethod
+    def _interactivity(cls, v: list[float]) -> list[float]:
+        if any(not x > 0 or x == float("inf") for x in v):
+            raise ValueError("interactivity values are tokens/s per user > 0, e.g. 20,60")
         return sorted(set(v))
 
     @field_validator("runtime")
@@ -110,8 +122,10 @@ class BenchConfig(RuntimeChoices):
 
     @model_validator(mode="after")
     def _sources(self) -> BenchConfig:
-        if self.url and (self.engine or self.target or self.draft):
-            raise ValueError("--url measures a server; drop --engine/--target/--draft (or drop --url to run in process)")
+        if self.url and (self.target or self.draft):
+            raise ValueError("--url measures a server; drop --target/--draft (or drop --url to run in process)")
+        if self.gpus and not self.url:
+            raise ValueError("--gpus counts the GPUs behind a server (--url); in process the run uses one device")
         if self.engine and (self.target or self.draft):
             raise ValueError("--engine already holds the target and drafter; drop --target/--draft")
         if bool(self.target) != bool(self.draft):

@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Any
 
 PLOTS = {"throughput": "throughput.png", "tokens_per_s_by_concurrency": "tokens_per_s_by_concurrency.png",
-         "tau_histogram": "tau_histogram.png", "per_position_acceptance": "per_position_acceptance.png"}
+         "tau_histogram": "tau_histogram.png", "per_position_acceptance": "per_position_acceptance.png",
+         "frontier": "frontier.png"}
 SIDE_COLORS = {"reference": "tab:green", "batched": "tab:blue", "vllm": "tab:red", "vllm-eager": "tab:orange",
                "endpoint": "tab:purple"}
 MODE_STYLE = {"dflash": "o-", "plain": "s--"}
+MODE_MARKER = {"dflash": "o", "plain": "s"}
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -46,7 +48,8 @@ def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, 
 
 def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> dict[str, str]:
     """throughput.png (per-user vs total tokens/s across the sweep), tokens_per_s_by_concurrency.png,
-    tau_histogram.png, per_position_acceptance.png (where steps were seen). Returns {plot: file name}."""
+    tau_histogram.png, per_position_acceptance.png (where steps were seen), frontier.png (the
+    interactivity / throughput Pareto chart, bench/frontier.py). Returns {plot: file name}."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,4 +112,30 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
         ax.set_ylim(0, 1)
         _finish(fig, ax, out_dir, "per_position_acceptance", written, f"Acceptance by draft position at C={level}",
                 "draft slot (1 = first token after the anchor)", "per_position_acceptance")
+    if result.get("frontier") and result["frontier"]["series"]:
+        _frontier_plot(result["frontier"], out_dir, written)
     return written
+
+
+def _frontier_plot(front: dict[str, Any], out_dir: Path, written: dict[str, str]) -> None:
+    """Every measured point of every side and mode on one chart, each series' Pareto front drawn
+    through its points, and a dashed line at each asked interactivity."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for s in front["series"]:
+        color = SIDE_COLORS.get(s["side"], "tab:gray")
+        pts = s["points"]
+        ax.scatter([p["interactivity"] for p in pts], [p["throughput"] for p in pts], marker=MODE_MARKER[s["mode"]],
+                   color=color, alpha=0.5)
+        for p in pts:
+            ax.annotate(f"C={p['concurrency']}", (p["interactivity"], p["throughput"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+        front_pts = sorted((p for p in pts if p["pareto"]), key=lambda p: p["interactivity"])
+        ax.plot([p["interactivity"] for p in front_pts], [p["throughput"] for p in front_pts], MODE_STYLE[s["mode"]],
+                color=color, label=f"{s['label']}, {s['mode']} (Pareto front)")
+    for e in {e["interactivity"] for e in front["at"]}:
+        ax.axvline(e, color="black", linestyle=":", linewidth=1)
+    per = front["per"]
+    _finish(fig, ax, out_dir, "frontier", written, "Throughput vs interactivity: each mode's Pareto front",
+            "interactivity: tokens/s per user (1 / mean TPOT)", f"output tokens/s {per} (all users)", grid=True)

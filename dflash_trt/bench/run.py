@@ -247,6 +247,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
         from dflash_trt.bench.peer_vllm import require_peer
 
         require_peer()  # before anything slow: one line and `make peer` if it is absent
+    gpus = _gpus(cfg)  # a bad --engine: one line before anything runs
     load_start = load_average()
     prompts = load_bench_prompts(cfg)
     requests = {c: bench_requests(cfg, prompts, c) for c in cfg.concurrency}
@@ -311,7 +312,24 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
         "limits": analyse(rows),
         "requests": [r.to_dict() for r in records],
     }
+    from dflash_trt.bench.frontier import frontier
+
+    result["frontier"] = frontier(result, *gpus, cfg.interactivity)
     return result, records
+
+
+def _gpus(cfg: BenchConfig) -> tuple[int | None, str]:
+    """The GPUs a run's throughput is divided by, and where that number came from."""
+    if cfg.in_process:
+        return 1, f"in process: one device ({'cpu' if cfg.device == 'cpu' else 'gpu'})"
+    if cfg.gpus:
+        return cfg.gpus, "--gpus"
+    if cfg.engine:
+        from dflash_trt.engine.manifest import load_manifest
+
+        m = load_manifest(cfg.engine).mapping
+        return m.world_size, f"the engine's manifest: tp {m.tp} x pp {m.pp}"
+    return None, "unknown: pass --gpus N or --engine ENGINE"
 
 
 def _throughput(res: RunResult) -> float:

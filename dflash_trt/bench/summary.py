@@ -48,7 +48,7 @@ def summarize_records(records: list[RequestRecord], counters: dict[str, Any] | N
     records carry no per-request acceptance."""
     ok = [r for r in records if r.error is None]
     pooled = merge_stats([_stats_of(r) for r in ok])
-    per_step = bool(ok) and all(r.acceptance_lengths is not None for r in ok)
+    per_position = bool(ok) and all(r.position_drafted is not None for r in ok)  # an endpoint may send them
     wall = max(r.t_end for r in ok) - min(r.t_submit for r in ok) if ok else 0.0
     out = {
         "num_requests": len(ok),
@@ -59,7 +59,7 @@ def summarize_records(records: list[RequestRecord], counters: dict[str, Any] | N
         "total_accepted_draft_tokens": pooled.total_accepted_draft_tokens,
         "tau": pooled.tau,
         "acceptance_rate": pooled.acceptance_rate,
-        "per_position_acceptance": pooled.per_position_acceptance if per_step else None,
+        "per_position_acceptance": pooled.per_position_acceptance if per_position else None,
         "acceptance_source": "per request" if pooled.num_steps else None,
         "ttft_s": summarize([r.ttft_s for r in ok]),
         "tpot_s": summarize([r.tpot_s for r in ok if r.num_output_tokens > 1]),
@@ -79,8 +79,9 @@ def summarize_records(records: list[RequestRecord], counters: dict[str, Any] | N
                    acceptance_rate=accepted / drafted if drafted else 0.0,
                    num_steps=steps or 0, tau=1 + accepted / steps if steps else None,
                    acceptance_source="server metrics (pooled over the run)")
-        if steps and counters.get("position_accepted"):
-            out["per_position_acceptance"] = [a / steps for a in counters["position_accepted"]]
+        if counters.get("position_accepted") and counters.get("position_drafted"):
+            out["per_position_acceptance"] = [a / d if d else 0.0 for a, d in zip(counters["position_accepted"],
+                                                                                  counters["position_drafted"])]
     return out
 
 

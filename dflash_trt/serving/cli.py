@@ -206,24 +206,28 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
 def client(prompt: str, url: str, model: str, stream: bool, max_tokens: int | None, temperature: float | None,
            top_p: float | None, seed: int | None, stop: tuple[str, ...], timeout_s: float, as_json: bool) -> None:
     """Send PROMPT to a Triton gRPC or an OpenAI-compatible server; print the answer and its DFlash statistics."""
-    from dflash_trt.serving.client import generate
+    from dflash_trt.serving.client import generate, per_position_acceptance
     from dflash_trt.serving.openai_client import generate_openai
 
     printer = (lambda t: click.echo(t, nl=False)) if stream and not as_json else None
     send = generate_openai if url.startswith(("http://", "https://")) else generate
     result = send(url, prompt, model=model, stream=stream, on_text=printer, timeout_s=timeout_s,
                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+    ppa = per_position_acceptance(result.stats)
     if as_json:
         click.echo(json.dumps({"text": result.text, "finish_reason": result.finish_reason, **result.stats,
-                               "ttft_s": result.ttft_s, "latency_s": result.latency_s}))
+                               "per_position_acceptance": ppa, "ttft_s": result.ttft_s, "latency_s": result.latency_s}))
         return
     click.echo("" if stream else result.text)
     s = result.stats
+    # accepted / drafted at each draft position (1 = the first token after the anchor)
+    positions = "-" if ppa is None else " ".join(f"{x:.2f}" for x in ppa) or "none drafted"
     click.echo(
         f"\n[{'openai' if send is generate_openai else 'triton'}] finish={result.finish_reason} "
         f"tokens={s.get('num_output_tokens', '?')} tau={s.get('tau', 0.0):.2f} acceptance_rate={s.get('acceptance_rate', 0.0):.2f} "
         f"drafted={s.get('total_draft_tokens', '?')} accepted={s.get('total_accepted_draft_tokens', '?')} "
-        f"ttft={result.ttft_s * 1e3:.0f}ms latency={result.latency_s * 1e3:.0f}ms", err=True)
+        f"per-position acceptance=[{positions}] ttft={result.ttft_s * 1e3:.0f}ms latency={result.latency_s * 1e3:.0f}ms",
+        err=True)
 
 
 DEPLOY_COMMANDS = [triton]
