@@ -29,10 +29,16 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--runtime", callback=_runtimes,
               help="In process, comma-separated: reference (the reference loop, one request at a time) and/or batched "
                    "(the batched runtime `serve` runs) [default: reference; with --peer: reference,batched; with "
-                   "--policy adaptive or fixed:0: batched].")
+                   "--policy adaptive, schedule, fixed:0 or several policies: batched].")
 @click.option("--policy", help="The batched runtime's policy: adaptive (k <= K chosen per step, what `serve` runs) "
-                               "[default], fixed (K drafts every step) or fixed:k (k drafts every step, k <= K; "
-                               "fixed:0 = the DFlash runtime decoding plainly). The reference loop is always fixed.")
+                               "[default], schedule (k = --draft-len-schedule's value at the step's batch size, what "
+                               "a TensorRT-LLM node does), fixed (K drafts every step) or fixed:k (k drafts every "
+                               "step, k <= K; fixed:0 = the DFlash runtime decoding plainly); several, comma-separated "
+                               "(fixed,schedule,adaptive), run side by side against one plain runtime. The reference "
+                               "loop is always fixed.")
+@click.option("--draft-len-schedule", help="What --policy schedule follows: batch-size thresholds to draft lengths, "
+                                           "TensorRT-LLM's draft_len_schedule, e.g. 1:15,8:3,16:1 (1 row drafts 15, "
+                                           "2-8 rows 3, 9-16 rows 1, more none; the first value must be K) or off.")
 @max_draft_len_option("In process: K, the most drafts a step verifies (1..block_size-1) [default: the engine's "
                       "limits.max_draft_len, else the drafter's block_size - 1]; also vLLM's num_speculative_tokens.")
 @click.option("--peer", type=click.Choice(["vllm"]),

@@ -1,7 +1,7 @@
 """The report of a bench run, from its bench.json object: the same tables in the terminal (rich) and as
 markdown (table.md, docs/results.md via `dflash-trt bench report bench.json --markdown`).
 
-Tables: the sweep (one row per side, mode and C), what limits each DFlash figure (bench/limits.py),
+Tables: the sweep (one row per side, mode and C), several policies side by side, what limits each DFlash figure (bench/limits.py),
 per category (with --per-category), the interactivity / throughput frontier (bench/frontier.py);
 then lines: each mode's best throughput at the asked interactivities, the issue's goals per C
 where a peer ran, the ceiling, the identity check, the machine's load.
@@ -119,6 +119,31 @@ def policy_table(result: dict[str, Any]) -> Table | None:
                  out)
 
 
+def policies_table(result: dict[str, Any]) -> Table | None:
+    """Several policies side by side (``--policy fixed,schedule,adaptive``): per C, the plain
+    runtime's tokens/s and each policy's, with its ratio to plain and the k its steps drafted."""
+    from dflash_trt.bench.summary import baseline_of
+
+    rows = result["rows"]
+    policies = [r for r in rows if r["mode"] == "dflash" and baseline_of(r) != r["side"]]
+    if not policies:
+        return None
+    labels = list(dict.fromkeys(r["side"] for r in policies))
+    out = []
+    for c in sorted({r["concurrency"] for r in policies}):
+        plain = next((r for r in rows if r["mode"] == "plain" and r["concurrency"] == c
+                      and r["side"] == baseline_of(policies[0])), None)
+        cells = [str(c), f"{plain['total_tokens_per_s']:.1f}" if plain else "-"]
+        for side in labels:
+            r = next((r for r in policies if r["side"] == side and r["concurrency"] == c), None)
+            cells.append(f"{r['total_tokens_per_s']:.1f} ({_x(r.get('dflash_over_plain')) or '-'}, tau {_f(r['tau'])})"
+                         if r else "-")
+        out.append(cells)
+    names = [side.removeprefix("batched ") for side in labels]
+    return Table("Policies side by side, one run: total tok/s (DFlash/plain, tau) of each policy's DFlash runtime "
+                 "against the same plain runtime", ("C", "plain tok/s", *names), out)
+
+
 def category_table(result: dict[str, Any]) -> Table | None:
     out = []
     for r in result["rows"]:
@@ -171,8 +196,8 @@ def frontier_table(result: dict[str, Any]) -> Table | None:
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
-    return [t for t in (sweep_table(result), limits_table(result), policy_table(result), category_table(result),
-                        frontier_table(result)) if t]
+    return [t for t in (sweep_table(result), policies_table(result), limits_table(result), policy_table(result),
+                        category_table(result), frontier_table(result)) if t]
 
 
 def goal_lines(result: dict[str, Any]) -> list[str]:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.bench.config import BenchConfig, parse_policy
+from dflash_trt.bench.config import BenchConfig, parse_policies
 from dflash_trt.bench.prompts import BenchPrompt, from_categories, from_jsonl
 from dflash_trt.bench.runners import BenchRequest, RequestRecord, RunResult
 from dflash_trt.errors import DFlashError
@@ -128,11 +128,10 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    kind, k = parse_policy(cfg.policy) if cfg.policy else ("fixed", None)
+    policies = parse_policies(cfg.policy) if cfg.policy else [("fixed", None)]
     options = RuntimeOptions.of(cfg)
-    pair = load_pair(PairSource(cfg.target, cfg.draft, engine=cfg.engine), options, max_draft_len=cfg.max_draft_len,
-                     policy="adaptive" if kind == "adaptive" else "fixed")
-    spec = pair.speculation
+    pair = load_pair(PairSource(cfg.target, cfg.draft, engine=cfg.engine), options, max_draft_len=cfg.max_draft_len)
+    spec = _with_schedule(pair.speculation, cfg.draft_len_schedule, policies).replace(policy=policies[0][0])
     source: dict[str, Any] = {"kind": "in_process", "engine": cfg.engine, "target": cfg.target, "draft": cfg.draft,
                               "engine_manifest_sha256": None, "speculation": spec.to_dict()}
     weights = "none"
@@ -152,19 +151,41 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
     sides: list[Any] = []
     for name in cfg.runtime or []:
         if name == "reference":
-            sides.append(ReferenceSide(inputs, spec.replace(policy="fixed"), modes=modes))
-        else:
-            policy = "adaptive" if kind == "adaptive" else f"fixed:{k if k is not None else spec.max_draft_len}"
-            n_cands = len(default_candidates(spec.max_draft_len))
-            limits = options.replace(max_batch=max(cfg.concurrency),
-                                     max_seq_len=_max_seq_len(cfg, inputs, prompts, spec.block_size, n_cands))
-            sides.append(BatchedSide(inputs, spec, policy, limits,
-                                     calibrate_levels=cfg.concurrency if cfg.calibrate else (), modes=modes))
-            source["batched_policy"] = policy
+            sides.append(ReferenceSide(inputs, spec.replace(policy="fixed", schedule=None), modes=modes))
+            continue
+        n_cands = len(default_candidates(spec.max_draft_len))
+        limits = options.replace(max_batch=max(cfg.concurrency),
+                                 max_seq_len=_max_seq_len(cfg, inputs, prompts, spec.block_size, n_cands))
+        named = [kind if kind != "fixed" else f"fixed:{k if k is not None else spec.max_draft_len}"
+                 for kind, k in policies]
+        calibrate_levels = cfg.concurrency if cfg.calibrate else ()
+        if len(named) == 1:  # one policy: one side, its DFlash and plain modes (bench.json's side "batched")
+            sides.append(BatchedSide(inputs, spec, named[0], limits, calibrate_levels=calibrate_levels, modes=modes))
+        else:  # several, side by side: one plain runtime, each policy's DFlash runtime measured against it
+            if not cfg.tau_only:
+                sides.append(BatchedSide(inputs, spec, named[0], limits, modes=("plain",)))
+            sides += [BatchedSide(inputs, spec, policy, limits, calibrate_levels=calibrate_levels,
+                                  name=f"batched {policy}", label=f"ours, batched runtime, policy {policy}",
+                                  modes=("dflash",), baseline="batched") for policy in named]
+        source["batched_policy"] = ",".join(named)
     source["runtimes"] = list(cfg.runtime or [])
     if cfg.peer:
         sides += _peer_sides(cfg, source, pair, spec, say)
     return sides, source, bytes_per_step(pair.target, weights), inputs
+
+
+def _with_schedule(spec: Any, text: str | None, policies: list[tuple[str, int | None]]) -> Any:
+    """The settings with --draft-len-schedule's schedule (``off``: none), checked against K; a
+    ``schedule`` policy without one (given, or recorded with the engine) is one line."""
+    from dflash_trt.draft_len_schedule import FLAG, DraftLenSchedule
+
+    if text is not None:
+        spec = spec.replace(schedule=DraftLenSchedule.parse(text))
+    if spec.schedule is None and any(kind == "schedule" for kind, _ in policies):
+        raise DFlashError(f"--policy schedule follows a draft-length schedule and none is given: pass {FLAG} (e.g. "
+                          f"1:{spec.max_draft_len},8:3,16:1: batch sizes up to 1 draft {spec.max_draft_len}, 2-8 "
+                          "draft 3, 9-16 draft 1, more none)")
+    return spec
 
 
 def _settle(sides: list[Any], say: Any) -> float:
