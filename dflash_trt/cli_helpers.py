@@ -1,5 +1,5 @@
 """What every command module shares: the error contract, JSON output, the flags that must mean the
-same on every command (``--max-draft-len``, ``--policy``) and the comma-separated list flags.
+same on every command (``--max-draft-len``, ``--policy``, ``--draft-len-schedule``) and the comma-separated list flags.
 
 The command modules (``dflash_trt/cli.py``, ``generation_cli.py`` and each area's ``cli.py``)
 import this; nothing below the command layer does.
@@ -52,6 +52,29 @@ def max_draft_len_option(help: str = MAX_DRAFT_LEN_HELP) -> Callable[[Callable[.
 def policy_option(default: str | None, help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return click.option("--policy", type=click.Choice(POLICIES), default=default, show_default=default is not None,
                         help=help)
+
+
+def _schedule_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--draft-len-schedule checked when parsed (one line naming the form), kept as its text."""
+    from dflash_trt.draft_len_schedule import DraftLenSchedule
+
+    if value is not None:
+        try:
+            DraftLenSchedule.parse(value)
+        except DFlashError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
+DRAFT_LEN_SCHEDULE_HELP = ("What --policy schedule follows: batch-size thresholds to draft lengths, TensorRT-LLM's "
+                           "draft_len_schedule, e.g. 1:15,8:3,16:1 (1 row drafts 15, 2-8 rows 3, 9-16 rows 1, more "
+                           "none; the first value must be K), or off [default: the one the engine's build recorded].")
+
+
+def draft_len_schedule_option(help: str = DRAFT_LEN_SCHEDULE_HELP) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    from dflash_trt.draft_len_schedule import FLAG
+
+    return click.option(FLAG, "draft_len_schedule", callback=_schedule_text, default=None, help=help)
 
 
 def _number_list(kind: type, what: str, example: str) -> Callable[[click.Context, click.Parameter, str | None], Any]:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli_helpers import float_list, friendly_errors, int_list, max_draft_len_option, str_list
+from dflash_trt.cli_helpers import (draft_len_schedule_option, float_list, friendly_errors, int_list,
+                                    max_draft_len_option, str_list)
 from dflash_trt.runtime_options import DTYPE_NAMES
 
 
@@ -36,9 +37,7 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
                                "step, k <= K; fixed:0 = the DFlash runtime decoding plainly); several, comma-separated "
                                "(fixed,schedule,adaptive), run side by side against one plain runtime. The reference "
                                "loop is always fixed.")
-@click.option("--draft-len-schedule", help="What --policy schedule follows: batch-size thresholds to draft lengths, "
-                                           "TensorRT-LLM's draft_len_schedule, e.g. 1:15,8:3,16:1 (1 row drafts 15, "
-                                           "2-8 rows 3, 9-16 rows 1, more none; the first value must be K) or off.")
+@draft_len_schedule_option()
 @max_draft_len_option("In process: K, the most drafts a step verifies (1..block_size-1) [default: the engine's "
                       "limits.max_draft_len, else the drafter's block_size - 1]; also vLLM's num_speculative_tokens.")
 @click.option("--peer", type=click.Choice(["vllm"]),

@@ -130,8 +130,11 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
         torch.set_num_threads(cfg.threads)
     policies = parse_policies(cfg.policy) if cfg.policy else [("fixed", None)]
     options = RuntimeOptions.of(cfg)
-    pair = load_pair(PairSource(cfg.target, cfg.draft, engine=cfg.engine), options, max_draft_len=cfg.max_draft_len)
-    spec = _with_schedule(pair.speculation, cfg.draft_len_schedule, policies).replace(policy=policies[0][0])
+    kinds = [kind for kind, _ in policies]
+    # "schedule" where any side follows it: the settings then hold the schedule given or the engine's
+    pair = load_pair(PairSource(cfg.target, cfg.draft, engine=cfg.engine), options, max_draft_len=cfg.max_draft_len,
+                     policy="schedule" if "schedule" in kinds else kinds[0], draft_len_schedule=cfg.draft_len_schedule)
+    spec = pair.speculation.replace(policy=kinds[0])
     source: dict[str, Any] = {"kind": "in_process", "engine": cfg.engine, "target": cfg.target, "draft": cfg.draft,
                               "engine_manifest_sha256": None, "speculation": spec.to_dict()}
     weights = "none"
@@ -172,20 +175,6 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
     if cfg.peer:
         sides += _peer_sides(cfg, source, pair, spec, say)
     return sides, source, bytes_per_step(pair.target, weights), inputs
-
-
-def _with_schedule(spec: Any, text: str | None, policies: list[tuple[str, int | None]]) -> Any:
-    """The settings with --draft-len-schedule's schedule (``off``: none), checked against K; a
-    ``schedule`` policy without one (given, or recorded with the engine) is one line."""
-    from dflash_trt.draft_len_schedule import FLAG, DraftLenSchedule
-
-    if text is not None:
-        spec = spec.replace(schedule=DraftLenSchedule.parse(text))
-    if spec.schedule is None and any(kind == "schedule" for kind, _ in policies):
-        raise DFlashError(f"--policy schedule follows a draft-length schedule and none is given: pass {FLAG} (e.g. "
-                          f"1:{spec.max_draft_len},8:3,16:1: batch sizes up to 1 draft {spec.max_draft_len}, 2-8 "
-                          "draft 3, 9-16 draft 1, more none)")
-    return spec
 
 
 def _settle(sides: list[Any], say: Any) -> float:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli_helpers import friendly_errors, max_draft_len_option, policy_option
+from dflash_trt.cli_helpers import draft_len_schedule_option, friendly_errors, max_draft_len_option, policy_option
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime_options import DTYPE_NAMES
 from dflash_trt.serving.backends import BACKEND_ALIASES, BACKENDS, normalize_backend
@@ -41,8 +41,11 @@ def _repo_options(fn):
         max_draft_len_option("K: the most drafts a step verifies [default: the engine's limits.max_draft_len; "
                              "lower only: the engine's memory plan holds that many]."),
         policy_option("adaptive", "pytorch backend: adaptive = k <= K per step from measured costs (never slower "
-                                  "than plain decoding); fixed = K every step (reproducible tau). TensorRT-LLM "
-                                  "always verifies K."),
+                                  "than plain decoding); fixed = K every step (reproducible tau); schedule = the "
+                                  "draft-length schedule's k at the step's batch size (--draft-len-schedule, else "
+                                  "the engine's: as the TensorRT-LLM node does). TensorRT-LLM follows its "
+                                  "llm_api_options.yaml."),
+        draft_len_schedule_option(),
         click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None,
                      help="Weights dtype for the pytorch backend [default: the engine's: its 16-bit dtype for a GPU "
                           "engine, float32 for a CPU one]."),
@@ -74,8 +77,8 @@ def _repo_options(fn):
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @friendly_errors
 def triton(engine: str, out: str, model_name: str, backend: str, default_max_tokens: int | None, max_queue: int,
-           max_draft_len: int | None, policy: str, dtype: str | None, device: str | None, cuda_graphs: bool | None,
-           torch_compile: bool | None, decoupled: bool, engine_path: str | None, force: bool) -> None:
+           max_draft_len: int | None, policy: str, draft_len_schedule: str | None, dtype: str | None, device: str | None,
+           cuda_graphs: bool | None, torch_compile: bool | None, decoupled: bool, engine_path: str | None, force: bool) -> None:
     """Write a Triton model repository for ENGINE in tensorrtllm_backend's llmapi shape (Python backend).
 
     Serve it with `tritonserver --model-repository OUT` (TensorRT-LLM container) or `dflash-trt serve
@@ -85,9 +88,9 @@ def triton(engine: str, out: str, model_name: str, backend: str, default_max_tok
     from dflash_trt.serving.repository import generate_repository
 
     settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
-                         max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, dtype=dtype, device=device,
-                         cuda_graphs=cuda_graphs, torch_compile=torch_compile, decoupled=decoupled,
-                         engine_path=engine_path)
+                         max_queue=max_queue, max_draft_len=max_draft_len, policy=policy,
+                         draft_len_schedule=draft_len_schedule, dtype=dtype, device=device, cuda_graphs=cuda_graphs,
+                         torch_compile=torch_compile, decoupled=decoupled, engine_path=engine_path)
     if Path(engine).is_dir():  # (a missing one is named by generate_repository)
         verify_engine(engine)  # an altered engine is refused here, not by the server at startup
     click.echo(f"[deploy triton] engine={Path(engine).resolve()} out={out} "
@@ -140,13 +143,13 @@ def _default_engine() -> Path:
 def serve(source: str | None, model_repository: str | None, grpc_address: str, grpc_port: int, metrics_port: int,
           allow_metrics: bool, load_models: tuple[str, ...], exit_timeout_secs: float, http_port: int | None,
           max_streams: int, ready_file: str | None, model_name: str, backend: str, default_max_tokens: int | None,
-          max_queue: int, max_draft_len: int | None, policy: str, dtype: str | None, device: str | None, cuda_graphs: bool | None,
-          torch_compile: bool | None, decoupled: bool) -> None:
+          max_queue: int, max_draft_len: int | None, policy: str, draft_len_schedule: str | None, dtype: str | None,
+          device: str | None, cuda_graphs: bool | None, torch_compile: bool | None, decoupled: bool) -> None:
     """Serve a model repository (or an engine directory) over Triton's gRPC protocol (and HTTP), with metrics.
 
     The repository's model.py runs through the Triton Python-backend interface, exactly as in
     tritonserver; the real tritonclient talks to it unchanged. The options --model-name, --backend,
-    --default-max-tokens, --max-queue, --max-draft-len, --policy, --dtype, --device, --cuda-graphs and
+    --default-max-tokens, --max-queue, --max-draft-len, --policy, --draft-len-schedule, --dtype, --device, --cuda-graphs and
     --torch-compile apply
     when SOURCE is an engine directory.
     """
@@ -169,9 +172,9 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
             model_repository = str(engine)  # SOURCE was a repository after all
         else:
             settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
-                                 max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, dtype=dtype,
-                                 device=device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
-                                 decoupled=decoupled)
+                                 max_queue=max_queue, max_draft_len=max_draft_len, policy=policy,
+                                 draft_len_schedule=draft_len_schedule, dtype=dtype, device=device,
+                                 cuda_graphs=cuda_graphs, torch_compile=torch_compile, decoupled=decoupled)
             tmp = Path(tempfile.mkdtemp(prefix="dflash-trt-repo-"))
             model_repository = str(generate_repository(engine, tmp / "repo", settings))
     click.echo(json.dumps({"model_repository": model_repository, "grpc": f"{grpc_address}:{grpc_port}",

@@ -95,6 +95,7 @@ class TritonPythonModel:
             backend=params["backend"], dtype=params["dtype"], device=params["device"],
             default_max_tokens=int(params["default_max_tokens"]), max_queue=int(params["max_queue"]),
             policy=params["policy"], max_draft_len=int(params["max_draft_len"]),
+            draft_len_schedule=params.get("draft_len_schedule") or None,  # a repository written before it: the engine's
             cuda_graphs={"true": True, "false": False}.get(params["cuda_graphs"]),  # "auto": on for CUDA
             torch_compile=params["torch_compile"] == "true",
         )
