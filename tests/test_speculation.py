@@ -144,13 +144,22 @@ def test_settings_are_checked_where_they_are_chosen():
                         SpeculationSettings.for_block(4, policy="adaptive"))
 
 
+def _deployed_parameters(engine, repo, *flags: str) -> dict[str, str]:
+    """`deploy triton ENGINE --out REPO FLAGS`'s config.pbtxt parameters."""
+    from dflash_trt.serving.repository import parse_config
+
+    res = CliRunner().invoke(main, ["deploy", "triton", str(engine), "--out", str(repo), *flags])
+    assert res.exit_code == 0, res.output
+    return {k: v.string_value for k, v in parse_config((repo / "dflash" / "config.pbtxt").read_text())
+            .parameters.items()}
+
+
 def test_an_engine_with_a_smaller_max_draft_len_is_served_with_it(tmp_path):
     """An engine built with K = 3 from a block-8 drafter: `serve` verifies at most 3 drafts a step
     under either policy (it used to verify 7, or pick from [0, 1, 3, 7]), refuses a larger K, and
     the flags mean the same on `generate`, `deploy triton` and `bench`."""
     from dflash_trt.serving.backends import BackendSettings, load_backend
     from dflash_trt.serving.protocol import GenerateRequest
-    from dflash_trt.serving.repository import parse_config
 
     engine = make_tiny_engine(tmp_path, block_size=8, max_draft_len=3)
     for policy in ("adaptive", "fixed"):
@@ -183,12 +192,8 @@ def test_an_engine_with_a_smaller_max_draft_len_is_served_with_it(tmp_path):
     assert len(out["per_position_acceptance"]) <= 3
     res = runner.invoke(main, ["generate", "--engine", str(engine), "--max-draft-len", "4", "Hello"])
     assert res.exit_code == 2 and res.output.startswith("error: ") and "above the 3" in res.output
-    repo = tmp_path / "repo"
-    res = runner.invoke(main, ["deploy", "triton", str(engine), "--out", str(repo), "--max-draft-len", "2",
-                               "--policy", "fixed", "--backend", "reference"])
-    assert res.exit_code == 0, res.output
-    params = {k: v.string_value for k, v in parse_config((repo / "dflash" / "config.pbtxt").read_text())
-              .parameters.items()}
+    params = _deployed_parameters(engine, tmp_path / "repo", "--max-draft-len", "2", "--policy", "fixed",
+                                  "--backend", "reference")
     assert (params["max_draft_len"], params["policy"], params["backend"]) == ("2", "fixed", "pytorch")
     res = runner.invoke(main, ["deploy", "triton", str(engine), "--out", str(tmp_path / "r2"), "--max-draft-len", "7"])
     assert res.exit_code == 2 and "above the 3" in res.output and not (tmp_path / "r2").exists()
@@ -212,7 +217,6 @@ def test_policy_schedule_on_generate_serve_and_deploy(tiny_pair_dirs, tmp_path):
     from dflash_trt.draft_len_schedule import DraftLenSchedule
     from dflash_trt.runtime.policy import SchedulePolicy
     from dflash_trt.serving.backends import BackendSettings, load_backend
-    from dflash_trt.serving.repository import parse_config
 
     tdir, ddir = tiny_pair_dirs
     runner = CliRunner()
@@ -231,12 +235,8 @@ def test_policy_schedule_on_generate_serve_and_deploy(tiny_pair_dirs, tmp_path):
         assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, res.output
 
     engine = make_tiny_engine(tmp_path, block_size=8, max_draft_len=3)
-    repo = tmp_path / "repo"
-    res = runner.invoke(main, ["deploy", "triton", str(engine), "--out", str(repo), "--backend", "pytorch",
-                               "--policy", "schedule", "--draft-len-schedule", "1:3,2:0"])
-    assert res.exit_code == 0, res.output
-    params = {k: v.string_value for k, v in parse_config((repo / "dflash" / "config.pbtxt").read_text())
-              .parameters.items()}
+    params = _deployed_parameters(engine, tmp_path / "repo", "--backend", "pytorch", "--policy", "schedule",
+                                  "--draft-len-schedule", "1:3,2:0")
     assert (params["policy"], params["draft_len_schedule"]) == ("schedule", "1:3,2:0")
     backend = load_backend(engine, BackendSettings(backend="pytorch", policy=params["policy"],
                                                    draft_len_schedule=params["draft_len_schedule"]))
