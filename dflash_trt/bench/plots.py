@@ -10,6 +10,17 @@ PLOTS = {"throughput": "throughput.png", "tokens_per_s_by_concurrency": "tokens_
          "frontier": "frontier.png"}
 SIDE_COLORS = {"reference": "tab:green", "batched": "tab:blue", "vllm": "tab:red", "vllm-eager": "tab:orange",
                "endpoint": "tab:purple"}
+# several policies side by side: sides "batched <policy>" (bench/run.py), one colour per policy kind
+POLICY_COLORS = {"fixed": "tab:cyan", "schedule": "tab:olive", "adaptive": "tab:purple"}
+
+
+def side_color(side: str) -> str:
+    """A side's colour in every chart; a policy's side ("batched fixed:3") by its policy kind."""
+    if side.startswith("batched "):
+        return POLICY_COLORS.get(side.removeprefix("batched ").split(":")[0], "tab:gray")
+    return SIDE_COLORS.get(side, "tab:gray")
+
+
 MODE_STYLE = {"dflash": "o-", "plain": "s--"}
 MODE_MARKER = {"dflash": "o", "plain": "s"}
 
@@ -64,7 +75,7 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
     fig, ax = plt.subplots(figsize=(7, 4.6))
     for (side, mode), rs in series.items():
         ax.plot([r["total_tokens_per_s"] for r in rs], [r["tokens_per_s"]["mean"] for r in rs], MODE_STYLE[mode],
-                color=SIDE_COLORS.get(side, "tab:gray"), label=f"{labels[side]}, {mode}")
+                color=side_color(side), label=f"{labels[side]}, {mode}")
         for r in rs:
             ax.annotate(f"C={r['concurrency']}", (r["total_tokens_per_s"], r["tokens_per_s"]["mean"]),
                         textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -75,7 +86,7 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
     fig, ax = plt.subplots(figsize=(7, 4.6))
     for (side, mode), rs in series.items():
         ax.plot([r["concurrency"] for r in rs], [r["total_tokens_per_s"] for r in rs], MODE_STYLE[mode],
-                color=SIDE_COLORS.get(side, "tab:gray"), label=f"{labels[side]}, {mode}")
+                color=side_color(side), label=f"{labels[side]}, {mode}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({r["concurrency"] for r in rows}), [str(c) for c in sorted({r["concurrency"] for r in rows})])
     _finish(fig, ax, out_dir, "tokens_per_s_by_concurrency", written, "Output tokens/s of all users",
@@ -92,7 +103,7 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
         for side in per_step:
             values = [a for r in dflash if r.side == side for a in r.acceptance_lengths]
             ax.hist(values, bins=range(1, top + 2), align="left", histtype="step", linewidth=1.5,
-                    color=SIDE_COLORS.get(side, "tab:gray"), label=labels.get(side, side))
+                    color=side_color(side), label=labels.get(side, side))
         xlabel = "acceptance_length per step (tokens committed, bonus included)"
     else:
         ax.hist([r.tau for r in dflash] or [0.0], bins=20, color="tab:blue")
@@ -108,7 +119,7 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
         width = 0.8 / len(ppa)
         for i, (side, values) in enumerate(ppa):
             ax.bar([j + 1 + (i - (len(ppa) - 1) / 2) * width for j in range(len(values))], values, width=width,
-                   color=SIDE_COLORS.get(side, "tab:gray"), label=labels.get(side, side))
+                   color=side_color(side), label=labels.get(side, side))
         ax.set_ylim(0, 1)
         _finish(fig, ax, out_dir, "per_position_acceptance", written, f"Acceptance by draft position at C={level}",
                 "draft slot (1 = first token after the anchor)", "per_position_acceptance")
@@ -124,7 +135,7 @@ def _frontier_plot(front: dict[str, Any], out_dir: Path, written: dict[str, str]
 
     fig, ax = plt.subplots(figsize=(7, 4.6))
     for s in front["series"]:
-        color = SIDE_COLORS.get(s["side"], "tab:gray")
+        color = side_color(s["side"])
         pts = s["points"]
         ax.scatter([p["interactivity"] for p in pts], [p["throughput"] for p in pts], marker=MODE_MARKER[s["mode"]],
                    color=color, alpha=0.5)
