@@ -1,5 +1,6 @@
 """What every command module shares: the error contract, JSON output, the flags that must mean the
-same on every command (``--max-draft-len``, ``--policy``, ``--draft-method``) and the comma-separated list flags.
+same on every command (``--max-draft-len``, ``--policy``, ``--draft-method``, ``--draft-len-schedule``) and the
+comma-separated list flags.
 
 The command modules (``dflash_trt/cli.py``, ``generation_cli.py`` and each area's ``cli.py``)
 import this; nothing below the command layer does.
@@ -67,19 +68,50 @@ def draft_method_option(help: str = DRAFT_METHOD_HELP + f" [default: {DEFAULT_DR
     return click.option("--draft-method", type=click.Choice(DRAFT_METHODS), default=None, help=help)
 
 
-def int_list(example: str) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:
-    """A click callback for a comma-separated integer flag: "1,2,4" -> [1, 2, 4], not given -> None,
-    anything else one line naming the flag, the value and `example`."""
+def _schedule_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--draft-len-schedule checked when parsed (one line naming the form), kept as its text."""
+    from dflash_trt.draft_len_schedule import DraftLenSchedule
 
-    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    if value is not None:
+        try:
+            DraftLenSchedule.parse(value)
+        except DFlashError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
+DRAFT_LEN_SCHEDULE_HELP = ("What --policy schedule follows: batch-size thresholds to draft lengths, TensorRT-LLM's "
+                           "draft_len_schedule, e.g. 1:15,8:3,16:1 (1 row drafts 15, 2-8 rows 3, 9-16 rows 1, more "
+                           "none; the first value must be K), or off [default: the one the engine's build recorded].")
+
+
+def draft_len_schedule_option(help: str = DRAFT_LEN_SCHEDULE_HELP) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    from dflash_trt.draft_len_schedule import FLAG
+
+    return click.option(FLAG, "draft_len_schedule", callback=_schedule_text, default=None, help=help)
+
+
+def _number_list(kind: type, what: str, example: str) -> Callable[[click.Context, click.Parameter, str | None], Any]:
+    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list[Any] | None:
         if value is None:
             return None
         try:
-            return [int(x) for x in value.split(",") if x.strip()]
+            return [kind(x) for x in value.split(",") if x.strip()]
         except ValueError:
-            raise click.BadParameter(f"{value!r} is not a list of comma-separated integers, e.g. {example}") from None
+            raise click.BadParameter(f"{value!r} is not a list of comma-separated {what}, e.g. {example}") from None
 
     return parse
+
+
+def int_list(example: str) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:
+    """A click callback for a comma-separated integer flag: "1,2,4" -> [1, 2, 4], not given -> None,
+    anything else one line naming the flag, the value and `example`."""
+    return _number_list(int, "integers", example)
+
+
+def float_list(example: str) -> Callable[[click.Context, click.Parameter, str | None], list[float] | None]:
+    """As :func:`int_list`, for numbers: "20,60.5" -> [20.0, 60.5]."""
+    return _number_list(float, "numbers", example)
 
 
 def str_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:

@@ -2,7 +2,8 @@
 
 ``--policy fixed`` (default) runs the reference loop (runtime/generate.py): K drafts verified every
 step. ``--policy adaptive`` runs the batched runtime at one sequence with the adaptive policy,
-which picks k <= K per step as `serve` does. ``--compare`` decodes plainly on the same runtime: the
+which picks k <= K per step as `serve` does; ``--policy schedule`` the batched runtime drafting the
+draft-length schedule's k at one row (``--draft-len-schedule``, or the engine's). ``--compare`` decodes plainly on the same runtime: the
 reference loop's plain decoding, or the batched runtime without a drafter.
 """
 
@@ -12,7 +13,8 @@ from typing import Any
 
 import click
 
-from dflash_trt.cli_helpers import draft_method_option, emit_json, friendly_errors, max_draft_len_option, policy_option
+from dflash_trt.cli_helpers import (draft_len_schedule_option, draft_method_option, emit_json, friendly_errors,
+                                    max_draft_len_option, policy_option)
 from dflash_trt.runtime_options import DTYPE_CHOICES
 
 
@@ -29,8 +31,10 @@ from dflash_trt.runtime_options import DTYPE_CHOICES
 @click.option("--seed", default=0, show_default=True, type=int)
 @max_draft_len_option()
 @policy_option("fixed", "fixed: the reference loop, K drafts every step; adaptive: the batched runtime "
-                        "chooses k <= K per step from measured costs (as `serve` does).")
+                        "chooses k <= K per step from measured costs (as `serve` does); schedule: the batched "
+                        "runtime drafts --draft-len-schedule's k at one row (as a TensorRT-LLM node does).")
 @draft_method_option()
+@draft_len_schedule_option()
 @click.option("--raw", is_flag=True, help="Do not apply the tokenizer's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, statistics).")
 @click.option("--compare/--no-compare", default=False, show_default=True,
@@ -41,7 +45,8 @@ from dflash_trt.runtime_options import DTYPE_CHOICES
 @friendly_errors
 def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_dir: str | None, tiny: bool,
              max_new_tokens: int, temperature: float, top_p: float, seed: int, max_draft_len: int | None,
-             policy: str, draft_method: str | None, raw: bool, as_json: bool, compare: bool, dtype: str, allow_pickle: bool) -> None:
+             policy: str, draft_method: str | None, draft_len_schedule: str | None, raw: bool, as_json: bool,
+             compare: bool, dtype: str, allow_pickle: bool) -> None:
     """Generate text for PROMPT with DFlash and print it with acceptance statistics."""
     from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime.batched import batched_generate
@@ -56,11 +61,12 @@ def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_
 
     source = PairSource(target_dir, draft_dir, engine=engine_dir, tiny=tiny, allow_pickle=allow_pickle)
     pair = load_pair(source, RuntimeOptions(dtype=dtype), max_draft_len=max_draft_len, policy=policy,
-                     draft_method=draft_method)
+                     draft_method=draft_method, draft_len_schedule=draft_len_schedule)
     ids = pair.codec.encode(prompt, raw=raw)
     pair.codec.check_room(ids, max_new_tokens)  # an engine's max_seq_len bounds prompt + output
     params = params.with_stop_token_ids(pair.codec.stop_token_ids)
-    if pair.speculation.policy == "adaptive":
+    batched = pair.speculation.policy != "fixed"  # adaptive and schedule choose k per step: the batched runtime
+    if batched:
         result = batched_generate(pair.draft, pair.target, [ids], params, speculation=pair.speculation)[0]
     else:
         result = dflash_generate(pair.draft, pair.target, ids, params, pair.speculation)
@@ -69,7 +75,7 @@ def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_
                               "speculation": pair.speculation.to_dict()}
     report.update(result.stats.to_dict())
     if compare:  # plain decoding on the same runtime: the batched one's own plain mode beside the adaptive policy
-        plain = (batched_generate(None, pair.target, [ids], params)[0] if pair.speculation.policy == "adaptive"
+        plain = (batched_generate(None, pair.target, [ids], params)[0] if batched
                  else autoregressive_generate(pair.target, ids, params))
         report["plain_tpot_s"] = plain.stats.tpot_s
         report["speedup"] = plain.stats.tpot_s / result.stats.tpot_s if result.stats.tpot_s else 0.0

@@ -11,16 +11,33 @@ Every CLI table, JSON file, Triton output and Prometheus metric uses these names
 - ``total_accepted_draft_tokens`` (accepted): draft tokens the target kept.
 - ``acceptance_rate``: accepted / drafted.
 - ``per_position_acceptance[j]``: fraction of steps whose draft slot j+1 was accepted, among the
-  steps that drafted slot j+1 (slot 1 is the first token after the anchor).
+  steps that drafted slot j+1 (slot 1 is the first token after the anchor); the counts behind it are
+  ``position_drafted[j]`` and ``position_accepted[j]``.
+- ``num_drafts``: verification steps that drafted at least one token (vLLM's ``num_drafts``); a
+  step of the adaptive policy that drafted nothing is a step but not a draft. Our ``tau`` averages
+  over every step, vLLM's mean acceptance length (1 + accepted / num_drafts) over drafts only: the
+  two agree when every step drafts.
+- ``acceptance_histogram(K)[j]``: drafts that accepted exactly j tokens, j = 0..K (vLLM's
+  per-request ``acceptance_histogram``, the bonus token excluded).
 - ``ttft_s`` (time to first token): request start -> first output token (prefill).
 - ``tpot_s`` (time per output token): (end - first token) / (output tokens - 1). The headline
   latency for speculation: it emits bursts, so inter-token latency (ITL) is bimodal and misleads.
-- ``tokens_per_s``: output tokens / (end - start) for one request ("tokens/s per user").
+- ``tokens_per_s``: output tokens / (end - start) for one request ("tokens/s per user"): what one
+  user waits for a whole answer, queueing and prefill included.
+- ``interactivity`` (per-user output speed): 1 / TPOT, tokens/s a user sees once the answer flows.
+  The x axis of NVIDIA's throughput-vs-interactivity charts ("tokens/s per user" in the DFlash
+  claim "15x the throughput at 500-600 tokens/s per user"), and what the bench frontier uses: it
+  leaves out TTFT and queueing, which a closed loop of C users inflates with C for reasons that
+  have nothing to do with decoding, so plain and DFlash compare on their decoding pace alone.
 
 Across many requests (``dflash-trt bench``):
 
 - ``total_tokens_per_s``: output tokens of all requests / wall time from the first request sent
   to the last one finished (throughput of the whole system, all users together).
+- ``total_tokens_per_s_per_gpu``: ``total_tokens_per_s`` / the GPUs that served it (in process:
+  one device; a server: ``--gpus`` or the engine's tp x pp).
+- ``interactivity`` of a run: 1 / its mean ``tpot_s`` (:func:`interactivity`), so DFlash's
+  interactivity over plain's at the same C is exactly the ``speedup``.
 - ``speedup``: plain decoding's mean ``tpot_s`` / DFlash's mean ``tpot_s``, same target, same
   prompts, same run. With free drafting and a verify step as cheap as a plain step it is at most
   ``tau`` (the Leviathan bound), so the gap to ``tau`` is the cost of drafting and verifying.
@@ -46,6 +63,11 @@ def tokens_per_second(num_output_tokens: int, request_s: float) -> float:
     return num_output_tokens / request_s if request_s > 0 else 0.0
 
 
+def interactivity(tpot_s: float) -> float:
+    """``interactivity``: tokens/s per user as the text flows, 1 / TPOT; 0 where no TPOT was timed."""
+    return 1.0 / tpot_s if tpot_s > 0 else 0.0
+
+
 @dataclass
 class GenerationStats:
     """Per-request statistics of one generation (DFlash or plain decoding)."""
@@ -53,6 +75,7 @@ class GenerationStats:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # tau of every step
+    draft_lengths: list[int] = field(default_factory=list)  # k of every step (0: it drafted nothing)
     total_draft_tokens: int = 0
     total_accepted_draft_tokens: int = 0
     # index j: how many steps drafted / accepted draft slot j+1
@@ -66,6 +89,7 @@ class GenerationStats:
     def record_step(self, drafted: int, accepted: int) -> None:
         """One verification step that proposed `drafted` tokens and kept `accepted` of them."""
         self.acceptance_lengths.append(accepted + 1)
+        self.draft_lengths.append(drafted)
         self.total_draft_tokens += drafted
         self.total_accepted_draft_tokens += accepted
         while len(self.position_drafted) < drafted:
@@ -79,6 +103,20 @@ class GenerationStats:
     @property
     def num_steps(self) -> int:
         return len(self.acceptance_lengths)
+
+    @property
+    def num_drafts(self) -> int:
+        """Steps that drafted at least one token: every one of them drafted slot 1."""
+        return self.position_drafted[0] if self.position_drafted else 0
+
+    def acceptance_histogram(self, max_draft_len: int) -> list[int]:
+        """[drafts that accepted exactly j tokens for j = 0..K] (steps that drafted nothing left out;
+        never shorter than the longest draft seen, so no draft is lost to a K set too low)."""
+        hist = [0] * (max(max_draft_len, *self.draft_lengths, 0) + 1)
+        for k, length in zip(self.draft_lengths, self.acceptance_lengths):
+            if k:
+                hist[length - 1] += 1
+        return hist
 
     @property
     def tau(self) -> float:
@@ -105,6 +143,7 @@ class GenerationStats:
         d = asdict(self)
         d.update(
             num_steps=self.num_steps,
+            num_drafts=self.num_drafts,
             tau=self.tau,
             acceptance_rate=self.acceptance_rate,
             per_position_acceptance=self.per_position_acceptance,
@@ -125,6 +164,7 @@ def merge_stats(stats: "list[GenerationStats]") -> GenerationStats:
         out.num_prompt_tokens += s.num_prompt_tokens
         out.num_output_tokens += s.num_output_tokens
         out.acceptance_lengths.extend(s.acceptance_lengths)
+        out.draft_lengths.extend(s.draft_lengths)
         out.total_draft_tokens += s.total_draft_tokens
         out.total_accepted_draft_tokens += s.total_accepted_draft_tokens
         for j, (d, a) in enumerate(zip(s.position_drafted, s.position_accepted)):

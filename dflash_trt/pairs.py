@@ -71,10 +71,12 @@ class LoadedPair:
 
 def load_pair(source: PairSource = PairSource(), options: RuntimeOptions = RuntimeOptions(), *,
               max_draft_len: int | None = None, policy: str | None = None,
-              draft_method: str | None = None) -> LoadedPair:
+              draft_method: str | None = None, draft_len_schedule: str | None = None) -> LoadedPair:
     """Load the pair `source` names for `options` (see the module docstring). `max_draft_len`
     lowers K (an engine's is refused above what it was built for, before anything loads);
-    `policy` and `draft_method` name the SpeculationSettings' (None: its defaults)."""
+    `policy` and `draft_method` name the SpeculationSettings' (None: its defaults);
+    `draft_len_schedule` (``--draft-len-schedule``'s text) the schedule policy ``schedule``
+    follows [an engine's: the one its build recorded]."""
     from dflash_trt.checkpoints.placement import runtime_device
 
     runtime_device(options.device, kinds=("cpu", "cuda", "meta"))  # before anything loads: a bad --device is one line
@@ -85,7 +87,8 @@ def load_pair(source: PairSource = PairSource(), options: RuntimeOptions = Runti
 
         root = Path(source.engine)
         manifest = load_manifest(root)
-        speculation = SpeculationSettings.from_manifest(manifest, max_draft_len, policy, draft_method)  # refused before loading
+        speculation = SpeculationSettings.from_manifest(manifest, max_draft_len, policy,  # refused before loading
+                                                        draft_method, draft_len_schedule)
         if source.verify:  # every file's sha256: a tampered or half-copied engine names its bad file
             from dflash_trt.engine.verify import verify_engine
 
@@ -108,7 +111,8 @@ def load_pair(source: PairSource = PairSource(), options: RuntimeOptions = Runti
         target, draft, tokenizer = _load_models(Path(target_dir), Path(draft_dir), options,
                                                 allow_pickle=source.allow_pickle)
     if speculation is None:
-        speculation = SpeculationSettings.for_block(draft.block_size, max_draft_len, policy, draft_method)
+        speculation = SpeculationSettings.for_block(draft.block_size, max_draft_len, policy, draft_method,
+                                                    draft_len_schedule)
     limit = manifest.limits.max_seq_len if manifest is not None else None  # prompts are checked against it
     codec = TextCodec.for_model(tokenizer, target.config, limit)
     return LoadedPair(target, draft, tokenizer, codec, speculation, manifest)

@@ -114,25 +114,36 @@ class SpeculationSettings:
 
     @classmethod
     def for_block(cls, block_size: int, max_draft_len: int | None = None, policy: str | None = None,
-                  draft_method: str | None = None) -> "SpeculationSettings":
+                  draft_method: str | None = None, draft_len_schedule: str | None = None) -> "SpeculationSettings":
         """Settings for a drafter of block `block_size`: K defaults to B-1, the policy to fixed,
-        the draft method to DEFAULT_DRAFT_METHOD."""
+        the draft method to DEFAULT_DRAFT_METHOD; `draft_len_schedule` in its text form
+        (``--draft-len-schedule``: ``1:15,8:3``, ``off``)."""
         K = block_size - 1 if max_draft_len is None else int(max_draft_len)
-        return cls(int(block_size), K, policy or FIXED, draft_method or DEFAULT_DRAFT_METHOD)  # type: ignore[arg-type]
+        schedule = DraftLenSchedule.parse(draft_len_schedule) if draft_len_schedule is not None else None
+        return cls(int(block_size), K, policy or FIXED, draft_method or DEFAULT_DRAFT_METHOD,  # type: ignore[arg-type]
+                   schedule)
 
     @classmethod
     def from_manifest(cls, manifest: Any, max_draft_len: int | None = None, policy: str | None = None,
-                      draft_method: str | None = None) -> "SpeculationSettings":
+                      draft_method: str | None = None, draft_len_schedule: str | None = None
+                      ) -> "SpeculationSettings":
         """Settings of an engine (its manifest's draft.block_size and limits.max_draft_len).
 
         `max_draft_len` may lower K for this run, never raise it: the engine's memory plan (and
-        TensorRT-LLM's KV and token budgets) were sized for the manifest's K."""
+        TensorRT-LLM's KV and token budgets) were sized for the manifest's K. `draft_len_schedule`
+        (text form; ``off``: none) replaces the schedule the engine's build recorded, which policy
+        ``schedule`` otherwise follows, with its values capped at a lowered K."""
         built = int(manifest.limits.max_draft_len)
         K = built if max_draft_len is None else int(max_draft_len)
         if K > built:
             raise DFlashError(f"--max-draft-len {K} is above the {built} this engine was built for (its memory plan "
                               f"holds {built} drafts per step); use at most {built} or rebuild with --max-draft-len {K}")
-        return cls.for_block(int(manifest.draft.block_size), K, policy, draft_method)
+        if draft_len_schedule is None and policy == SCHEDULE:
+            recorded = manifest.draft_len_schedule()  # the node's, as the engine's build wrote it
+            if recorded is not None:
+                return cls(int(manifest.draft.block_size), K, SCHEDULE,
+                           draft_method or DEFAULT_DRAFT_METHOD, recorded.capped(K))  # type: ignore[arg-type]
+        return cls.for_block(int(manifest.draft.block_size), K, policy, draft_method, draft_len_schedule)
 
     def replace(self, **changes: Any) -> "SpeculationSettings":
         from dataclasses import replace

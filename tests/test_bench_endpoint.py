@@ -32,14 +32,20 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(engine, tmp_path_factory):
+def server(engine, tmp_path_factory):
     """A server pinned to the reference loop's schedule (policy fixed: K drafts every step). The
-    serving default, adaptive, picks k from MEASURED step times, so its tau depends on machine load."""
+    serving default, adaptive, picks k from MEASURED step times, so its tau depends on machine load.
+    gRPC and the OpenAI endpoint on one runtime."""
     settings = TritonRepoSettings(policy="fixed")
     repo = generate_repository(engine, tmp_path_factory.mktemp("bench_serve") / "repo", settings)
-    srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=None).start()
-    yield f"127.0.0.1:{srv.grpc_port}"
+    srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=None, http_port=0).start()
+    yield srv
     srv.stop(grace=2.0)
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return f"127.0.0.1:{server.grpc_port}"
 
 
 def _bench(tmp_path, name, *args) -> dict:
@@ -65,12 +71,13 @@ def test_endpoint_tau_equals_in_process(engine, url, tmp_path):
         assert r["tau"] == float(np.float32(mine["tau"]))
         for key in ("num_output_tokens", "num_steps", "total_draft_tokens", "total_accepted_draft_tokens"):
             assert r[key] == mine[key], key
-        assert r["per_position_acceptance"] if "per_position_acceptance" in r else r["position_drafted"] is None
+        # the per-position counts travel as the model's position_drafted / position_accepted outputs
+        assert (r["position_drafted"], r["position_accepted"]) == (mine["position_drafted"], mine["position_accepted"])
     mine = next(r for r in local["rows"] if r["mode"] == "dflash")
     for row in remote["rows"]:
         assert row["tau"] == pytest.approx(mine["tau"], rel=1e-6)
         assert row["num_steps"] == mine["num_steps"]
-        assert row["per_position_acceptance"] is None  # an endpoint reports totals only
+        assert row["per_position_acceptance"] == pytest.approx(mine["per_position_acceptance"])
         # latency = the server's queue + its decoding + the rest (gRPC, the Python-backend shim)
         assert row["server_decode_s"]["mean"] > 0 and row["server_overhead_s"]["mean"] > -1e-3
     # client-side timestamps keep the same relations as in process
@@ -89,3 +96,36 @@ def test_endpoint_rejects_multi_turn_prompts(url, tmp_path):
     res = CliRunner().invoke(main, ["bench", "--url", url, "--prompts", str(f), "--max-new-tokens", "4", "--no-plots"])
     assert res.exit_code != 0
     assert "several chat turns" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("protocol", ["triton", "openai"])
+def test_frontier_against_a_server_with_a_plain_url(server, engine, protocol, tmp_path):
+    """The frontier at an endpoint, both protocols: --plain-url gives the plain side (here the same
+    server: what it runs does not matter to the maths), --engine the GPU count (the tiny engine's
+    tp x pp = 1), --gpus overrides it; each point divides the run's throughput by it, and
+    --interactivity reads both modes at an X inside the measured range and one above it."""
+    url = f"127.0.0.1:{server.grpc_port}" if protocol == "triton" else f"http://127.0.0.1:{server.http_port}"
+    args = ["--url", url, "--plain-url", url, "--concurrency", "1,2"]
+    first = _bench(tmp_path, "engine", *args, "--engine", str(engine))
+    front = first["frontier"]
+    assert (front["gpus"], front["gpus_source"]) == (1, "the engine's manifest: tp 1 x pp 1")
+    assert {(s["mode"], len(s["points"])) for s in front["series"]} == {("dflash", 2), ("plain", 2)}
+    result = _bench(tmp_path, "gpus", *args, "--gpus", "4", "--interactivity", "1e9")
+    front = result["frontier"]
+    assert (front["gpus"], front["gpus_source"]) == (4, "--gpus") and front["throughput"] == "total tokens/s per GPU"
+    for s in front["series"]:
+        for p in s["points"]:
+            row = next(r for r in result["rows"] if r["mode"] == s["mode"] and r["concurrency"] == p["concurrency"])
+            assert p["throughput"] == pytest.approx(row["total_tokens_per_s"] / 4)
+            assert p["interactivity"] == pytest.approx(1 / row["tpot_s"]["mean"])
+    (above,) = front["at"]
+    assert above["dflash"]["how"] == above["plain"]["how"] == "never" and above["dflash_over_plain"] is None
+    # an X inside this run's own measured interactivities, read again from its bench.json
+    xs = [p["interactivity"] for s in front["series"] for p in s["points"]]
+    from dflash_trt.bench.report import with_targets
+
+    (inside,) = with_targets(result, [(min(xs) + max(xs)) / 2])["frontier"]["at"]
+    reached = [inside[m] for m in ("dflash", "plain") if inside[m]["throughput"] is not None]
+    assert reached and all(r["throughput"] > 0 for r in reached)
+    if len(reached) == 2:
+        assert inside["dflash_over_plain"] == pytest.approx(reached[0]["throughput"] / reached[1]["throughput"])

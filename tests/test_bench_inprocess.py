@@ -182,10 +182,41 @@ def test_report_is_regenerated_from_bench_json(run, tmp_path):
     assert terminal.exit_code == 0 and "ours, batched runtime" in terminal.output
 
 
+def test_frontier_of_the_run_and_its_report(run):
+    """Every row is a point: interactivity = 1 / its mean TPOT, throughput = its total tokens/s over
+    one device; DFlash / plain interactivity at the same C is the speedup; `bench report
+    --interactivity` reads each mode's best throughput at X from bench.json alone."""
+    result, out, _ = run
+    front = result["frontier"]
+    assert front["gpus"] == 1 and front["gpus_source"] == "in process: one device (cpu)" and front["at"] == []
+    assert front["per"] == "per device" and front["throughput"] == "total tokens/s per device"
+    points = {(s["side"], s["mode"], p["concurrency"]): p for s in front["series"] for p in s["points"]}
+    assert len(points) == len(result["rows"])
+    for row in result["rows"]:
+        p = points[(row["side"], row["mode"], row["concurrency"])]
+        assert p["interactivity"] == pytest.approx(1 / row["tpot_s"]["mean"])
+        assert p["throughput"] == pytest.approx(row["total_tokens_per_s"])
+        if row["mode"] == "dflash":
+            plain = points[(row["side"], "plain", row["concurrency"])]
+            assert p["interactivity"] / plain["interactivity"] == pytest.approx(row["speedup"])
+    batched = [p for (side, mode, _), p in points.items() if side == "batched" and mode == "dflash"]
+    inside = (min(p["interactivity"] for p in batched) + max(p["interactivity"] for p in batched)) / 2
+    outside = 10 * max(p["interactivity"] for p in points.values())
+    res = CliRunner().invoke(main, ["bench", "report", str(out / "bench.json"), "--interactivity",
+                                    f"{inside},{outside}"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert f"at >= {inside:g} tokens/s per user, ours, batched runtime: DFlash " in text
+    assert f"at >= {outside:g} tokens/s per user, ours, batched runtime: DFlash never reaches it" in text
+    assert "linear in log2(C)" in text and "Interactivity / throughput frontier" in text
+    bad = CliRunner().invoke(main, ["bench", "report", str(out / "bench.json"), "--interactivity", "0"])
+    assert bad.exit_code != 0 and "> 0" in bad.output and "Traceback" not in bad.output
+
+
 def test_plots_are_valid_pngs(run):
     result, out, _ = run
     assert set(result["plots"]) == {"throughput", "tokens_per_s_by_concurrency", "tau_histogram",
-                                    "per_position_acceptance"}
+                                    "per_position_acceptance", "frontier"}
     for name in result["plots"].values():
         with Image.open(out / name) as im:
             im.verify()
@@ -217,6 +248,46 @@ def test_policies_and_max_draft_len(tiny_pair_dirs, tmp_path):
     result, _ = _bench(tmp_path / "ad", *base, "--max-draft-len", "3", "--policy", "adaptive", "--no-calibrate")
     assert result["source"]["speculation"]["policy"] == "adaptive" and result["identical_all"] is True
     assert max(r["total_draft_tokens"] / r["num_steps"] for r in result["requests"] if r["mode"] == "dflash") <= 3
+
+
+def test_policies_side_by_side_against_one_plain_runtime(tiny_pair_dirs, tmp_path):
+    """--policy fixed,schedule,adaptive: one plain runtime, each policy a DFlash side measured against
+    it in the same run; the schedule side drafts what the schedule says at each batch size."""
+    from dflash_trt.draft_len_schedule import DraftLenSchedule
+
+    tdir, ddir = tiny_pair_dirs
+    schedule = "1:7,2:2"  # 1 row drafts K = 7, 2 rows 2, 3 and more none (the tiny drafter's K = block 8 - 1)
+    result, output = _bench(tmp_path, "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "3",
+                            "--max-new-tokens", "10", "--concurrency", "1,3", "--no-calibrate", "--no-plots",
+                            "--policy", "fixed,schedule,adaptive", "--draft-len-schedule", schedule,
+                            "--interactivity", "1")
+    assert result["source"]["runtimes"] == ["batched"] and result["source"]["batched_policy"] == "fixed:7,schedule,adaptive"
+    assert result["source"]["speculation"]["draft_len_schedule"] == {"1": 7, "2": 2}
+    policies = ["batched fixed:7", "batched schedule", "batched adaptive"]
+    assert [(r["concurrency"], r["side"], r["mode"]) for r in result["rows"]] == [
+        (c, s, m) for c in (1, 3) for s, m in [("batched", "plain"), *((p, "dflash") for p in policies)]]
+    for c in (1, 3):
+        plain = next(r for r in _rows(result, "batched", "plain") if r["concurrency"] == c)
+        for side in policies:
+            d = next(r for r in _rows(result, side, "dflash") if r["concurrency"] == c)
+            assert d["baseline"] == "batched" and d["info"]["policy"] == side.split()[1]
+            assert d["dflash_over_plain"] == pytest.approx(d["total_tokens_per_s"] / plain["total_tokens_per_s"])
+    want = DraftLenSchedule.parse(schedule)
+    for r in _rows(result, "batched schedule"):
+        timing = r["info"]["step_timing"]
+        for k, t in timing.items():  # every step at one batch size: k is the schedule's there (or the budget's tail)
+            if t["rows_mean"] == int(t["rows_mean"]):
+                assert int(k) <= want.draft_len(int(t["rows_mean"])), (k, t)
+        if r["concurrency"] == 3:
+            assert timing["0"]["rows_mean"] == 3  # three rows: speculation off
+        else:
+            assert r["total_draft_tokens"] > 0 and "7" in timing and timing["7"]["rows_mean"] == 1
+    fixed3 = next(r for r in _rows(result, "batched fixed:7") if r["concurrency"] == 3)
+    assert fixed3["info"]["step_timing"].keys() >= {"7"}  # the fixed policy drafts at three rows all the same
+    assert result["identical_all"] is True
+    assert "Policies side by side" in output and "fixed:7" in output
+    at = result["frontier"]["at"]  # each policy read against the one plain runtime; the plain side alone is not
+    assert [e["side"] for e in at] == policies and all(e["plain"] is not None for e in at)
 
 
 def test_tau_only_decodes_dflash_alone(tiny_pair_dirs, tmp_path):

@@ -144,13 +144,22 @@ def test_settings_are_checked_where_they_are_chosen():
                         SpeculationSettings.for_block(4, policy="adaptive"))
 
 
+def _deployed_parameters(engine, repo, *flags: str) -> dict[str, str]:
+    """`deploy triton ENGINE --out REPO FLAGS`'s config.pbtxt parameters."""
+    from dflash_trt.serving.repository import parse_config
+
+    res = CliRunner().invoke(main, ["deploy", "triton", str(engine), "--out", str(repo), *flags])
+    assert res.exit_code == 0, res.output
+    return {k: v.string_value for k, v in parse_config((repo / "dflash" / "config.pbtxt").read_text())
+            .parameters.items()}
+
+
 def test_an_engine_with_a_smaller_max_draft_len_is_served_with_it(tmp_path):
     """An engine built with K = 3 from a block-8 drafter: `serve` verifies at most 3 drafts a step
     under either policy (it used to verify 7, or pick from [0, 1, 3, 7]), refuses a larger K, and
     the flags mean the same on `generate`, `deploy triton` and `bench`."""
     from dflash_trt.serving.backends import BackendSettings, load_backend
     from dflash_trt.serving.protocol import GenerateRequest
-    from dflash_trt.serving.repository import parse_config
 
     engine = make_tiny_engine(tmp_path, block_size=8, max_draft_len=3)
     for policy, method in (("adaptive", None), ("fixed", "greedy")):
@@ -186,12 +195,8 @@ def test_an_engine_with_a_smaller_max_draft_len_is_served_with_it(tmp_path):
     assert len(out["per_position_acceptance"]) <= 3
     res = runner.invoke(main, ["generate", "--engine", str(engine), "--max-draft-len", "4", "Hello"])
     assert res.exit_code == 2 and res.output.startswith("error: ") and "above the 3" in res.output
-    repo = tmp_path / "repo"
-    res = runner.invoke(main, ["deploy", "triton", str(engine), "--out", str(repo), "--max-draft-len", "2",
-                               "--policy", "fixed", "--backend", "reference"])
-    assert res.exit_code == 0, res.output
-    params = {k: v.string_value for k, v in parse_config((repo / "dflash" / "config.pbtxt").read_text())
-              .parameters.items()}
+    params = _deployed_parameters(engine, tmp_path / "repo", "--max-draft-len", "2", "--policy", "fixed",
+                                  "--backend", "reference")
     assert (params["max_draft_len"], params["policy"], params["backend"]) == ("2", "fixed", "pytorch")
     res = runner.invoke(main, ["deploy", "triton", str(engine), "--out", str(tmp_path / "r2"), "--max-draft-len", "7"])
     assert res.exit_code == 2 and "above the 3" in res.output and not (tmp_path / "r2").exists()
@@ -206,3 +211,63 @@ def test_generate_adaptive_runs_the_batched_runtime_and_stays_lossless(tiny_pair
     assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "adaptive",
                                   "draft_method": DEFAULT_DRAFT_METHOD}
     assert out["identical_to_plain"] is True and len(out["per_position_acceptance"]) <= 3
+
+
+def test_policy_schedule_on_generate_serve_and_deploy(tiny_pair_dirs, tmp_path):
+    """--policy schedule with --draft-len-schedule means the same on `generate`, `deploy triton` /
+    `serve` (the backend's runtime follows the schedule written into config.pbtxt) and is checked
+    against K where it is chosen (TensorRT-LLM's rule: the smallest batch size maps to K)."""
+    from dflash_trt.draft_len_schedule import DraftLenSchedule
+    from dflash_trt.runtime.policy import SchedulePolicy
+    from dflash_trt.serving.backends import BackendSettings, load_backend
+
+    tdir, ddir = tiny_pair_dirs
+    runner = CliRunner()
+    base = ["generate", "--target", str(tdir), "--draft", str(ddir), "--json", "--max-draft-len", "3",
+            "--max-new-tokens", "12"]
+    res = runner.invoke(main, [*base, "--policy", "schedule", "--draft-len-schedule", "1:3,4:1", "--compare", "hi"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "schedule", "draft_method": "match",
+                                  "draft_len_schedule": {"1": 3, "4": 1}}
+    assert out["identical_to_plain"] is True and out["total_draft_tokens"] > 0  # one row: K = 3 drafts a step
+    for args, needle in [(["--policy", "schedule"], "none is given"),
+                         (["--policy", "schedule", "--draft-len-schedule", "1:2,4:1"], "must map to max_draft_len=3"),
+                         (["--draft-len-schedule", "1-3"], "is not BATCH:DRAFT_LEN")]:
+        res = runner.invoke(main, [*base, *args, "hi"])
+        assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, res.output
+
+    engine = make_tiny_engine(tmp_path, block_size=8, max_draft_len=3)
+    params = _deployed_parameters(engine, tmp_path / "repo", "--backend", "pytorch", "--policy", "schedule",
+                                  "--draft-len-schedule", "1:3,2:0")
+    assert (params["policy"], params["draft_len_schedule"]) == ("schedule", "1:3,2:0")
+    backend = load_backend(engine, BackendSettings(backend="pytorch", policy=params["policy"],
+                                                   draft_len_schedule=params["draft_len_schedule"]))
+    try:
+        policy = backend.runtime.policy
+        assert isinstance(policy, SchedulePolicy) and policy.schedule == DraftLenSchedule(((1, 3), (2, 0)))
+        assert [policy.choose(b, 3).k for b in (1, 2, 3)] == [3, 0, 0]
+    finally:
+        backend.shutdown()
+    res = runner.invoke(main, ["deploy", "triton", str(engine), "--out", str(tmp_path / "r2"), "--policy", "schedule"])
+    assert res.exit_code == 2 and "none is given" in res.output and not (tmp_path / "r2").exists()
+
+
+def test_an_engines_recorded_schedule_is_what_policy_schedule_follows():
+    """The node's manifest records the schedule its build derived (EngineManifest.draft_len_schedule(),
+    branch schedule-node): policy schedule follows it unless --draft-len-schedule replaces it, and a
+    lowered K caps it. A stand-in manifest with that one method, until both branches are on main."""
+    from types import SimpleNamespace
+
+    from dflash_trt.draft_len_schedule import DraftLenSchedule
+
+    recorded = DraftLenSchedule(((4, 7), (16, 3), (64, 1)))
+    manifest = SimpleNamespace(limits=SimpleNamespace(max_draft_len=7), draft=SimpleNamespace(block_size=8),
+                               draft_len_schedule=lambda: recorded)
+    assert SpeculationSettings.from_manifest(manifest, policy="schedule").schedule == recorded
+    assert SpeculationSettings.from_manifest(manifest, 5, "schedule").schedule.steps == ((4, 5), (16, 3), (64, 1))
+    given = SpeculationSettings.from_manifest(manifest, policy="schedule", draft_len_schedule="8:7")
+    assert given.schedule.steps == ((8, 7),)
+    assert SpeculationSettings.from_manifest(manifest, policy="adaptive").schedule is None  # only schedule reads it
+    with pytest.raises(DFlashError, match="none is given"):
+        SpeculationSettings.from_manifest(manifest, policy="schedule", draft_len_schedule="off")

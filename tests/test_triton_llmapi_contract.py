@@ -34,7 +34,12 @@ pytestmark = pytest.mark.timeout(120)
 
 UPSTREAM = json.loads((Path(__file__).parent / "upstream" / "tensorrtllm_backend_llmapi.json").read_text())
 CONFIG = UPSTREAM["config_pbtxt"]
-OURS_EXTRA_OUTPUTS = {"tau", "num_output_tokens", "queue_time_ms", "decode_time_ms"}
+OURS_EXTRA_OUTPUTS = {"tau", "num_output_tokens", "queue_time_ms", "decode_time_ms", "position_drafted",
+                      "position_accepted"}
+# our outputs beside upstream's: (datatype, dims) as config.pbtxt must declare them
+OURS_OUTPUT_TYPES = {"tau": ("TYPE_FP32", [1]), "num_output_tokens": ("TYPE_INT32", [1]),
+                     "queue_time_ms": ("TYPE_FP32", [1]), "decode_time_ms": ("TYPE_FP32", [1]),
+                     "position_drafted": ("TYPE_INT32", [-1]), "position_accepted": ("TYPE_INT32", [-1])}
 # config.pbtxt TYPE_* -> the datatype string a Triton client sends
 WIRE = {"TYPE_STRING": "BYTES", "TYPE_BOOL": "BOOL", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32",
         "TYPE_UINT64": "UINT64", "TYPE_INT64": "INT64"}
@@ -86,6 +91,7 @@ def test_config_and_model_yaml_match_upstream(engine, tmp_path):
     for spec in CONFIG["outputs"]:
         assert ours_out[spec["name"]] == (spec["data_type"], spec["dims"]), spec["name"]
     assert set(ours_out) - {o["name"] for o in CONFIG["outputs"]} == OURS_EXTRA_OUTPUTS
+    assert {name: ours_out[name] for name in OURS_EXTRA_OUTPUTS} == OURS_OUTPUT_TYPES
     assert cfg.backend == CONFIG["backend"]
     model_yaml = yaml.safe_load((repo / "dflash" / "1" / "model.yaml").read_text())
     assert model_yaml["triton_config"]["decoupled"] is UPSTREAM["model_yaml"]["triton_config"]["decoupled"]
@@ -100,6 +106,12 @@ def test_an_upstream_unary_client_gets_the_reference_answer(engine, tmp_path):
             assert _text(r) == reference_answer(engine, PROMPT, MAX_TOKENS)
             assert r.as_numpy("finish_reason").reshape(-1)[0].decode() in ("length", "stop")
             assert 0 <= int(r.as_numpy("total_accepted_draft_tokens")[0]) <= int(r.as_numpy("total_draft_tokens")[0])
+            # per draft position j: the steps that drafted it and the steps that kept it, summing to the totals
+            drafted, accepted = r.as_numpy("position_drafted"), r.as_numpy("position_accepted")
+            assert drafted.dtype == np.int32 and drafted.ndim == 1 and drafted.shape == accepted.shape
+            assert drafted.sum() == int(r.as_numpy("total_draft_tokens")[0]) > 0
+            assert accepted.sum() == int(r.as_numpy("total_accepted_draft_tokens")[0])
+            assert (accepted <= drafted).all() and list(drafted) == sorted(drafted, reverse=True)
             with pytest.raises(InferenceServerException) as exc:  # upstream model.py's own refusal
                 c.infer("dflash", _request(stream=True), client_timeout=60)
             assert UPSTREAM["model_py"]["behaviour"]["streaming_needs_decoupled"] in exc.value.message()

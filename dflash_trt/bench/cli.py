@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli_helpers import DRAFT_METHOD_HELP, draft_method_option, friendly_errors, int_list, max_draft_len_option, str_list
+from dflash_trt.cli_helpers import (DRAFT_METHOD_HELP, draft_len_schedule_option, draft_method_option, float_list,
+                                    friendly_errors, int_list, max_draft_len_option, str_list)
 from dflash_trt.runtime_options import DTYPE_NAMES
 from dflash_trt.speculation import DEFAULT_DRAFT_METHOD
 
@@ -22,16 +23,22 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 
 @click.group("bench", invoke_without_command=True)
-@click.option("--engine", type=click.Path(file_okay=False), help="Engine directory from `dflash-trt build` (in process).")
+@click.option("--engine", type=click.Path(file_okay=False),
+              help="Engine directory from `dflash-trt build` (in process); with --url: the engine that server runs "
+                   "(its manifest's tp x pp is the GPU count of the frontier).")
 @click.option("--target", type=click.Path(file_okay=False), help="Target HF checkpoint directory (with --draft).")
 @click.option("--draft", type=click.Path(file_okay=False), help="DFlash drafter directory (with --target).")
 @click.option("--runtime", callback=_runtimes,
               help="In process, comma-separated: reference (the reference loop, one request at a time) and/or batched "
                    "(the batched runtime `serve` runs) [default: reference; with --peer: reference,batched; with "
-                   "--policy adaptive or fixed:0: batched].")
+                   "--policy adaptive, schedule, fixed:0 or several policies: batched].")
 @click.option("--policy", help="The batched runtime's policy: adaptive (k <= K chosen per step, what `serve` runs) "
-                               "[default], fixed (K drafts every step) or fixed:k (k drafts every step, k <= K; "
-                               "fixed:0 = the DFlash runtime decoding plainly). The reference loop is always fixed.")
+                               "[default], schedule (k = --draft-len-schedule's value at the step's batch size, what "
+                               "a TensorRT-LLM node does), fixed (K drafts every step) or fixed:k (k drafts every "
+                               "step, k <= K; fixed:0 = the DFlash runtime decoding plainly); several, comma-separated "
+                               "(fixed,schedule,adaptive), run side by side against one plain runtime. The reference "
+                               "loop is always fixed.")
+@draft_len_schedule_option()
 @max_draft_len_option("In process: K, the most drafts a step verifies (1..block_size-1) [default: the engine's "
                       "limits.max_draft_len, else the drafter's block_size - 1]; also vLLM's num_speculative_tokens.")
 @draft_method_option("In process: " + DRAFT_METHOD_HELP + f" [default: {DEFAULT_DRAFT_METHOD}]")
@@ -86,6 +93,11 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--gpu", help="GPU of the run for the bandwidth ceiling (b300, b200, h200, h100) [default: detected].")
 @click.option("--threads", type=int, help="torch CPU threads in process [default: torch's].")
 @click.option("--timeout", "timeout_s", type=float, help="Seconds per endpoint request [default: 600].")
+@click.option("--gpus", type=int, help="With --url: the GPUs behind the server, for throughput per GPU [default: the "
+                                      "--engine manifest's tp x pp; in process: 1].")
+@click.option("--interactivity", callback=float_list("20,60"),
+              help="Tokens/s per user (1 / TPOT), comma-separated: print each mode's highest throughput at or above "
+                   "each, and DFlash / plain (interpolated in log2 C between measured levels, never beyond them).")
 @click.option("--out", type=click.Path(file_okay=False), help="Write bench.json, table.md and PNG plots here.")
 @click.option("--plots/--no-plots", default=None, help="Write PNG plots into --out [default: yes].")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
@@ -101,7 +113,9 @@ def bench(ctx: click.Context, config_file: str | None, no_progress: bool, **flag
     and --concurrency level (a closed loop of C users): tau, per-position acceptance, TTFT, TPOT,
     tokens/s per user and total, DFlash/plain, ours/vLLM, and whether every output equals the
     reference loop's greedy decoding; then what limits each DFlash figure (a step's cost in plain
-    steps: drafter, verify, other, against tau). `dflash-trt bench report bench.json` prints it again.
+    steps: drafter, verify, other, against tau), and the interactivity / throughput frontier (tokens/s
+    per user = 1 / TPOT against tokens/s per GPU, its Pareto front; --interactivity X reads each mode's
+    best throughput at >= X). `dflash-trt bench report bench.json` prints it again.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -169,14 +183,19 @@ def _run_with_progress(cfg, console, no_progress: bool):
 @click.argument("bench_json", type=click.Path(dir_okay=False))
 @click.option("--markdown", "as_markdown", is_flag=True, help="Markdown tables (for docs/results.md) instead of the terminal.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the markdown here instead of stdout.")
+@click.option("--interactivity", callback=float_list("20,60"),
+              help="Tokens/s per user (1 / TPOT), comma-separated: each mode's highest throughput at or above each "
+                   "[default: the run's own --interactivity].")
 @friendly_errors
-def report(bench_json: str, as_markdown: bool, out: str | None) -> None:
+def report(bench_json: str, as_markdown: bool, out: str | None, interactivity: list[float] | None) -> None:
     """Print the report of a finished run again, from its bench.json (the terminal tables, or markdown)."""
     from rich.console import Console
 
-    from dflash_trt.bench.report import load_result, markdown, print_report
+    from dflash_trt.bench.report import load_result, markdown, print_report, with_targets
 
     result = load_result(bench_json)
+    if interactivity is not None:
+        result = with_targets(result, interactivity)
     if as_markdown or out:
         text = markdown(result)
         if out:

@@ -1,9 +1,11 @@
 """The resolved bench configuration: typed, unknown keys rejected; a --config YAML under CLI flags.
 
 What runs is decided here, once: the sides (our runtimes in process, the vLLM peer, or a server
-at --url), the policy of the batched runtime (the SpeculationSettings vocabulary: ``adaptive``,
-``fixed`` = K drafts every step, ``fixed:k`` = k drafts every step, k <= K; ``fixed:0`` = the
-DFlash runtime decoding plainly), and the defaults that follow from them.
+at --url), the policies of the batched runtime (the SpeculationSettings vocabulary: ``adaptive``,
+``schedule`` = the draft-length schedule's k at the step's batch size, ``fixed`` = K drafts every
+step, ``fixed:k`` = k drafts every step, k <= K; ``fixed:0`` = the DFlash runtime decoding plainly;
+several, comma-separated, run side by side against one plain runtime), and the defaults that follow
+from them.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from dflash_trt.runtime_options import RuntimeChoices
 from dflash_trt.speculation import DraftMethod
 
 RUNTIMES = ("reference", "batched")
-POLICY_HINT = "use adaptive, fixed (K drafts every step) or fixed:k (k drafts every step, 0 <= k <= K)"
+POLICY_HINT = ("use adaptive, schedule (k from --draft-len-schedule at the batch size), fixed (K drafts every step) or "
+               "fixed:k (k drafts every step, 0 <= k <= K); several side by side: fixed,schedule,adaptive")
 
 
 def parse_policy(value: str) -> tuple[str, int | None]:
-    """"adaptive" -> ("adaptive", None); "fixed" -> ("fixed", None); "fixed:3" -> ("fixed", 3)."""
+    """"adaptive" -> ("adaptive", None); "schedule" -> ("schedule", None); "fixed" -> ("fixed", None);
+    "fixed:3" -> ("fixed", 3)."""
     kind, sep, k = value.partition(":")
-    if kind == "adaptive" and not sep:
+    if kind in ("adaptive", "schedule") and not sep:
         return kind, None
     if kind == "fixed":
         if not sep:
@@ -30,6 +34,16 @@ def parse_policy(value: str) -> tuple[str, int | None]:
         if k.isdigit():
             return kind, int(k)
     raise ValueError(f"--policy {value!r} is not a policy; {POLICY_HINT}")
+
+
+def parse_policies(value: str) -> list[tuple[str, int | None]]:
+    """"fixed,schedule,adaptive" -> each policy parsed, in the order given; a repeat is refused."""
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise ValueError(f"--policy {value!r} names no policy; {POLICY_HINT}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--policy {value!r} names a policy twice; name each once")
+    return [parse_policy(n) for n in names]
 
 
 class BenchConfig(RuntimeChoices):
@@ -40,7 +54,8 @@ class BenchConfig(RuntimeChoices):
     model_config = ConfigDict(extra="forbid")
 
     # what runs: in process (engine | target+draft | embedded default), the vLLM peer beside it,
-    # or a server at --url (host:port = Triton gRPC; http(s)://host:port = an OpenAI-compatible server)
+    # or a server at --url (host:port = Triton gRPC; http(s)://host:port = an OpenAI-compatible server);
+    # with --url, engine names the engine that server runs (its tp x pp: the GPUs of the frontier)
     engine: str | None = None
     target: str | None = None
     draft: str | None = None
@@ -64,10 +79,13 @@ class BenchConfig(RuntimeChoices):
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     seed: int = 0
-    # K (drafts verified per step, default the engine's or block_size - 1) and the batched runtime's policy
+    # K (drafts verified per step, default the engine's or block_size - 1) and the batched runtime's
+    # policies (comma-separated: each a DFlash side beside one plain runtime); the draft-length
+    # schedule the ``schedule`` policy follows (dflash_trt/draft_len_schedule.py's text form)
     max_draft_len: int | None = Field(None, ge=1)
     policy: str | None = None
     draft_method: DraftMethod | None = None  # how sampled steps draft and verify [None: DEFAULT_DRAFT_METHOD]
+    draft_len_schedule: str | None = None
     tau_only: bool = False  # DFlash only: acceptance figures, no plain decoding, no speed ratios
     concurrency: list[int] = Field(default_factory=lambda: [1])
     repeats: int = Field(1, ge=1)  # timed runs per (side, mode, C), alternating; the fastest counts
@@ -79,12 +97,23 @@ class BenchConfig(RuntimeChoices):
     timeout_s: float = Field(600.0, gt=0)  # per endpoint request
     out: str | None = None
     plots: bool = True
+    # the interactivity / throughput frontier (bench/frontier.py): GPUs behind the server (in process: 1)
+    # and the interactivities (tokens/s per user = 1 / TPOT) to read each mode's best throughput at
+    gpus: int | None = Field(None, ge=1)
+    interactivity: list[float] = Field(default_factory=list)
 
     @field_validator("concurrency")
     @classmethod
     def _levels(cls, v: list[int]) -> list[int]:
         if not v or any(c < 1 for c in v):
             raise ValueError("concurrency levels must be integers >= 1, e.g. 1,2,4,8")
+        return sorted(set(v))
+
+    @field_validator("interactivity")
+    @classmethod
+    def _interactivity(cls, v: list[float]) -> list[float]:
+        if any(not x > 0 or x == float("inf") for x in v):
+            raise ValueError("interactivity values are tokens/s per user > 0, e.g. 20,60")
         return sorted(set(v))
 
     @field_validator("runtime")
@@ -98,7 +127,20 @@ class BenchConfig(RuntimeChoices):
     @classmethod
     def _policy(cls, v: str | None) -> str | None:
         if v is not None:
-            parse_policy(v)
+            parse_policies(v)
+        return v
+
+    @field_validator("draft_len_schedule")
+    @classmethod
+    def _schedule(cls, v: str | None) -> str | None:
+        from dflash_trt.draft_len_schedule import DraftLenSchedule
+        from dflash_trt.errors import DFlashError
+
+        if v is not None:
+            try:
+                DraftLenSchedule.parse(v)
+            except DFlashError as e:
+                raise ValueError(str(e)) from None
         return v
 
     @field_validator("gpu")
@@ -112,15 +154,19 @@ class BenchConfig(RuntimeChoices):
 
     @model_validator(mode="after")
     def _sources(self) -> BenchConfig:
-        if self.url and (self.engine or self.target or self.draft):
-            raise ValueError("--url measures a server; drop --engine/--target/--draft (or drop --url to run in process)")
+        if self.url and (self.target or self.draft):
+            raise ValueError("--url measures a server; drop --target/--draft (or drop --url to run in process)")
+        if self.gpus and not self.url:
+            raise ValueError("--gpus counts the GPUs behind a server (--url); in process the run uses one device")
         if self.engine and (self.target or self.draft):
             raise ValueError("--engine already holds the target and drafter; drop --target/--draft")
         if bool(self.target) != bool(self.draft):
             raise ValueError("pass both --target and --draft, or neither (to use the embedded default pair)")
-        if self.url and (self.max_draft_len or self.policy or self.draft_method or self.runtime or self.peer):
-            raise ValueError("--max-draft-len, --policy, --draft-method, --runtime and --peer apply in process only; a "
-                             "server has its own (set them on `dflash-trt serve` / `deploy triton` / `vllm serve`)")
+        if self.url and (self.max_draft_len or self.policy or self.draft_method or self.draft_len_schedule
+                         or self.runtime or self.peer):
+            raise ValueError("--max-draft-len, --policy, --draft-method, --draft-len-schedule, --runtime and --peer "
+                             "apply in process only; a server has its own (set them on `dflash-trt serve` / "
+                             "`deploy triton` / `vllm serve`)")
         if self.plain_url and not self.url:
             raise ValueError("--plain-url is for endpoint mode; add --url (in process runs plain decoding itself)")
         if self.metrics_url and not (self.url or "").startswith(("http://", "https://")):
@@ -135,22 +181,31 @@ class BenchConfig(RuntimeChoices):
 
     def _defaults(self) -> None:
         """The runtimes and the policy when not given, and what cannot be combined."""
-        kind, k = parse_policy(self.policy) if self.policy else (None, None)
+        policies = parse_policies(self.policy) if self.policy else []
+        batched_only = [kind for kind, k in policies if kind in ("adaptive", "schedule") or k == 0]
         if self.runtime is None and not self.url:
-            # the reference loop, unless the policy needs the batched runtime; beside the peer, both
+            # the reference loop, unless a policy needs the batched runtime (or several are compared); beside the
+            # peer, both
             self.runtime = (["reference", "batched"] if self.peer
-                            else ["batched"] if kind == "adaptive" or k == 0 else ["reference"])
+                            else ["batched"] if batched_only or len(policies) > 1 else ["reference"])
         runtimes = self.runtime or []
-        if kind == "adaptive" and "batched" not in runtimes and not self.url:
-            raise ValueError("--policy adaptive runs on the batched runtime; add --runtime batched (the reference loop "
-                             "verifies K drafts every step)")
-        if k == 0 and "reference" in runtimes:
+        if batched_only and "batched" not in runtimes and not self.url:
+            raise ValueError(f"--policy {batched_only[0]} runs on the batched runtime; add --runtime batched (the "
+                             "reference loop verifies K drafts every step)")
+        if any(k == 0 for _, k in policies) and "reference" in runtimes:
             raise ValueError("--policy fixed:0 (the DFlash runtime decoding plainly) needs --runtime batched; the "
                              "reference loop always drafts")
-        if k is not None and k > 0:
+        if len(policies) == 1 and policies[0][1]:  # one fixed:k: K = k (the reference loop's too)
+            k = policies[0][1]
             if self.max_draft_len is not None and self.max_draft_len != k:
                 raise ValueError(f"--policy fixed:{k} and --max-draft-len {self.max_draft_len} disagree; give one")
             self.max_draft_len = k
+        from dflash_trt.draft_len_schedule import DraftLenSchedule
+
+        if (self.draft_len_schedule and DraftLenSchedule.parse(self.draft_len_schedule) is not None
+                and not any(kind == "schedule" for kind, _ in policies)):
+            raise ValueError("--draft-len-schedule is what --policy schedule follows; add schedule to --policy, e.g. "
+                             "--policy fixed,schedule,adaptive")
         if "batched" in runtimes and self.policy is None:
             self.policy = "adaptive"  # what `dflash-trt serve` runs
         if self.tau_only and self.peer:

@@ -170,8 +170,10 @@ class _null:
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class BatchedSide:
-    """`policy`: "adaptive" (what serve runs) or "fixed:k" (k drafts every step; k = 0: the DFlash
-    runtime decoding plainly, which prices its own overhead against the plain runtime)."""
+    """`policy`: "adaptive" (what serve runs), "schedule" (the speculation's draft-length schedule)
+    or "fixed:k" (k drafts every step; k = 0: the DFlash runtime decoding plainly, which prices its
+    own overhead against the plain runtime). `baseline`: the side whose plain decoding this side's
+    DFlash is measured against, where this side runs no plain mode (several policies side by side)."""
 
     inputs: PairInputs
     speculation: Any  # SpeculationSettings: B, K
@@ -183,6 +185,7 @@ class BatchedSide:
     label: str = "ours, batched runtime"
     parallel: bool = True
     modes: tuple[str, ...] = MODES
+    baseline: str | None = None
     calibration_s: float = 0.0
     _runtimes: dict[str, Any] = field(default_factory=dict)
     _startup: dict[str, dict[str, Any]] = field(default_factory=dict)  # mode -> build time, captured graphs
@@ -200,8 +203,9 @@ class BatchedSide:
             if mode == "plain":
                 rt = open_runtime(pair.target, None, self.options, choice="batched")
             else:
-                spec = self.speculation.replace(policy="adaptive" if self.policy == "adaptive" else "fixed")
-                policy = make_policy(spec) if self.policy == "adaptive" else FixedPolicy(int(self.policy.split(":")[1]))
+                kind, _, k = self.policy.partition(":")
+                spec = self.speculation.replace(policy=kind)
+                policy = FixedPolicy(int(k)) if kind == "fixed" else make_policy(spec)
                 rt = open_runtime(pair.target, pair.draft, self.options, spec, RuntimeExtras(policy=policy),
                                   choice="batched")
             self._runtimes[mode] = rt

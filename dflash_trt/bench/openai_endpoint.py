@@ -7,9 +7,10 @@ tokenizer contract), ``stream_options.include_usage`` for the token count, and v
 compares ids; a server that refuses it is asked again without, and text is compared instead).
 
 Figures per request from the client's clock: TTFT = first chunk with content, TPOT = (last -
-first) / (completion_tokens - 1). DFlash statistics: from the response where it carries them (a
-``dflash`` object or usage keys named as in dflash_trt.metrics), else pooled over the run from
-the server's Prometheus counters (bench/server_metrics.py). Plain decoding needs a second server
+first) / (completion_tokens - 1). DFlash statistics: from the response where it carries them (our
+server's ``dflash`` object; vLLM's ``metrics.speculative_decoding``, which `vllm serve
+--per-request-spec-decode-metrics summary` adds; or usage keys named as in dflash_trt.metrics),
+else pooled over the run from the server's Prometheus counters (bench/server_metrics.py). Plain decoding needs a second server
 of the same target without speculation (`plain_url`), as with the Triton endpoint.
 """
 
@@ -27,6 +28,12 @@ from dflash_trt.bench.triton_endpoint import failed_record
 from dflash_trt.errors import DFlashError
 
 STAT_KEYS = ("acceptance_length", "total_draft_tokens", "total_accepted_draft_tokens", "num_steps")
+# our `dflash` object -> the keys above; per-position counts travel as lists
+OURS = {"tau": "acceptance_length", "total_draft_tokens": "total_draft_tokens",
+        "total_accepted_draft_tokens": "total_accepted_draft_tokens", "num_steps": "num_steps"}
+# vLLM's metrics.speculative_decoding (tests/upstream/spec_decode_metrics.json) -> the keys above
+VLLM = {"mean_acceptance_length": "acceptance_length", "num_draft_tokens": "total_draft_tokens",
+        "num_accepted_draft_tokens": "total_accepted_draft_tokens", "num_spec_steps": "num_steps"}
 
 
 def is_http_url(url: str) -> bool:
@@ -41,15 +48,40 @@ class StreamedAnswer:
     finish_reason: str = ""
     ttft_s: float | None = None  # request sent -> first chunk with content
     latency_s: float = 0.0
-    stats: dict[str, float] = field(default_factory=dict)  # DFlash statistics, where the server sends them
+    stats: dict[str, Any] = field(default_factory=dict)  # DFlash statistics, where the server sends them
 
 
-def _stats_in(chunk: dict[str, Any]) -> dict[str, float]:
-    """DFlash statistics a response may carry: a `dflash` object, or usage keys of our vocabulary."""
-    out: dict[str, float] = {}
-    for src in (chunk.get("dflash"), chunk.get("usage")):
-        if isinstance(src, dict):
-            out.update({k: float(v) for k, v in src.items() if k in STAT_KEYS and isinstance(v, (int, float))})
+def _numbers(src: Any, names: dict[str, str]) -> dict[str, float]:
+    if not isinstance(src, dict):
+        return {}
+    return {names[k]: float(v) for k, v in src.items() if k in names and isinstance(v, (int, float))}
+
+
+def _vllm_positions(spec: dict[str, Any]) -> dict[str, list[int]]:
+    """Per-position counts from vLLM's histogram: position j was accepted by every draft that
+    accepted more than j tokens; it was drafted by every draft only where each drafted K tokens."""
+    hist, steps, k = spec.get("acceptance_histogram"), spec.get("num_spec_steps"), spec.get("num_spec_tokens")
+    if not isinstance(hist, list) or not isinstance(steps, int) or not isinstance(k, int) or not k:
+        return {}
+    out = {"position_accepted": [sum(hist[j + 1:]) for j in range(k)]}
+    if spec.get("num_draft_tokens") == steps * k:
+        out["position_drafted"] = [steps] * k
+    return out
+
+
+def _stats_in(chunk: dict[str, Any]) -> dict[str, Any]:
+    """DFlash statistics a response may carry: our `dflash` object, vLLM's per-request
+    `metrics.speculative_decoding`, or usage keys of our vocabulary."""
+    out: dict[str, Any] = _numbers(chunk.get("usage"), {k: k for k in STAT_KEYS})
+    spec = (chunk.get("metrics") or {}).get("speculative_decoding") if isinstance(chunk.get("metrics"), dict) else None
+    if isinstance(spec, dict):
+        out.update(_numbers(spec, VLLM))
+        out.update(_vllm_positions(spec))
+    ours = chunk.get("dflash")
+    if isinstance(ours, dict):
+        out.update(_numbers(ours, OURS))
+        out.update({k: [int(x) for x in ours[k]] for k in ("position_drafted", "position_accepted")
+                    if isinstance(ours.get(k), list)})
     return out
 
 
@@ -191,22 +223,32 @@ class OpenAIEndpointSide:
         drafted = int(a.stats.get("total_draft_tokens", 0))
         accepted = int(a.stats.get("total_accepted_draft_tokens", 0))
         steps = int(a.stats.get("num_steps", 0)) or (round(accepted / (tau - 1)) if tau > 1 else 0)
+        positions = "position_drafted" in a.stats and "position_accepted" in a.stats
         return RequestRecord(
             mode=mode, concurrency=concurrency, prompt_id=req.prompt.id, category=req.prompt.category,
             num_prompt_tokens=0, num_output_tokens=n, num_steps=steps, total_draft_tokens=drafted,
             total_accepted_draft_tokens=accepted, tau=tau, acceptance_rate=accepted / drafted if drafted else 0.0,
             t_submit=t_submit - self.t0, t_first=t_submit - self.t0 + (a.ttft_s if a.ttft_s is not None else a.latency_s),
             t_end=t_submit - self.t0 + a.latency_s, queue_s=0.0, finish_reason=a.finish_reason or "length",
+            position_drafted=a.stats["position_drafted"] if positions else None,
+            position_accepted=a.stats["position_accepted"] if positions else None,
             output_ids=a.token_ids, text=a.text, side=self.name,
         )
 
     def run(self, mode: str, requests: Sequence[BenchRequest], concurrency: int, on_done: OnDone) -> RunResult:
         from dflash_trt.bench.server_metrics import delta, scrape
 
-        before = scrape(self._metrics_url()) if mode == "dflash" else None
+        before: Any = None
+        if mode == "dflash":  # before the run, in case the responses carry no statistics
+            try:
+                before = scrape(self._metrics_url())
+            except DFlashError as e:  # only an error if the responses turn out to lack them too
+                before = e
         records = closed_loop_threads(requests, concurrency, lambda r, t: self._one(mode, concurrency, r, t), on_done)
         counters = None
         if before is not None and not any(r.num_steps for r in records):  # the responses carried no statistics
+            if isinstance(before, DFlashError):
+                raise before
             counters = delta(scrape(self._metrics_url()), before)
         return RunResult(records, {"model": self._models.get(mode), "token_ids": self.client(mode).token_ids},
                          counters)

@@ -6,10 +6,23 @@ from pathlib import Path
 from typing import Any
 
 PLOTS = {"throughput": "throughput.png", "tokens_per_s_by_concurrency": "tokens_per_s_by_concurrency.png",
-         "tau_histogram": "tau_histogram.png", "per_position_acceptance": "per_position_acceptance.png"}
+         "tau_histogram": "tau_histogram.png", "per_position_acceptance": "per_position_acceptance.png",
+         "frontier": "frontier.png"}
 SIDE_COLORS = {"reference": "tab:green", "batched": "tab:blue", "vllm": "tab:red", "vllm-eager": "tab:orange",
                "endpoint": "tab:purple"}
+# several policies side by side: sides "batched <policy>" (bench/run.py), one colour per policy kind
+POLICY_COLORS = {"fixed": "tab:cyan", "schedule": "tab:olive", "adaptive": "tab:purple"}
+
+
+def side_color(side: str) -> str:
+    """A side's colour in every chart; a policy's side ("batched fixed:3") by its policy kind."""
+    if side.startswith("batched "):
+        return POLICY_COLORS.get(side.removeprefix("batched ").split(":")[0], "tab:gray")
+    return SIDE_COLORS.get(side, "tab:gray")
+
+
 MODE_STYLE = {"dflash": "o-", "plain": "s--"}
+MODE_MARKER = {"dflash": "o", "plain": "s"}
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -46,7 +59,8 @@ def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, 
 
 def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> dict[str, str]:
     """throughput.png (per-user vs total tokens/s across the sweep), tokens_per_s_by_concurrency.png,
-    tau_histogram.png, per_position_acceptance.png (where steps were seen). Returns {plot: file name}."""
+    tau_histogram.png, per_position_acceptance.png (where steps were seen), frontier.png (the
+    interactivity / throughput Pareto chart, bench/frontier.py). Returns {plot: file name}."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,7 +75,7 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
     fig, ax = plt.subplots(figsize=(7, 4.6))
     for (side, mode), rs in series.items():
         ax.plot([r["total_tokens_per_s"] for r in rs], [r["tokens_per_s"]["mean"] for r in rs], MODE_STYLE[mode],
-                color=SIDE_COLORS.get(side, "tab:gray"), label=f"{labels[side]}, {mode}")
+                color=side_color(side), label=f"{labels[side]}, {mode}")
         for r in rs:
             ax.annotate(f"C={r['concurrency']}", (r["total_tokens_per_s"], r["tokens_per_s"]["mean"]),
                         textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -72,7 +86,7 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
     fig, ax = plt.subplots(figsize=(7, 4.6))
     for (side, mode), rs in series.items():
         ax.plot([r["concurrency"] for r in rs], [r["total_tokens_per_s"] for r in rs], MODE_STYLE[mode],
-                color=SIDE_COLORS.get(side, "tab:gray"), label=f"{labels[side]}, {mode}")
+                color=side_color(side), label=f"{labels[side]}, {mode}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({r["concurrency"] for r in rows}), [str(c) for c in sorted({r["concurrency"] for r in rows})])
     _finish(fig, ax, out_dir, "tokens_per_s_by_concurrency", written, "Output tokens/s of all users",
@@ -89,7 +103,7 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
         for side in per_step:
             values = [a for r in dflash if r.side == side for a in r.acceptance_lengths]
             ax.hist(values, bins=range(1, top + 2), align="left", histtype="step", linewidth=1.5,
-                    color=SIDE_COLORS.get(side, "tab:gray"), label=labels.get(side, side))
+                    color=side_color(side), label=labels.get(side, side))
         xlabel = "acceptance_length per step (tokens committed, bonus included)"
     else:
         ax.hist([r.tau for r in dflash] or [0.0], bins=20, color="tab:blue")
@@ -105,8 +119,34 @@ def write_plots(result: dict[str, Any], records: list[Any], out_dir: Path) -> di
         width = 0.8 / len(ppa)
         for i, (side, values) in enumerate(ppa):
             ax.bar([j + 1 + (i - (len(ppa) - 1) / 2) * width for j in range(len(values))], values, width=width,
-                   color=SIDE_COLORS.get(side, "tab:gray"), label=labels.get(side, side))
+                   color=side_color(side), label=labels.get(side, side))
         ax.set_ylim(0, 1)
         _finish(fig, ax, out_dir, "per_position_acceptance", written, f"Acceptance by draft position at C={level}",
                 "draft slot (1 = first token after the anchor)", "per_position_acceptance")
+    if result.get("frontier") and result["frontier"]["series"]:
+        _frontier_plot(result["frontier"], out_dir, written)
     return written
+
+
+def _frontier_plot(front: dict[str, Any], out_dir: Path, written: dict[str, str]) -> None:
+    """Every measured point of every side and mode on one chart, each series' Pareto front drawn
+    through its points, and a dashed line at each asked interactivity."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for s in front["series"]:
+        color = side_color(s["side"])
+        pts = s["points"]
+        ax.scatter([p["interactivity"] for p in pts], [p["throughput"] for p in pts], marker=MODE_MARKER[s["mode"]],
+                   color=color, alpha=0.5)
+        for p in pts:
+            ax.annotate(f"C={p['concurrency']}", (p["interactivity"], p["throughput"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+        front_pts = sorted((p for p in pts if p["pareto"]), key=lambda p: p["interactivity"])
+        ax.plot([p["interactivity"] for p in front_pts], [p["throughput"] for p in front_pts], MODE_STYLE[s["mode"]],
+                color=color, label=f"{s['label']}, {s['mode']} (Pareto front)")
+    for e in {e["interactivity"] for e in front["at"]}:
+        ax.axvline(e, color="black", linestyle=":", linewidth=1)
+    per = front["per"]
+    _finish(fig, ax, out_dir, "frontier", written, "Throughput vs interactivity: each mode's Pareto front",
+            "interactivity: tokens/s per user (1 / mean TPOT)", f"output tokens/s {per} (all users)", grid=True)

@@ -1,9 +1,10 @@
 """The report of a bench run, from its bench.json object: the same tables in the terminal (rich) and as
 markdown (table.md, docs/results.md via `dflash-trt bench report bench.json --markdown`).
 
-Tables: the sweep (one row per side, mode and C), what limits each DFlash figure (bench/limits.py),
-per category (with --per-category); then lines: the issue's goals per C where a peer ran, the
-ceiling, the identity check, the machine's load.
+Tables: the sweep (one row per side, mode and C), several policies side by side, what limits each DFlash figure (bench/limits.py),
+per category (with --per-category), the interactivity / throughput frontier (bench/frontier.py);
+then lines: each mode's best throughput at the asked interactivities, the issue's goals per C
+where a peer ran, the ceiling, the identity check, the machine's load.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+LEFT_COLUMNS = ("side", "mode", "candidates", "category", "Pareto")
 SWEEP_COLUMNS = ("C", "side", "mode", "tau", "per-position acceptance", "TTFT p50 (ms)", "TPOT mean (ms)",
                  "step p50 (ms)", "tok/s per user", "tok/s total", "DFlash/plain", "vs vLLM", "identical", "load")
 
@@ -117,6 +119,31 @@ def policy_table(result: dict[str, Any]) -> Table | None:
                  out)
 
 
+def policies_table(result: dict[str, Any]) -> Table | None:
+    """Several policies side by side (``--policy fixed,schedule,adaptive``): per C, the plain
+    runtime's tokens/s and each policy's, with its ratio to plain and the k its steps drafted."""
+    from dflash_trt.bench.summary import baseline_of
+
+    rows = result["rows"]
+    policies = [r for r in rows if r["mode"] == "dflash" and baseline_of(r) != r["side"]]
+    if not policies:
+        return None
+    labels = list(dict.fromkeys(r["side"] for r in policies))
+    out = []
+    for c in sorted({r["concurrency"] for r in policies}):
+        plain = next((r for r in rows if r["mode"] == "plain" and r["concurrency"] == c
+                      and r["side"] == baseline_of(policies[0])), None)
+        cells = [str(c), f"{plain['total_tokens_per_s']:.1f}" if plain else "-"]
+        for side in labels:
+            r = next((r for r in policies if r["side"] == side and r["concurrency"] == c), None)
+            cells.append(f"{r['total_tokens_per_s']:.1f} ({_x(r.get('dflash_over_plain')) or '-'}, tau {_f(r['tau'])})"
+                         if r else "-")
+        out.append(cells)
+    names = [side.removeprefix("batched ") for side in labels]
+    return Table("Policies side by side, one run: total tok/s (DFlash/plain, tau) of each policy's DFlash runtime "
+                 "against the same plain runtime", ("C", "plain tok/s", *names), out)
+
+
 def category_table(result: dict[str, Any]) -> Table | None:
     out = []
     for r in result["rows"]:
@@ -132,8 +159,45 @@ def category_table(result: dict[str, Any]) -> Table | None:
                                   "tok/s per user", "requests"), out)
 
 
+def frontier_of(result: dict[str, Any]) -> dict[str, Any]:
+    """The run's frontier object (bench.json written before it existed: computed from its rows)."""
+    if result.get("frontier"):
+        return result["frontier"]
+    from dflash_trt.bench.frontier import frontier, gpu_basis
+
+    return frontier(result, *gpu_basis(result))
+
+
+def with_targets(result: dict[str, Any], targets: list[float]) -> dict[str, Any]:
+    """`result` with its frontier read at other interactivities (`bench report --interactivity`)."""
+    from dflash_trt.bench.frontier import frontier, gpu_basis
+    from dflash_trt.errors import DFlashError
+
+    if any(not x > 0 or x == float("inf") for x in targets):
+        raise DFlashError(f"--interactivity {','.join(f'{x:g}' for x in targets)}: give tokens/s per user > 0, "
+                          f"e.g. 20,60")
+    return {**result, "frontier": frontier(result, *gpu_basis(result), sorted(set(targets)))}
+
+
+def frontier_table(result: dict[str, Any]) -> Table | None:
+    from dflash_trt.bench.frontier import unit_of
+
+    front = frontier_of(result)
+    if not front["series"]:
+        return None
+    per = front.get("per") or unit_of(front["gpus"], front["gpus_source"])
+    rows = [[s["label"], "DFlash" if s["mode"] == "dflash" else "plain", str(p["concurrency"]),
+             f"{p['interactivity']:.1f}", f"{p['throughput']:.1f}", "*" if p["pareto"] else ""]
+            for s in front["series"] for p in s["points"]]
+    gpus = f"divided by {front['gpus']}: {front['gpus_source']}" if front["gpus"] else front["gpus_source"]
+    return Table(f"Interactivity / throughput frontier: tokens/s per user = 1 / mean TPOT, tokens/s {per} "
+                 f"[{gpus}]; * = on its series' Pareto front",
+                 ("side", "mode", "C", "tok/s per user (1/TPOT)", f"tok/s {per}", "Pareto"), rows)
+
+
 def tables(result: dict[str, Any]) -> list[Table]:
-    return [t for t in (sweep_table(result), limits_table(result), policy_table(result), category_table(result)) if t]
+    return [t for t in (sweep_table(result), policies_table(result), limits_table(result), policy_table(result),
+                        category_table(result), frontier_table(result)) if t]
 
 
 def goal_lines(result: dict[str, Any]) -> list[str]:
@@ -185,8 +249,10 @@ def graph_lines(result: dict[str, Any]) -> list[str]:
 
 
 def note_lines(result: dict[str, Any]) -> list[str]:
+    from dflash_trt.bench.frontier import at_lines
+
     c = result["ceiling"]
-    lines = goal_lines(result)
+    lines = at_lines(frontier_of(result)) + goal_lines(result)
     if c.get("tau_bound_speedup"):
         lines.append(f"Leviathan bound (free drafting, verify = one step): speedup <= tau = {c['tau_bound_speedup']:.2f}")
     if c.get("measured_speedup"):
@@ -227,7 +293,7 @@ def print_report(result: dict[str, Any], console: Any) -> None:
     for t in tables(result):
         table = RichTable(title=t.title)
         for col in t.columns:
-            table.add_column(col, justify="left" if col in ("side", "mode", "candidates", "category") else "right")
+            table.add_column(col, justify="left" if col in LEFT_COLUMNS else "right")
         for r in t.rows:
             table.add_row(*r)
         console.print(table)
@@ -266,6 +332,6 @@ def markdown(result: dict[str, Any]) -> str:
     parts = ["\n\n".join(head) + "\n"]
     for t in tables(result):
         header = "| " + " | ".join(t.columns) + " |\n|" + "|".join(
-            ":---" if c in ("side", "mode", "candidates", "category") else "---:" for c in t.columns) + "|\n"
+            ":---" if c in LEFT_COLUMNS else "---:" for c in t.columns) + "|\n"
         parts.append(f"{t.title}\n\n" + header + "".join("| " + " | ".join(r) + " |\n" for r in t.rows))
     return "\n".join(parts) + "\n" + "".join(f"- {line}\n" for line in note_lines(result))

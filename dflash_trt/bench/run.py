@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.bench.config import BenchConfig, parse_policy
+from dflash_trt.bench.config import BenchConfig, parse_policies
 from dflash_trt.bench.prompts import BenchPrompt, from_categories, from_jsonl
 from dflash_trt.bench.runners import BenchRequest, RequestRecord, RunResult
 from dflash_trt.errors import DFlashError
@@ -128,11 +128,14 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    kind, k = parse_policy(cfg.policy) if cfg.policy else ("fixed", None)
+    policies = parse_policies(cfg.policy) if cfg.policy else [("fixed", None)]
     options = RuntimeOptions.of(cfg)
+    kinds = [kind for kind, _ in policies]
+    # "schedule" where any side follows it: the settings then hold the schedule given or the engine's
     pair = load_pair(PairSource(cfg.target, cfg.draft, engine=cfg.engine), options, max_draft_len=cfg.max_draft_len,
-                     policy="adaptive" if kind == "adaptive" else "fixed", draft_method=cfg.draft_method)
-    spec = pair.speculation
+                     policy="schedule" if "schedule" in kinds else kinds[0], draft_method=cfg.draft_method,
+                     draft_len_schedule=cfg.draft_len_schedule)
+    spec = pair.speculation.replace(policy=kinds[0])
     source: dict[str, Any] = {"kind": "in_process", "engine": cfg.engine, "target": cfg.target, "draft": cfg.draft,
                               "engine_manifest_sha256": None, "speculation": spec.to_dict()}
     weights = "none"
@@ -152,15 +155,23 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
     sides: list[Any] = []
     for name in cfg.runtime or []:
         if name == "reference":
-            sides.append(ReferenceSide(inputs, spec.replace(policy="fixed"), modes=modes))
-        else:
-            policy = "adaptive" if kind == "adaptive" else f"fixed:{k if k is not None else spec.max_draft_len}"
-            n_cands = len(default_candidates(spec.max_draft_len))
-            limits = options.replace(max_batch=max(cfg.concurrency),
-                                     max_seq_len=_max_seq_len(cfg, inputs, prompts, spec.block_size, n_cands))
-            sides.append(BatchedSide(inputs, spec, policy, limits,
-                                     calibrate_levels=cfg.concurrency if cfg.calibrate else (), modes=modes))
-            source["batched_policy"] = policy
+            sides.append(ReferenceSide(inputs, spec.replace(policy="fixed", schedule=None), modes=modes))
+            continue
+        n_cands = len(default_candidates(spec.max_draft_len))
+        limits = options.replace(max_batch=max(cfg.concurrency),
+                                 max_seq_len=_max_seq_len(cfg, inputs, prompts, spec.block_size, n_cands))
+        named = [kind if kind != "fixed" else f"fixed:{k if k is not None else spec.max_draft_len}"
+                 for kind, k in policies]
+        calibrate_levels = cfg.concurrency if cfg.calibrate else ()
+        if len(named) == 1:  # one policy: one side, its DFlash and plain modes (bench.json's side "batched")
+            sides.append(BatchedSide(inputs, spec, named[0], limits, calibrate_levels=calibrate_levels, modes=modes))
+        else:  # several, side by side: one plain runtime, each policy's DFlash runtime measured against it
+            if not cfg.tau_only:
+                sides.append(BatchedSide(inputs, spec, named[0], limits, modes=("plain",)))
+            sides += [BatchedSide(inputs, spec, policy, limits, calibrate_levels=calibrate_levels,
+                                  name=f"batched {policy}", label=f"ours, batched runtime, policy {policy}",
+                                  modes=("dflash",), baseline="batched") for policy in named]
+        source["batched_policy"] = ",".join(named)
     source["runtimes"] = list(cfg.runtime or [])
     if cfg.peer:
         sides += _peer_sides(cfg, source, pair, spec, say)
@@ -247,6 +258,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
         from dflash_trt.bench.peer_vllm import require_peer
 
         require_peer()  # before anything slow: one line and `make peer` if it is absent
+    gpus = _gpus(cfg)  # a bad --engine: one line before anything runs
     load_start = load_average()
     prompts = load_bench_prompts(cfg)
     requests = {c: bench_requests(cfg, prompts, c) for c in cfg.concurrency}
@@ -311,7 +323,24 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
         "limits": analyse(rows),
         "requests": [r.to_dict() for r in records],
     }
+    from dflash_trt.bench.frontier import frontier
+
+    result["frontier"] = frontier(result, *gpus, cfg.interactivity)
     return result, records
+
+
+def _gpus(cfg: BenchConfig) -> tuple[int | None, str]:
+    """The GPUs a run's throughput is divided by, and where that number came from."""
+    if cfg.in_process:
+        return 1, f"in process: one device ({'cpu' if cfg.device == 'cpu' else 'gpu'})"
+    if cfg.gpus:
+        return cfg.gpus, "--gpus"
+    if cfg.engine:
+        from dflash_trt.engine.manifest import load_manifest
+
+        m = load_manifest(cfg.engine).mapping
+        return m.world_size, f"the engine's manifest: tp {m.tp} x pp {m.pp}"
+    return None, "unknown: pass --gpus N or --engine ENGINE"
 
 
 def _throughput(res: RunResult) -> float:

@@ -1,15 +1,17 @@
 """DFlash statistics from a server's Prometheus metrics, for servers whose responses carry none.
 
-An OpenAI-compatible response says nothing about speculation, but the server's ``/metrics``
-does: vLLM exports the spec-decode counters ``vllm:spec_decode_num_drafts`` (verify steps that
-drafted), ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` and
-``vllm:spec_decode_num_accepted_tokens_per_pos`` (label ``position``, 0-based) (vLLM 0.32,
-vllm/v1/spec_decode/metrics.py; prometheus-client appends ``_total`` to each sample). Ours
-(dflash_trt/serving/metrics.py) exports ``dflash_draft_tokens`` and
-``dflash_accepted_draft_tokens``. The bench reads them before and after a run and pools the
-difference: with concurrent requests the counters cannot be attributed to one request, so tau
-and per-position acceptance are figures of the whole run (what a server's dashboard shows too).
-Parsed with prometheus-client's own text parser.
+An OpenAI-compatible response of vLLM or trtllm-serve says nothing about speculation by default,
+but the server's metrics do. Three families of counters are understood, each with its names and
+labels as recorded in tests/upstream/spec_decode_metrics.json: ours (dflash_trt/serving/metrics.py:
+``dflash_drafts``, ``dflash_draft_tokens``, ``dflash_accepted_draft_tokens``,
+``dflash_position_drafted`` / ``dflash_position_accepted``, label ``position``), vLLM 0.32's
+``vllm:spec_decode_*`` (drafts, draft tokens, accepted tokens, accepted per ``position``) and
+TensorRT-LLM's ``trtllm_spec_decode_*`` (draft and accepted tokens, drafted and accepted per
+``token_position``; no drafts counter). Our server exports all three for the same counts, so the
+first family present in that order is read, never a sum of them. The bench reads them before and
+after a run and pools the difference: with concurrent requests the counters cannot be attributed
+to one request, so tau and per-position acceptance are figures of the whole run (what a server's
+dashboard shows too). Parsed with prometheus-client's own text parser.
 """
 
 from __future__ import annotations
@@ -17,42 +19,53 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.serving.metrics import OUR_COUNTERS, UPSTREAM_COUNTERS
 
-# our name -> the exporters' counter names (without _total)
-COUNTERS = {
-    "num_drafts": ("vllm:spec_decode_num_drafts",),
-    "draft_tokens": ("vllm:spec_decode_num_draft_tokens", "dflash_draft_tokens"),
-    "accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "dflash_accepted_draft_tokens"),
-}
-PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+QUANTITIES = ("drafts", "draft_tokens", "accepted_tokens", "drafted_per_position", "accepted_per_position")
+
+
+def _families() -> list[dict[str, tuple[str, str | None]]]:
+    """[{quantity: (counter name, its position label or None)}] in the order they are preferred."""
+    out: dict[str, dict[str, tuple[str, str | None]]] = {}
+    for quantity, name, labels in (*OUR_COUNTERS, *UPSTREAM_COUNTERS):
+        family = name.split(":")[0].split("_")[0]  # dflash | vllm | trtllm
+        out.setdefault(family, {})[quantity] = (name, labels[-1] if quantity.endswith("per_position") else None)
+    return list(out.values())
+
+
+FAMILIES = _families()
 
 
 def parse_counters(text: str) -> dict[str, Any]:
-    """{our name: summed value over label sets, "accepted_per_position": [per 0-based position]}."""
+    """{"drafts", "draft_tokens", "accepted_tokens": summed over label sets; "drafted_per_position",
+    "accepted_per_position": [per 0-based position]; "found": whether any family was present}, of
+    the first family the text has."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    by_name = {name: ours for ours, names in COUNTERS.items() for name in names}
-    out: dict[str, Any] = {ours: 0.0 for ours in COUNTERS}
-    per_pos: dict[int, float] = {}
-    seen = False
     try:
-        families = list(text_string_to_metric_families(text))
+        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if not s.name.endswith("_created")]
     except ValueError as e:
         raise DFlashError(f"the metrics endpoint did not answer Prometheus text ({e}); check --metrics-url") from None
-    for fam in families:
-        for sample in fam.samples:
-            name = sample.name.removesuffix("_total")
-            if sample.name.endswith("_created"):
-                continue
-            if name in by_name:
-                out[by_name[name]] += float(sample.value)
-                seen = True
-            elif name == PER_POSITION and "position" in sample.labels:
-                pos = int(sample.labels["position"])
-                per_pos[pos] = per_pos.get(pos, 0.0) + float(sample.value)
-    out["accepted_per_position"] = [per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)] if per_pos else []
-    out["found"] = seen
-    return out
+    for family in FAMILIES:
+        names = {name: (quantity, pos_label) for quantity, (name, pos_label) in family.items()}
+        mine = [s for s in samples if s.name.removesuffix("_total") in names]
+        if not mine:
+            continue
+        out: dict[str, Any] = {q: 0.0 for q in QUANTITIES[:3]}
+        per_pos: dict[str, dict[int, float]] = {"drafted_per_position": {}, "accepted_per_position": {}}
+        for s in mine:
+            quantity, pos_label = names[s.name.removesuffix("_total")]
+            if pos_label is None:
+                out[quantity] += float(s.value)
+            elif pos_label in s.labels:
+                j = int(s.labels[pos_label])
+                per_pos[quantity][j] = per_pos[quantity].get(j, 0.0) + float(s.value)
+        for quantity, values in per_pos.items():
+            out[quantity] = [values.get(j, 0.0) for j in range(max(values) + 1)] if values else []
+        return {**out, "found": True, "has_drafts": "drafts" in family}
+    return {**{q: 0.0 for q in QUANTITIES[:3]}, "drafted_per_position": [], "accepted_per_position": [],
+            "found": False, "has_drafts": False}
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -63,22 +76,27 @@ def scrape(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
         r.raise_for_status()
     except httpx.HTTPError as e:
         raise DFlashError(f"cannot read the server's metrics at {url} ({type(e).__name__}: {e}); pass --metrics-url "
-                          f"URL of its Prometheus endpoint (vLLM: the API port's /metrics; dflash-trt serve: :8002/metrics)"
-                          ) from None
+                          f"URL of its Prometheus endpoint (vLLM: the API port's /metrics; trtllm-serve: the API "
+                          f"port's /prometheus/metrics; dflash-trt serve: :8002/metrics)") from None
     return parse_counters(r.text)
+
+
+def _minus(after: list[float], before: list[float]) -> list[int]:
+    before = before + [0.0] * (len(after) - len(before))
+    return [int(round(a - b)) for a, b in zip(after, before)]
 
 
 def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """Counts of one run: `after` - `before`, as the pooled figures the summaries use."""
-    d = {k: after[k] - before[k] for k in COUNTERS}
-    b = before["accepted_per_position"] + [0.0] * (len(after["accepted_per_position"]) - len(before["accepted_per_position"]))
-    per_pos = [a - x for a, x in zip(after["accepted_per_position"], b)]
-    drafts = int(round(d["num_drafts"]))
+    drafts = int(round(after["drafts"] - before["drafts"]))
+    accepted = _minus(after["accepted_per_position"], before["accepted_per_position"])
+    drafted = _minus(after["drafted_per_position"], before["drafted_per_position"])
+    if not drafted and drafts:  # vLLM counts no drafted tokens per position: every draft drafted each slot
+        drafted = [drafts] * len(accepted)
     return {
-        "num_drafts": drafts or None,  # None: no steps counter (ours), or nothing drafted
-        "total_draft_tokens": int(round(d["draft_tokens"])),
-        "total_accepted_draft_tokens": int(round(d["accepted_tokens"])),
-        # vLLM drafts every slot at every drafting step: slot j was drafted num_drafts times
-        "position_accepted": [int(round(x)) for x in per_pos],
-        "position_drafted": [drafts] * len(per_pos) if drafts else [],
+        "num_drafts": drafts or None,  # None: no drafts counter (TensorRT-LLM), or nothing drafted
+        "total_draft_tokens": int(round(after["draft_tokens"] - before["draft_tokens"])),
+        "total_accepted_draft_tokens": int(round(after["accepted_tokens"] - before["accepted_tokens"])),
+        "position_accepted": accepted,
+        "position_drafted": drafted,
     }

@@ -3,7 +3,8 @@ the ratios between them, and the identity check.
 
 - A row's figures pool its requests: tau and acceptance over all steps (not a mean of request
   means), latencies as distributions, total_tokens_per_s over the run's wall time.
-- ``dflash_over_plain``: a side's DFlash total tokens/s over its own plain decoding's, same C;
+- ``dflash_over_plain``: a side's DFlash total tokens/s over its own plain decoding's, same C (a
+  side without a plain mode -- one of several policies side by side -- over its ``baseline``'s);
   ``speedup``: plain mean TPOT over DFlash mean TPOT (the per-user pace).
 - ``vs_peer``: a side's total tokens/s over the peer's (vLLM in its default, compiled mode when it
   ran, else eager), same mode, same C; ``vs_fastest_plain``: a DFlash row over the fastest plain
@@ -48,7 +49,7 @@ def summarize_records(records: list[RequestRecord], counters: dict[str, Any] | N
     records carry no per-request acceptance."""
     ok = [r for r in records if r.error is None]
     pooled = merge_stats([_stats_of(r) for r in ok])
-    per_step = bool(ok) and all(r.acceptance_lengths is not None for r in ok)
+    per_position = bool(ok) and all(r.position_drafted is not None for r in ok)  # an endpoint may send them
     wall = max(r.t_end for r in ok) - min(r.t_submit for r in ok) if ok else 0.0
     out = {
         "num_requests": len(ok),
@@ -59,7 +60,7 @@ def summarize_records(records: list[RequestRecord], counters: dict[str, Any] | N
         "total_accepted_draft_tokens": pooled.total_accepted_draft_tokens,
         "tau": pooled.tau,
         "acceptance_rate": pooled.acceptance_rate,
-        "per_position_acceptance": pooled.per_position_acceptance if per_step else None,
+        "per_position_acceptance": pooled.per_position_acceptance if per_position else None,
         "acceptance_source": "per request" if pooled.num_steps else None,
         "ttft_s": summarize([r.ttft_s for r in ok]),
         "tpot_s": summarize([r.tpot_s for r in ok if r.num_output_tokens > 1]),
@@ -79,8 +80,9 @@ def summarize_records(records: list[RequestRecord], counters: dict[str, Any] | N
                    acceptance_rate=accepted / drafted if drafted else 0.0,
                    num_steps=steps or 0, tau=1 + accepted / steps if steps else None,
                    acceptance_source="server metrics (pooled over the run)")
-        if steps and counters.get("position_accepted"):
-            out["per_position_acceptance"] = [a / steps for a in counters["position_accepted"]]
+        if counters.get("position_accepted") and counters.get("position_drafted"):
+            out["per_position_acceptance"] = [a / d if d else 0.0 for a, d in zip(counters["position_accepted"],
+                                                                                  counters["position_drafted"])]
     return out
 
 
@@ -102,6 +104,7 @@ def build_rows(results: dict[tuple[str, str, int], RunResult], sides: list[Any],
                 if run is None:
                     continue
                 row: dict[str, Any] = {"side": side.name, "label": side.label, "mode": mode, "concurrency": c,
+                                       "baseline": getattr(side, "baseline", None) or side.name,
                                        **summarize_records(run.records, run.counters)}
                 if per_category:
                     cats = sorted({r.category for r in run.records})
@@ -118,11 +121,16 @@ def find(rows: list[dict[str, Any]], side: str, mode: str, c: int) -> dict[str, 
     return next((r for r in rows if r["side"] == side and r["mode"] == mode and r["concurrency"] == c), None)
 
 
+def baseline_of(row: dict[str, Any]) -> str:
+    """The side whose plain decoding a row's DFlash is measured against (its own, unless it runs none)."""
+    return row.get("baseline") or row["side"]
+
+
 def _ratios(rows: list[dict[str, Any]]) -> None:
     peers = [s for s in PEER_SIDES if any(r["side"] == s for r in rows)]
     for r in rows:
         c, mode = r["concurrency"], r["mode"]
-        plain = find(rows, r["side"], "plain", c)
+        plain = find(rows, baseline_of(r), "plain", c)
         r["dflash_over_plain"] = r["speedup"] = None
         if mode == "dflash" and plain and plain["total_tokens_per_s"]:
             r["dflash_over_plain"] = r["total_tokens_per_s"] / plain["total_tokens_per_s"]
@@ -150,7 +158,7 @@ def _identity(rows: list[dict[str, Any]], results: dict[tuple[str, str, int], Ru
             against = "reference loop, plain greedy"
             ids_want: dict[str, Any] | None = want
         else:  # an endpoint: its DFlash outputs against its plain server's, per prompt
-            plain = results.get((row["side"], "plain", row["concurrency"]))
+            plain = results.get((baseline_of(row), "plain", row["concurrency"]))
             if plain is None:
                 row["identical"] = None
                 continue

@@ -3,7 +3,8 @@
 Requests go through dflash_trt.serving.client (streaming on a decoupled repository, unary on one that is
 not: TTFT is only meaningful against `deploy triton --decoupled`); every response
 carries the model's statistics outputs (tau, total_draft_tokens, ...,
-queue_time_ms, decode_time_ms), so each request has its own tau, and its latency splits into
+queue_time_ms, decode_time_ms, the per-position counts), so each request has its own tau and
+per-position acceptance, and its latency splits into
 waiting for the runtime, decoding, and the rest (gRPC, (de)serialisation, the Python-backend
 shim: server overhead). ``mode`` names what a server runs: `url` the DFlash model; a plain
 baseline needs a second server of the same target without speculation (`plain_url`).
@@ -120,6 +121,8 @@ class TritonEndpointSide:
             t_first=t_first - self.t0, t_end=t_end - self.t0, queue_s=float(r.stats.get("queue_time_ms", 0.0)) / 1e3,
             finish_reason=r.finish_reason, text=r.text, side=self.name,
             server_decode_s=float(decode_ms) / 1e3 if decode_ms is not None else None,
+            # the per-position counts, where the server sends them (dflash-trt's model.py does)
+            position_drafted=r.stats.get("position_drafted"), position_accepted=r.stats.get("position_accepted"),
         )
 
     def run(self, mode: str, requests: Sequence[BenchRequest], concurrency: int, on_done: OnDone) -> RunResult:

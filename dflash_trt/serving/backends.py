@@ -68,6 +68,8 @@ class BackendSettings(RuntimeChoices):
     # how sampled steps draft and verify (speculation.py); None: the backend's own -- the pytorch
     # backend's is DEFAULT_DRAFT_METHOD, TensorRT-LLM's exact match (tensorrt_llm_draft_method)
     draft_method: DraftMethod | None = None
+    # what policy schedule follows (--draft-len-schedule's text, "off": none); None: the engine's recorded one
+    draft_len_schedule: str | None = None
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -96,7 +98,7 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
     engine_dir = Path(engine_dir).resolve()
     manifest = load_manifest(engine_dir)
     speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy,
-                                                    settings.draft_method)
+                                                    settings.draft_method, settings.draft_len_schedule)
     limit = manifest.limits.max_seq_len
     default = default_max_tokens_for(limit, settings.default_max_tokens)
     from dflash_trt.engine.llm_api import tensorrt_llm_refusal
@@ -132,7 +134,8 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
     options = RuntimeOptions.of(settings, max_batch=manifest.limits.max_batch_size, max_seq_len=limit)
     # the loader re-checks every file's sha256 and dequantizes FP8/NVFP4 targets
     pair = load_pair(PairSource(engine=engine_dir), options, max_draft_len=settings.max_draft_len,
-                     policy=settings.policy, draft_method=settings.draft_method)
+                     policy=settings.policy, draft_method=settings.draft_method,
+                     draft_len_schedule=settings.draft_len_schedule)
     if pair.tokenizer is None:
         raise DFlashError(_no_tokenizer(engine_dir, manifest))
     runtime = open_runtime(TargetAdapter(pair.target), pair.draft, options, pair.speculation)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.cli_helpers import DRAFT_METHOD_HELP, draft_method_option, friendly_errors, max_draft_len_option, policy_option
+from dflash_trt.cli_helpers import (DRAFT_METHOD_HELP, draft_len_schedule_option, draft_method_option, friendly_errors,
+                                    max_draft_len_option, policy_option)
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime_options import DTYPE_NAMES
 from dflash_trt.serving.backends import BACKEND_ALIASES, BACKENDS, normalize_backend
@@ -42,10 +43,13 @@ def _repo_options(fn):
         max_draft_len_option("K: the most drafts a step verifies [default: the engine's limits.max_draft_len; "
                              "lower only: the engine's memory plan holds that many]."),
         policy_option("adaptive", "pytorch backend: adaptive = k <= K per step from measured costs (never slower "
-                                  "than plain decoding); fixed = K every step (reproducible tau). TensorRT-LLM "
-                                  "always verifies K."),
+                                  "than plain decoding); fixed = K every step (reproducible tau); schedule = the "
+                                  "draft-length schedule's k at the step's batch size (--draft-len-schedule, else "
+                                  "the engine's: as the TensorRT-LLM node does). TensorRT-LLM follows its "
+                                  "llm_api_options.yaml."),
         draft_method_option(DRAFT_METHOD_HELP + f" [default: {DEFAULT_DRAFT_METHOD} on the pytorch backend, match on "
                                                 "tensorrt_llm, the only one its engine runs]"),
+        draft_len_schedule_option(),
         click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None,
                      help="Weights dtype for the pytorch backend [default: the engine's: its 16-bit dtype for a GPU "
                           "engine, float32 for a CPU one]."),
@@ -77,9 +81,9 @@ def _repo_options(fn):
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @friendly_errors
 def triton(engine: str, out: str, model_name: str, backend: str, default_max_tokens: int | None, max_queue: int,
-           max_draft_len: int | None, policy: str, draft_method: str | None, dtype: str | None, device: str | None,
-           cuda_graphs: bool | None, torch_compile: bool | None, decoupled: bool, engine_path: str | None,
-           force: bool) -> None:
+           max_draft_len: int | None, policy: str, draft_method: str | None, draft_len_schedule: str | None,
+           dtype: str | None, device: str | None, cuda_graphs: bool | None, torch_compile: bool | None,
+           decoupled: bool, engine_path: str | None, force: bool) -> None:
     """Write a Triton model repository for ENGINE in tensorrtllm_backend's llmapi shape (Python backend).
 
     Serve it with `tritonserver --model-repository OUT` (TensorRT-LLM container) or `dflash-trt serve
@@ -90,8 +94,8 @@ def triton(engine: str, out: str, model_name: str, backend: str, default_max_tok
 
     settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
                          max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, draft_method=draft_method,
-                         dtype=dtype, device=device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
-                         decoupled=decoupled, engine_path=engine_path)
+                         draft_len_schedule=draft_len_schedule, dtype=dtype, device=device, cuda_graphs=cuda_graphs,
+                         torch_compile=torch_compile, decoupled=decoupled, engine_path=engine_path)
     if Path(engine).is_dir():  # (a missing one is named by generate_repository)
         verify_engine(engine)  # an altered engine is refused here, not by the server at startup
     click.echo(f"[deploy triton] engine={Path(engine).resolve()} out={out} "
@@ -144,14 +148,15 @@ def _default_engine() -> Path:
 def serve(source: str | None, model_repository: str | None, grpc_address: str, grpc_port: int, metrics_port: int,
           allow_metrics: bool, load_models: tuple[str, ...], exit_timeout_secs: float, http_port: int | None,
           max_streams: int, ready_file: str | None, model_name: str, backend: str, default_max_tokens: int | None,
-          max_queue: int, max_draft_len: int | None, policy: str, draft_method: str | None, dtype: str | None,
+          max_queue: int, max_draft_len: int | None, policy: str, draft_method: str | None,
+          draft_len_schedule: str | None, dtype: str | None,
           device: str | None, cuda_graphs: bool | None, torch_compile: bool | None, decoupled: bool) -> None:
     """Serve a model repository (or an engine directory) over Triton's gRPC protocol (and HTTP), with metrics.
 
     The repository's model.py runs through the Triton Python-backend interface, exactly as in
     tritonserver; the real tritonclient talks to it unchanged. The options --model-name, --backend,
-    --default-max-tokens, --max-queue, --max-draft-len, --policy, --draft-method, --dtype, --device,
-    --cuda-graphs and --torch-compile apply when SOURCE is an engine directory.
+    --default-max-tokens, --max-queue, --max-draft-len, --policy, --draft-method, --draft-len-schedule,
+    --dtype, --device, --cuda-graphs and --torch-compile apply when SOURCE is an engine directory.
     """
     import logging
     import shutil
@@ -173,8 +178,9 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
         else:
             settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
                                  max_queue=max_queue, max_draft_len=max_draft_len, policy=policy,
-                                 draft_method=draft_method, dtype=dtype, device=device, cuda_graphs=cuda_graphs,
-                                 torch_compile=torch_compile, decoupled=decoupled)
+                                 draft_method=draft_method, draft_len_schedule=draft_len_schedule, dtype=dtype,
+                                 device=device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
+                                 decoupled=decoupled)
             tmp = Path(tempfile.mkdtemp(prefix="dflash-trt-repo-"))
             model_repository = str(generate_repository(engine, tmp / "repo", settings))
     click.echo(json.dumps({"model_repository": model_repository, "grpc": f"{grpc_address}:{grpc_port}",
@@ -209,24 +215,28 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
 def client(prompt: str, url: str, model: str, stream: bool, max_tokens: int | None, temperature: float | None,
            top_p: float | None, seed: int | None, stop: tuple[str, ...], timeout_s: float, as_json: bool) -> None:
     """Send PROMPT to a Triton gRPC or an OpenAI-compatible server; print the answer and its DFlash statistics."""
-    from dflash_trt.serving.client import generate
+    from dflash_trt.serving.client import generate, per_position_acceptance
     from dflash_trt.serving.openai_client import generate_openai
 
     printer = (lambda t: click.echo(t, nl=False)) if stream and not as_json else None
     send = generate_openai if url.startswith(("http://", "https://")) else generate
     result = send(url, prompt, model=model, stream=stream, on_text=printer, timeout_s=timeout_s,
                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+    ppa = per_position_acceptance(result.stats)
     if as_json:
         click.echo(json.dumps({"text": result.text, "finish_reason": result.finish_reason, **result.stats,
-                               "ttft_s": result.ttft_s, "latency_s": result.latency_s}))
+                               "per_position_acceptance": ppa, "ttft_s": result.ttft_s, "latency_s": result.latency_s}))
         return
     click.echo("" if stream else result.text)
     s = result.stats
+    # accepted / drafted at each draft position (1 = the first token after the anchor)
+    positions = "-" if ppa is None else " ".join(f"{x:.2f}" for x in ppa) or "none drafted"
     click.echo(
         f"\n[{'openai' if send is generate_openai else 'triton'}] finish={result.finish_reason} "
         f"tokens={s.get('num_output_tokens', '?')} tau={s.get('tau', 0.0):.2f} acceptance_rate={s.get('acceptance_rate', 0.0):.2f} "
         f"drafted={s.get('total_draft_tokens', '?')} accepted={s.get('total_accepted_draft_tokens', '?')} "
-        f"ttft={result.ttft_s * 1e3:.0f}ms latency={result.latency_s * 1e3:.0f}ms", err=True)
+        f"per-position acceptance=[{positions}] ttft={result.ttft_s * 1e3:.0f}ms latency={result.latency_s * 1e3:.0f}ms",
+        err=True)
 
 
 DEPLOY_COMMANDS = [triton]

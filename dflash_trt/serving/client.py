@@ -28,13 +28,14 @@ from dflash_trt.errors import DFlashError
 
 STAT_OUTPUTS = ("tau", "acceptance_rate", "total_draft_tokens", "total_accepted_draft_tokens", "num_output_tokens",
                 "queue_time_ms", "decode_time_ms")
+POSITION_OUTPUTS = ("position_drafted", "position_accepted")  # one value per draft position (0-based)
 
 
 @dataclass
 class ClientResult:
     text: str
     finish_reason: str
-    stats: dict[str, float] = field(default_factory=dict)  # the model's statistics outputs
+    stats: dict[str, Any] = field(default_factory=dict)  # the model's statistics outputs (per-position: lists)
     ttft_s: float = 0.0  # request sent -> first text received (client side)
     latency_s: float = 0.0  # request sent -> final response
     chunks: int = 0
@@ -82,7 +83,19 @@ def read_result(result: Any) -> tuple[str, dict[str, Any]]:
     """(text_output, {finish_reason and statistics present in this response})."""
     text = _scalar(result, "text_output") or ""
     extra = {n: v for n in ("finish_reason", *STAT_OUTPUTS) if (v := _scalar(result, n)) is not None}
+    for name in POSITION_OUTPUTS:
+        array = result.as_numpy(name)
+        if array is not None:
+            extra[name] = [int(x) for x in array.reshape(-1)]
     return text, extra
+
+
+def per_position_acceptance(stats: dict[str, Any]) -> list[float] | None:
+    """accepted / drafted at each draft position, from a response's per-position counts (None: absent)."""
+    drafted, accepted = stats.get("position_drafted"), stats.get("position_accepted")
+    if drafted is None or accepted is None:
+        return None
+    return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
 
 
 _DECOUPLED: dict[tuple[str, str], bool] = {}

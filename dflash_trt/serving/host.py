@@ -306,11 +306,18 @@ class HostedModel:
 
 
 def scalar_outputs(response: pb_utils.InferenceResponse) -> dict[str, Any]:
-    """The single-element outputs of a response (the statistics the metrics count)."""
-    values = {}
+    """The statistics of a response the metrics count: its single-element numeric outputs, and the
+    per-position lists (serving/metrics.py PER_POSITION_OUTPUTS) whatever their length."""
+    from dflash_trt.serving.metrics import PER_POSITION_OUTPUTS
+
+    values: dict[str, Any] = {}
     for t in response.output_tensors():
         array = t.as_numpy()
-        if array.size == 1 and array.dtype != np.object_:
+        if array.dtype == np.object_:
+            continue
+        if t.name() in PER_POSITION_OUTPUTS:
+            values[t.name()] = array.reshape(-1).tolist()
+        elif array.size == 1:
             values[t.name()] = array.reshape(-1)[0].item()
     return values
 

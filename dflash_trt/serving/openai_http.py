@@ -16,8 +16,16 @@ as the Triton endpoints. The model is the Triton model's name (``/v1/models`` li
 - ``stream: true``: server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage``
   adds a final chunk with ``usage`` (and ``usage: null`` on the others).
 - Every response carries ``usage`` and a ``dflash`` object, the request's speculative statistics:
-  tau, acceptance_rate, total_draft_tokens, total_accepted_draft_tokens, ttft_s, queue_s,
-  decode_s (streaming: on the chunk with the finish_reason and on the usage chunk).
+  tau, acceptance_rate, total_draft_tokens, total_accepted_draft_tokens, num_steps, num_drafts,
+  the per-position counts and acceptance (position_drafted, position_accepted,
+  per_position_acceptance; index j = draft position j, 0-based), ttft_s, queue_s, decode_s
+  (streaming: on the chunk with the finish_reason and on the usage chunk). Beside it, where the
+  backend saw the steps, ``metrics.speculative_decoding``: the same request in vLLM 0.32's own
+  per-request object (its field names and meanings, tests/upstream/spec_decode_metrics.json), so a
+  client written for `vllm serve --per-request-spec-decode-metrics` reads it unchanged. Neither
+  vLLM nor SGLang (``sglext.spec_tokens_details``) put speculation in ``usage``, whose fields
+  are OpenAI's (its ``completion_tokens_details.accepted_prediction_tokens`` counts Predicted
+  Outputs, not drafts), so ``usage`` stays as OpenAI defines it.
 - Errors: OpenAI's error JSON ``{"error": {"message", "type", "param", "code"}}`` with 400
   (invalid request), 404 (unknown model), 429 (``--max-streams`` reached), 503 (queue full or
   shutting down), 500 (the request failed while running; the others of its batch go on).
@@ -207,8 +215,32 @@ def _prompt(prompt: Any) -> str:
 
 def dflash_stats(s: ChunkStats) -> dict[str, Any]:
     return {"tau": s.tau, "acceptance_rate": s.acceptance_rate, "total_draft_tokens": s.total_draft_tokens,
-            "total_accepted_draft_tokens": s.total_accepted_draft_tokens, "ttft_s": s.ttft_s, "queue_s": s.queue_s,
-            "decode_s": s.decode_s}
+            "total_accepted_draft_tokens": s.total_accepted_draft_tokens, "num_steps": s.num_steps,
+            "num_drafts": s.num_drafts, "position_drafted": s.position_drafted,
+            "position_accepted": s.position_accepted, "per_position_acceptance": s.per_position_acceptance,
+            "ttft_s": s.ttft_s, "queue_s": s.queue_s, "decode_s": s.decode_s}
+
+
+def vllm_speculative_decoding(s: ChunkStats) -> dict[str, Any]:
+    """vLLM 0.32's per-request ``metrics.speculative_decoding`` (SpeculativeDecodingMetrics) of a
+    request: drafts only (a step that drafted nothing is no spec step there), the bonus token in
+    the mean acceptance length, the histogram of accepted drafts per step."""
+    steps = sum(s.acceptance_histogram)
+    accepted = sum(j * n for j, n in enumerate(s.acceptance_histogram))
+    return {"mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+            "draft_acceptance_rate": accepted / s.total_draft_tokens if s.total_draft_tokens else 0.0,
+            "acceptance_histogram": list(s.acceptance_histogram), "num_spec_steps": steps,
+            "num_accepted_draft_tokens": accepted, "num_draft_tokens": s.total_draft_tokens,
+            "num_spec_tokens": s.max_draft_len}
+
+
+def speculation_fields(s: ChunkStats) -> dict[str, Any]:
+    """What a final response carries beside usage: our ``dflash`` object and, where the backend
+    saw the steps (the TensorRT-LLM backend reports totals only), vLLM's ``metrics`` object."""
+    out: dict[str, Any] = {"dflash": dflash_stats(s)}
+    if s.acceptance_histogram:
+        out["metrics"] = {"speculative_decoding": vllm_speculative_decoding(s)}
+    return out
 
 
 def usage(s: ChunkStats) -> dict[str, int]:
@@ -318,7 +350,7 @@ class OpenAIHTTP:
         else:
             choice["text"] = text
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model, "choices": [choice], "usage": usage(final.stats), "dflash": dflash_stats(final.stats)}
+                "model": model, "choices": [choice], "usage": usage(final.stats), **speculation_fields(final.stats)}
 
     async def _events(self, generation: Any, timer: Any, chat: bool, ids: tuple[str, int, str], include_usage: bool):
         rid, created, model = ids
@@ -347,9 +379,9 @@ class OpenAIHTTP:
                         raise OpenAIError(503, "the request was cancelled: the server is shutting down")
                     if c.text:
                         yield chunk([choice(c.text, None)])
-                    yield chunk([choice(None, c.finish_reason)], dflash=dflash_stats(c.stats))
+                    yield chunk([choice(None, c.finish_reason)], **speculation_fields(c.stats))
                     if include_usage:
-                        yield chunk([], usage=usage(c.stats), dflash=dflash_stats(c.stats))
+                        yield chunk([], usage=usage(c.stats), **speculation_fields(c.stats))
                     timer.finish(True, None, _values(c.stats))
                 elif c.text:
                     yield chunk([choice(c.text, None)])
@@ -364,4 +396,5 @@ class OpenAIHTTP:
 def _values(s: ChunkStats) -> dict[str, Any]:
     """The statistics the Prometheus metrics count, under the Triton output names."""
     return {"num_output_tokens": s.num_output_tokens, "total_draft_tokens": s.total_draft_tokens,
-            "total_accepted_draft_tokens": s.total_accepted_draft_tokens, "tau": s.tau}
+            "total_accepted_draft_tokens": s.total_accepted_draft_tokens, "tau": s.tau,
+            "position_drafted": s.position_drafted, "position_accepted": s.position_accepted}

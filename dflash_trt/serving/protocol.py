@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dflash_trt.errors import DFlashError, InvalidRequest
@@ -83,7 +83,9 @@ class GenerateRequest:
 
 @dataclass
 class ChunkStats:
-    """Per-request speculative statistics, named as in dflash_trt.metrics."""
+    """Per-request speculative statistics, named as in dflash_trt.metrics. The per-step detail
+    (steps, the per-position counts, the histogram) comes from a runtime that sees the steps (the
+    pytorch backend); the TensorRT-LLM backend reports totals, and leaves them empty."""
 
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -95,15 +97,33 @@ class ChunkStats:
     tpot_s: float = 0.0
     queue_s: float = 0.0  # time spent waiting for the runtime before decoding started
     decode_s: float = 0.0  # time inside the decoding loop (prefill included)
+    num_steps: int = 0  # verification steps (a step that drafted nothing included)
+    max_draft_len: int = 0  # K of the runtime that decoded it (vLLM's num_spec_tokens)
+    # index j: steps that drafted / accepted draft slot j+1 (0-based position j)
+    position_drafted: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+    acceptance_histogram: list[int] = field(default_factory=list)  # [drafts that accepted exactly j], j = 0..K
+
+    @property
+    def num_drafts(self) -> int:
+        """Steps that drafted at least one token (each drafted slot 1)."""
+        return self.position_drafted[0] if self.position_drafted else 0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
     @classmethod
-    def from_generation(cls, stats: Any, queue_s: float) -> "ChunkStats":
-        """From a runtime's GenerationStats (dflash_trt.metrics)."""
+    def from_generation(cls, stats: Any, queue_s: float, max_draft_len: int = 0) -> "ChunkStats":
+        """From a runtime's GenerationStats (dflash_trt.metrics); `max_draft_len`: the runtime's K."""
         return cls(
             num_prompt_tokens=stats.num_prompt_tokens, num_output_tokens=stats.num_output_tokens,
             tau=stats.tau, acceptance_rate=stats.acceptance_rate,
             total_draft_tokens=stats.total_draft_tokens, total_accepted_draft_tokens=stats.total_accepted_draft_tokens,
             ttft_s=stats.ttft_s, tpot_s=stats.tpot_s, queue_s=queue_s, decode_s=stats.total_time_s,
+            num_steps=stats.num_steps, max_draft_len=max_draft_len, position_drafted=list(stats.position_drafted),
+            position_accepted=list(stats.position_accepted),
+            acceptance_histogram=stats.acceptance_histogram(max_draft_len),
         )
 
 

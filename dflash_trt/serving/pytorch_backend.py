@@ -220,8 +220,8 @@ class PyTorchBackend:
         if reason == "stop":  # the stop string, else the stop token that ended it
             stop_reason = a.detok.stop_hit if a.detok.stopped else (result.output_ids[-1] if result.output_ids else None)
         queue_s = max(0.0, seq.t0 - g.submitted_at) if seq.t0 else time.perf_counter() - g.submitted_at
-        g.put(Chunk(tail, finished=True, finish_reason=reason, stats=ChunkStats.from_generation(result.stats, queue_s),
-                    stop_reason=stop_reason))
+        stats = ChunkStats.from_generation(result.stats, queue_s, self.speculation.max_draft_len)
+        g.put(Chunk(tail, finished=True, finish_reason=reason, stats=stats, stop_reason=stop_reason))
         g.end()
 
     def runtime_stats(self) -> dict[str, Any]:

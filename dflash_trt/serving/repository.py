@@ -104,7 +104,8 @@ def render_config(engine_dir: Path, settings: TritonRepoSettings) -> str:
         raise DFlashError(f"--default-max-tokens {settings.default_max_tokens} is above the engine's max_seq_len "
                           f"{limit}; lower it")
     default_max = default_max_tokens_for(limit, settings.default_max_tokens)
-    speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy)
+    speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy,
+                                                    settings.draft_len_schedule)
     template = (resource_dir("triton_repo") / TEMPLATE_MODEL / "config.pbtxt.in").read_text(encoding="utf-8")
     values = {
         "model_name": settings.model_name,
@@ -122,6 +123,8 @@ def render_config(engine_dir: Path, settings: TritonRepoSettings) -> str:
         "policy": speculation.policy,
         "max_draft_len": speculation.max_draft_len,
         "draft_method": settings.draft_method or "",  # "": the backend's own (--backend auto)
+        # resolved here (given, or the engine's for policy schedule): the model loads exactly this one
+        "draft_len_schedule": speculation.schedule.to_text() if speculation.schedule is not None else "off",
         "dtype": settings.dtype,
         "device": settings.device,
         "cuda_graphs": {None: "auto", True: "true", False: "false"}[settings.cuda_graphs],
@@ -142,7 +145,8 @@ def render_model_yaml(engine_dir: Path, settings: TritonRepoSettings) -> str:
     from dflash_trt.speculation import SpeculationSettings
 
     manifest = load_manifest(engine_dir)
-    speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy)
+    speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy,
+                                                    settings.draft_len_schedule)
     kwargs = llm_kwargs(engine_dir, manifest, speculation, root=settings.engine_path)
     body = yaml.safe_dump({**kwargs, "triton_config": {"max_batch_size": 0, "decoupled": settings.decoupled}},
                           sort_keys=False)

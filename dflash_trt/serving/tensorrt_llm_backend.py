@@ -164,7 +164,7 @@ class TensorRTLLMBackend:
                 if o.text_diff and not out.finished:
                     first = first or time.perf_counter()
                     g.put(Chunk(o.text_diff))
-            stats = ChunkStats(num_prompt_tokens=len(ids), queue_s=0.0)
+            stats = ChunkStats(num_prompt_tokens=len(ids), queue_s=0.0, max_draft_len=self.speculation.max_draft_len)
             cancelled = g.cancelled.is_set()
             reason, tail, stop_reason = "cancelled", "", None
             if out is not None:

@@ -12,7 +12,9 @@ triton_backend/all_models/llmapi/tensorrt_llm): the same inputs and outputs, mod
 decoupled, text_output holding the whole text so far, finish_reason / stop_reason on request,
 the `stop` input cancelling the requests of a request id. Beyond it, the final response always
 carries the speculative statistics (acceptance_rate, total_draft_tokens,
-total_accepted_draft_tokens, tau) and num_output_tokens, queue_time_ms, decode_time_ms.
+total_accepted_draft_tokens, tau), the per-position counts (position_drafted[j] /
+position_accepted[j]: steps that drafted / accepted draft position j, 0-based; their ratio is the
+per-position acceptance) and num_output_tokens, queue_time_ms, decode_time_ms.
 
 The engine is loaded by dflash_trt.serving.backends.load_backend with the repository's backend
 (TensorRT-LLM with model.yaml's LLM() arguments, or dflash-trt's pytorch backend); `self.backend`
@@ -41,7 +43,7 @@ OUTPUTS = ("text_output", "finish_reason", "stop_reason", "cumulative_logprob", 
            "kv_cache_missed_block", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks", "kv_cache_hit_rate",
            "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
            "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
-           "tau", "num_output_tokens", "queue_time_ms", "decode_time_ms")
+           "tau", "num_output_tokens", "queue_time_ms", "decode_time_ms", "position_drafted", "position_accepted")
 PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "policy", "max_draft_len", "draft_method",
               "dtype", "device", "cuda_graphs", "torch_compile")
 # upstream's override of the model.yaml path (relative to this folder)
@@ -94,6 +96,7 @@ class TritonPythonModel:
             default_max_tokens=int(params["default_max_tokens"]), max_queue=int(params["max_queue"]),
             policy=params["policy"], max_draft_len=int(params["max_draft_len"]),
             draft_method=params["draft_method"] or None,  # "": the backend's own
+            draft_len_schedule=params.get("draft_len_schedule") or None,  # a repository written before it: the engine's
             cuda_graphs={"true": True, "false": False}.get(params["cuda_graphs"]),  # "auto": on for CUDA
             torch_compile=params["torch_compile"] == "true",
         )
@@ -205,6 +208,9 @@ class TritonPythonModel:
             _tensor("num_output_tokens", [s.num_output_tokens], np.int32),
             _tensor("queue_time_ms", [s.queue_s * 1e3], np.float32),
             _tensor("decode_time_ms", [s.decode_s * 1e3], np.float32),
+            # one value per draft position (empty when nothing was drafted, or the backend sees no steps)
+            _tensor("position_drafted", s.position_drafted, np.int32),
+            _tensor("position_accepted", s.position_accepted, np.int32),
         ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
