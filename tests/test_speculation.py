@@ -228,7 +228,7 @@ def test_policy_schedule_on_generate_serve_and_deploy(tiny_pair_dirs, tmp_path):
     res = runner.invoke(main, [*base, "--policy", "schedule", "--draft-len-schedule", "1:3,4:1", "--compare", "hi"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "schedule", "draft_method": "match",
+    assert out["speculation"] == {"block_size": 8, "max_draft_len": 3, "policy": "schedule", "draft_method": DEFAULT_DRAFT_METHOD,
                                   "draft_len_schedule": {"1": 3, "4": 1}}
     assert out["identical_to_plain"] is True and out["total_draft_tokens"] > 0  # one row: K = 3 drafts a step
     for args, needle in [(["--policy", "schedule"], "none is given"),

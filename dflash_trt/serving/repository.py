@@ -105,7 +105,7 @@ def render_config(engine_dir: Path, settings: TritonRepoSettings) -> str:
                           f"{limit}; lower it")
     default_max = default_max_tokens_for(limit, settings.default_max_tokens)
     speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy,
-                                                    settings.draft_len_schedule)
+                                                    draft_len_schedule=settings.draft_len_schedule)
     template = (resource_dir("triton_repo") / TEMPLATE_MODEL / "config.pbtxt.in").read_text(encoding="utf-8")
     values = {
         "model_name": settings.model_name,
@@ -146,7 +146,7 @@ def render_model_yaml(engine_dir: Path, settings: TritonRepoSettings) -> str:
 
     manifest = load_manifest(engine_dir)
     speculation = SpeculationSettings.from_manifest(manifest, settings.max_draft_len, settings.policy,
-                                                    settings.draft_len_schedule)
+                                                    draft_len_schedule=settings.draft_len_schedule)
     kwargs = llm_kwargs(engine_dir, manifest, speculation, root=settings.engine_path)
     body = yaml.safe_dump({**kwargs, "triton_config": {"max_batch_size": 0, "decoupled": settings.decoupled}},
                           sort_keys=False)
