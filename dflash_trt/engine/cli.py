@@ -13,7 +13,10 @@ from typing import Any
 import click
 
 from dflash_trt.cli_helpers import friendly_errors, int_list, max_draft_len_option, no_progress_option, str_list
+from dflash_trt.engine.spec import GateSpec
 from dflash_trt.runtime_options import DTYPE_CHOICES
+
+_GATE_BUDGET_S = GateSpec.model_fields["budget_s"].default  # one owner: the spec
 
 # Flag name -> dotted build-spec key. Flags left unset (None) do not override the YAML.
 FLAG_TO_KEY = {
@@ -158,7 +161,8 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
 @click.option("--gate-looks", type=click.IntRange(min=1), help="Planned looks of the gate's sequential test (default "
               "4): an undecided look is followed by another with a wave of new prompts.")
 @click.option("--gate-budget", type=click.FloatRange(min=0, min_open=True), help="Seconds the gate may decode "
-              "(default 240): the gate plans the looks it pays for, and a look that would end past it is not started.")
+              f"(default {_GATE_BUDGET_S:g}): the gate plans the looks it pays for, and a look that would end past it "
+              "is not started.")
 @click.option("--min-tau", type=click.FloatRange(min=1.0),
               help="Refuse a pair whose unquantized tau is surely below this (default 1.2: a drafter that does not "
                    "fit the target).")

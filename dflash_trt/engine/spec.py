@@ -60,7 +60,7 @@ class GateSpec(_Strict):
     max_new_tokens: int = Field(96, ge=2, description="tokens per gate prompt")
     max_looks: int = Field(4, ge=1, description="planned looks of the sequential test: its 2.5% error each side is "
                            "spent over them (engine/sequential.py); a look runs only while undecided")
-    budget_s: float = Field(240.0, gt=0, description="seconds the gate may decode: it plans the looks this pays "
+    budget_s: float = Field(330.0, gt=0, description="seconds the gate may decode: it plans the looks this pays "
                             "for (a look ~ twice look 1's unquantized pass), and a look that would end past this is "
                             "not started (the gate is then inconclusive)")
 
