@@ -159,3 +159,29 @@ def test_bench_peer_without_peer_is_one_error_line(tmp_path):
     assert p.returncode == 2
     lines = [ln for ln in p.stderr.strip().splitlines() if not ln.startswith("[bench] resolved config")]
     assert len(lines) == 1 and lines[0].startswith("error: the vLLM peer is not set up") and "make peer" in lines[0]
+
+
+def test_peer_computes_on_as_many_cores_as_our_threads():
+    """`bench --threads N` binds vLLM's OpenMP threads to N cores (issue 44: peer.env's default binds
+    every core, so `--threads 1` compared one core of ours with two of vLLM's)."""
+    from dflash_trt.bench.peer_vllm import cores_for_threads
+
+    assert cores_for_threads(1, [0, 1]) == "0"
+    assert cores_for_threads(2, [3, 5, 7]) == "3,5"
+    assert cores_for_threads(None, [0, 1]) is None  # no --threads: vLLM's default
+    assert cores_for_threads(2, [0, 1]) is None  # every core: vLLM's default already
+    assert cores_for_threads(1) == str(min(os.sched_getaffinity(0))) or len(os.sched_getaffinity(0)) == 1
+
+
+def test_engine_environment_takes_the_binding_unless_the_caller_set_one(tmp_path):
+    from dflash_trt.bench.peer_vllm import engine_env
+
+    settings = PeerSettings(target=tmp_path, draft=tmp_path, cpu_bind="0")
+    assert engine_env(settings, {}) == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    caller = {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert engine_env(settings, caller) == {}  # the caller's settings win
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(PeerSettings(target=tmp_path, draft=tmp_path), {})
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        PeerSettings(target=tmp_path, draft=tmp_path, cpu_bind="0; rm -rf /")

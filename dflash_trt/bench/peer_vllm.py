@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +99,28 @@ class PeerEnvironment:
         return PeerEnvironment(venv / "bin" / "python", env)
 
 
+def cores_for_threads(threads: int | None, allowed: Sequence[int] | None = None) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for a peer that computes on `threads` cores, as our side's `--threads`
+    does: the first `threads` of the cores this process may run on (os.sched_getaffinity), None when
+    --threads is not given (then vLLM takes peer.env's default, every core) or asks for them all."""
+    if threads is None:
+        return None
+    cores = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
+    if threads >= len(cores):
+        return None
+    return ",".join(str(c) for c in cores[:threads])
+
+
+def engine_env(settings: "PeerSettings", environ: Mapping[str, str]) -> dict[str, str]:
+    """What an engine process's environment gets from its settings, where the caller's does not set it."""
+    env = {}
+    if "VLLM_CPU_KVCACHE_SPACE" not in environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
+    if settings.cpu_bind is not None and "VLLM_CPU_OMP_THREADS_BIND" not in environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_bind
+    return env
+
+
 def require_peer() -> PeerEnvironment:
     reason = peer_missing_reason()
     if reason:
@@ -128,6 +150,10 @@ class PeerSettings(BaseModel):
     # benchmark keeps two engines (plain, DFlash) alive at once, and 16 sequences of the embedded
     # pair need ~20 MB; peer.env's default (4 GiB) is for a server
     kv_cache_space_gib: int = Field(1, ge=1)
+    # the cores vLLM binds its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0,1") unless
+    # the caller's environment sets it; None: peer.env's default (every core). bench sets it from
+    # --threads (:func:`cores_for_threads`) so that both sides compute on as many cores
+    cpu_bind: str | None = Field(None, pattern=r"^[0-9]+([-,][0-9]+)*$")
     timeout_s: float = Field(3600.0, gt=0)  # per engine load (a first compile takes minutes), and per run
 
     def speculative_tokens(self) -> int:
@@ -255,8 +281,7 @@ class VllmEngine:
         # function has no `finalize_loading`): every second load fell back to compiling again and
         # died of a stack overflow. Its compile cache without AOT loads fine.
         env.setdefault("VLLM_USE_AOT_COMPILE", "0")
-        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
+        env.update(engine_env(settings, os.environ))
         self._marks: queue.Queue[str | None] = queue.Queue()
         self._out = open(log, "w", encoding="utf-8")
         self.proc = subprocess.Popen([str(peer.python), str(WORKER), str(job_path)], env=env, stdin=subprocess.PIPE,

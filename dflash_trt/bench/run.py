@@ -193,18 +193,25 @@ def _settle(sides: list[Any], say: Any) -> float:
 
 
 def _peer_sides(cfg: BenchConfig, source: dict[str, Any], pair: Any, spec: Any, say: Any) -> list[Any]:
-    from dflash_trt.bench.peer_vllm import PeerSettings, VllmSide
+    from dflash_trt.bench.peer_vllm import PeerSettings, VllmSide, cores_for_threads
 
+    # vLLM binds its threads to every core unless told; ours computes on --threads of them
+    cpu_bind = cores_for_threads(cfg.threads)
+    bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_bind
+    if bound:
+        say(f"vLLM's threads bound to core(s) {bound}"
+            + (" (VLLM_CPU_OMP_THREADS_BIND)" if "VLLM_CPU_OMP_THREADS_BIND" in os.environ
+               else f", as many as ours (--threads {cfg.threads})"))
     log_dir = Path(cfg.out) / "vllm-logs" if cfg.out else Path(tempfile.mkdtemp(prefix="dflash-peer-logs-"))
     sides = []
     for eager in {"compiled": [False], "eager": [True], "both": [False, True]}[cfg.vllm_mode]:
         settings = PeerSettings(target=Path(source["target"]), draft=Path(source["draft"]), enforce_eager=eager,
                                 num_speculative_tokens=spec.max_draft_len, dtype=cfg.dtype,
                                 max_new_tokens=cfg.max_new_tokens, stop_token_ids=list(pair.codec.stop_token_ids),
-                                fix_context_k_norm=cfg.k_norm_fix, seed=cfg.seed)
+                                fix_context_k_norm=cfg.k_norm_fix, seed=cfg.seed, cpu_bind=cpu_bind)
         sides.append(VllmSide(settings, pair.codec, log_dir, progress=say))
     source["peer"] = {"name": "vllm", "log_dir": str(log_dir), "modes": cfg.vllm_mode,
-                      "num_speculative_tokens": spec.max_draft_len}
+                      "num_speculative_tokens": spec.max_draft_len, "cpu_bind": bound}
     return sides
 
 
