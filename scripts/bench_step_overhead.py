@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="each row's budget [enough for every step]")
     ap.add_argument("--profile", action="store_true", help="torch profiler: top ops of all the steps")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--torch-compile", action="store_true", help="every runtime's layers through torch.compile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -82,7 +83,8 @@ def main() -> None:
     codec = TextCodec.of_pair(pair)
     prompts = [codec.encode(p.prompt) for p in interleave(load_prompts("eval"))]
     budget = args.max_tokens or args.steps * (max(args.draft_lengths, default=0) + 1) + 32
-    options = RuntimeOptions(max_batch=max(args.concurrency), max_seq_len=max(map(len, prompts)) + budget + 32)
+    options = RuntimeOptions(max_batch=max(args.concurrency), max_seq_len=max(map(len, prompts)) + budget + 32,
+                             torch_compile=args.torch_compile)
 
     def dflash(policy: Any) -> BatchedRuntime:
         return BatchedRuntime(pair.target, pair.draft, options, pair.speculation, RuntimeExtras(policy=policy)).start()

@@ -141,9 +141,57 @@ def test_uncalibrated_policy_explores_each_candidate_then_exploits():
         d = policy.choose(2, 7)
         assert d.reason.startswith("explore")
         tried.append(d.k)
+        policy.observe_step(2, d.k, 1.0 + 0.05 * d.k)  # memory-bound: a longer draft costs little more
+    assert tried == [0, 1, 3, 7]  # shortest first
+    # prior acceptance 0.5 ** j: k = 3 expects 1.875 tokens for 1.15 plain steps, the best
+    assert policy.choose(2, 7).k == 3 and policy.decisions[-1].reason == "max est_tokens_per_s"
+
+
+def test_exploration_skips_longer_drafts_a_shorter_one_rules_out():
+    """Where one draft slot already costs more than it brings, longer drafts are not tried: their
+    optimistic bound (each extra slot accepted as often as the last measured one, the extra cost
+    at least linear in k) misses plain decoding. Issue 44: at 16 rows on the 2-core CPU, trying
+    k = 3, 7 and 15 there cost ~12 plain steps per request."""
+    def explore(ratio_1: float, accept_1: float) -> list[int]:
+        policy = AdaptivePolicy(16, candidates=[0, 1, 3, 7, 15], prior_weight=1e-9)
+        for i in range(100):
+            policy.observe_acceptance(1, int(i < 100 * accept_1))
+        tried = []
+        while (d := policy.choose(16, 15)).reason.startswith("explore"):
+            tried.append(d.k)
+            policy.observe_step(16, d.k, 1.0 if d.k == 0 else ratio_1 + (ratio_1 - 1.0) * (d.k - 1))
+        return tried
+
+    # k = 1: 1.64 plain steps for 1.6 tokens; k = 3 at best 2.8 tokens for >= 2.92 steps
+    assert explore(1.64, 0.6) == [0, 1]
+    # k = 1 at 1.2 steps for 1.6 tokens: k = 3 may pay (bound 2.8 / 1.6), and is measured
+    assert explore(1.2, 0.6)[:3] == [0, 1, 3]
+
+
+def test_a_batch_grown_past_the_measured_ones_is_priced_by_its_shortest_draft():
+    """Measured at 1 row, where drafting is cheap, then grown to 16 rows: k = 1 is measured anew and
+    loses there, so k = 3 and 7 are neither measured nor chosen on their 1-row ratios."""
+    policy = AdaptivePolicy(8, candidates=[0, 1, 3, 7], prior_weight=1e-9, reexplore_every=0)
+    for i in range(100):
+        policy.observe_acceptance(7, 3 if i % 2 else 1)  # P(a >= 1) = 1, P(a >= 2..3) = 0.5
+    for k, ratio in {0: 1.0, 1: 1.05, 3: 1.1, 7: 1.3}.items():
+        policy.costs.set(1, k, ratio)
+    tried = []
+    while (d := policy.choose(16, 7)).reason.startswith("explore"):
+        tried.append(d.k)
+        policy.observe_step(16, d.k, {0: 10.0, 1: 20.0}[d.k])  # k = 1: 2 tokens for 2 plain steps
+    assert tried == [0, 1]
+    assert d.k == 0  # k = 3 (1.1x plain at 1 row) costs >= 4 plain steps at 16 rows for 3 tokens
+
+
+def test_expensive_drafting_is_explored_once_then_plain_decoding_wins():
+    policy = AdaptivePolicy(8, candidates=[0, 1, 3, 7])
+    tried = []
+    while (d := policy.choose(2, 7)).reason.startswith("explore"):
+        tried.append(d.k)
         policy.observe_step(2, d.k, 1.0 if d.k == 0 else 5.0)  # drafting is very expensive here
-    assert sorted(tried) == [0, 1, 3, 7]
-    assert policy.choose(2, 7).k == 0 and policy.decisions[-1].reason == "max est_tokens_per_s"
+    assert tried == [0, 1]  # k = 1 at 5 plain steps rules out 3 and 7
+    assert d.k == 0 and d.reason == "max est_tokens_per_s"
 
 
 def test_exploration_is_spent_only_where_the_cost_table_cannot_vouch():

@@ -310,13 +310,33 @@ class AdaptivePolicy:
         Exploring k = 15 at a new batch size costs several plain steps, so this matters."""
         row = self.costs.table.get(k, {})
         if not row:
-            return True
+            return not self._cannot_pay(batch, k, q)
         if batch <= max(row) * self.explore_growth:
             return False
         if k == 0:  # the baseline every draft length is compared with
             return True
         gain = 1.0 + sum(q[:k])
-        return not any(r >= gain for r in self.costs.ratios.get(k, {}).values())
+        if any(r >= gain for r in self.costs.ratios.get(k, {}).values()):
+            return False
+        return not self._cannot_pay(batch, k, q)
+
+    def _ratio_floor(self, batch: int, k: int) -> float | None:
+        """The least cost(batch, k) / plain a draft length k can have, given the shorter ones measured:
+        a step's extra cost over plain decoding grows at least linearly in the draft length, so from
+        each shorter k' with r' = cost(k') / plain, cost(k) >= r' + (r' - 1)(k - k') / k'. (Step cost
+        against tokens is convex -- flat while memory-bound, linear once compute-bound -- so the
+        secant from k = 0 only steepens.) None when no shorter draft was measured here."""
+        floors = [r + (r - 1.0) * (k - kk) / kk for kk in self.costs.ratios if 0 < kk < k
+                  if (r := self.costs.ratio(batch, kk)) is not None and r > 1.0]
+        return max(floors, default=None)
+
+    def _cannot_pay(self, batch: int, k: int, q: list[float]) -> bool:
+        """Whether draft length k is ruled out here without spending a step on it: even at its cost
+        floor (:meth:`_ratio_floor`) its expected tokens miss the margin over plain decoding. At 16
+        rows on the 2-core CPU k = 1 costs 1.64 plain steps for 1.6 tokens; exploring 3, 7 and 15
+        there spent ~12 plain steps per request (bench, issue 44)."""
+        floor = self._ratio_floor(batch, k)
+        return floor is not None and (1.0 + sum(q[:k])) / floor < 1.0 + self.margin
 
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, batch: int, k_max: int) -> Decision:
@@ -341,6 +361,9 @@ class AdaptivePolicy:
             cost = self.costs.estimate(batch, k)
             if cost is None or cost <= 0:
                 continue
+            floor = self._ratio_floor(batch, k) if k > 0 else None
+            if floor is not None:  # a ratio carried over from fewer rows may be below what k costs here
+                cost = max(cost, floor * self.costs.estimate(batch, 0)) if self.costs.known(0) else cost
             e = 1.0 + sum(q[:k])
             d = Decision(batch, k, e, cost, batch * e / cost)
             bar = 1 + (self.margin if best is not None and best.k == 0 else 1e-9)
