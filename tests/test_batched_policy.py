@@ -162,10 +162,11 @@ def test_exploration_skips_longer_drafts_a_shorter_one_rules_out():
             policy.observe_step(16, d.k, 1.0 if d.k == 0 else ratio_1 + (ratio_1 - 1.0) * (d.k - 1))
         return tried
 
-    # k = 1: 1.64 plain steps for 1.6 tokens; k = 3 at best 2.8 tokens for >= 2.92 steps
-    assert explore(1.64, 0.6) == [0, 1]
-    # k = 1 at 1.2 steps for 1.6 tokens: k = 3 may pay (bound 2.8 / 1.6), and is measured
-    assert explore(1.2, 0.6)[:3] == [0, 1, 3]
+    # one row: k = 1 and 3 cost 1.64 and 2.92 plain steps; along their secant k = 7 costs >= 5.5 for
+    # at most ~2.5 tokens, k = 15 more still: neither is tried
+    assert explore(1.64, 0.6) == [0, 1, 3]
+    # memory-bound: a longer draft costs little more (1.2, 1.6, 2.4 ...), every candidate is measured
+    assert explore(1.2, 0.9) == [0, 1, 3, 7, 15]
 
 
 def test_a_batch_grown_past_the_measured_ones_is_priced_by_its_shortest_draft():
@@ -179,9 +180,9 @@ def test_a_batch_grown_past_the_measured_ones_is_priced_by_its_shortest_draft():
     tried = []
     while (d := policy.choose(16, 7)).reason.startswith("explore"):
         tried.append(d.k)
-        policy.observe_step(16, d.k, {0: 10.0, 1: 20.0}[d.k])  # k = 1: 2 tokens for 2 plain steps
+        policy.observe_step(16, d.k, {0: 10.0, 1: 30.0}[d.k])  # k = 1: 2 tokens for 3 plain steps
     assert tried == [0, 1]
-    assert d.k == 0  # k = 3 (1.1x plain at 1 row) costs >= 4 plain steps at 16 rows for 3 tokens
+    assert d.k == 0  # k = 3 (1.1x plain at 1 row) costs >= 3 plain steps at 16 rows for 3 tokens
 
 
 def test_expensive_drafting_is_explored_once_then_plain_decoding_wins():
@@ -357,3 +358,20 @@ def test_a_stale_plain_cost_does_not_rescale_drafting_costs():
     costs.observe(8, 0, 0.8)
     costs.observe(8, 1, 1.0)
     assert costs.ratio(8, 1) != frozen
+
+
+def test_slots_rarely_drafted_extend_the_measured_acceptance():
+    """A policy that drafted k = 1 for a long while has evidence for slot 1 only; slots 2 and 3 take
+    slot 1's conditional acceptance (0.6 -> 0.36 -> 0.22), not a fixed 0.5 ** j (0.25, 0.125), so k = 3
+    (2.18 tokens for 1.47 plain steps) beats k = 1 (1.6 for 1.12). Issue 44: on AVX2 at C = 1 the
+    policy settled on k = 1 and read 1.29x plain where k = 3 read 1.43x."""
+    costs = CostTable()
+    for k, s in {0: 1.0, 1: 1.12, 3: 1.47}.items():
+        costs.set(1, k, s)
+    policy = AdaptivePolicy(8, costs=costs, candidates=[0, 1, 3], reexplore_every=0)
+    for i in range(200):
+        policy.observe_acceptance(1, int(i % 5 < 3))
+    q = policy.position_acceptance()
+    assert q[0] == pytest.approx(0.6, abs=0.01)
+    assert q[1] == pytest.approx(q[0] ** 2, abs=0.01) and q[2] == pytest.approx(q[0] ** 3, abs=0.01)
+    assert policy.choose(1, 7).k == 3
