@@ -40,7 +40,7 @@ from transformers import Qwen3Config
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.draft_model import DFlashDecoderLayer, DFlashDraftModel, DraftKVCache
 from dflash_trt.runtime.lean_forward import LayerFunctions
-from dflash_trt.runtime.sampling import draw, sampling_probs
+from dflash_trt.runtime.sampling import draw, greedy, sampling_probs
 
 # dflash_config keys every DFlash2 drafter carries (z-lab has no defaults for them; TensorRT-LLM
 # refuses a partial set, vLLM indexes them directly)
@@ -222,7 +222,7 @@ Choice = Callable[[torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
 def argmax_choice(scores: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return scores.argmax(-1), None
+    return greedy(scores), None
 
 
 def sampled_choice(temperature: float, generator: torch.Generator | None = None) -> Choice:

@@ -27,7 +27,7 @@ import torch
 
 from dflash_trt.runtime.dflash2 import DFlash2DraftModel, argmax_choice, scatter_q
 from dflash_trt.runtime.dflash_proposer import DFlashProposer, DraftReader, Proposal
-from dflash_trt.runtime.sampling import StepSampling, checked_probs, draw
+from dflash_trt.runtime.sampling import StepSampling, checked_probs, draw, greedy
 from dflash_trt.runtime.target import TargetAdapter
 
 
@@ -54,7 +54,7 @@ class DFlash2Proposer(DFlashProposer):
         q_slots: list[list[torch.Tensor]] = [[] for _ in sampling.groups]  # per group, per slot: [m, K]
 
         def choose(scores: torch.Tensor) -> tuple[torch.Tensor, None]:  # scores [N, K]
-            index = scores.argmax(-1)  # greedy rows
+            index = greedy(scores)  # greedy rows
             for i, g in enumerate(sampling):
                 q, ok = checked_probs(scores[g.rows], g.temperature)  # [m, K]
                 index[g.rows] = draw(q, g.generator)

@@ -44,7 +44,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.batched_cache import BatchedDraftCache, additive_mask
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.draft_vocab import DraftVocabHead
-from dflash_trt.runtime.sampling import StepSampling, checked_probs, draw
+from dflash_trt.runtime.sampling import StepSampling, checked_probs, draw, greedy
 from dflash_trt.runtime.scheduling import DRAFTED, LIVE, PENDING, START
 from dflash_trt.runtime.target import TargetAdapter
 
@@ -105,7 +105,7 @@ class DFlashProposer:
         """Each sampled row's slots drawn independently from q = its tempered nucleus distribution
         of the drafter's logits (z-lab 0.1.0), with q scattered over the target's vocabulary."""
         logits = self.logits(hidden)  # [N, k, N_vocab]: the draft vocabulary's or the whole one
-        drafts = logits.argmax(-1)
+        drafts = greedy(logits)
         bad = torch.zeros(drafts.shape[0], dtype=torch.bool, device=drafts.device)
         probs = []
         for g in sampling:
@@ -123,7 +123,7 @@ class DFlashProposer:
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [..., H] -> the drafter's argmax token ids [...] (target ids)."""
-        return self.vocabulary_ids(self.logits(hidden).argmax(-1))
+        return self.vocabulary_ids(greedy(self.logits(hidden)))
 
     def vocabulary_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into :meth:`logits`' last dimension -> target token ids."""

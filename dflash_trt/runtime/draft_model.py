@@ -28,7 +28,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.gqa_attention import grouped_attention
 from dflash_trt.runtime.lean_forward import LayerFunctions
-from dflash_trt.runtime.sampling import draw, sampling_probs
+from dflash_trt.runtime.sampling import draw, greedy, sampling_probs
 from dflash_trt.runtime_options import dtype_name
 
 CONFIG_NAME = "config.json"
@@ -415,7 +415,7 @@ class DFlashDraftModel(nn.Module):
         nucleus distribution q, slots independent (z-lab 0.1.0), returned with q for the rejection test."""
         logits = self.compute_logits(hidden, head)  # [n, k, V]
         if temperature <= 0:
-            return logits.argmax(-1), None
+            return greedy(logits), None
         q = sampling_probs(logits, temperature, top_p)  # [n, k, V]
         return draw(q.reshape(-1, q.shape[-1]), generator).view(q.shape[:-1]), q
 

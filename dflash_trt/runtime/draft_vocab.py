@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dflash_trt.errors import DFlashError
+from dflash_trt.runtime.sampling import greedy
 
 FILE = "draft_vocab.json"
 
@@ -115,4 +116,4 @@ class DraftVocabHead(nn.Module):
         return int(self.token_ids.numel())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.token_ids[self.proj(hidden).argmax(-1)]
+        return self.token_ids[greedy(self.proj(hidden))]

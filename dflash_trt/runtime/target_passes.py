@@ -30,7 +30,7 @@ from dflash_trt.runtime.batched_cache import BatchedKVCache, additive_mask
 from dflash_trt.runtime.host_transfers import HostTransfers
 from dflash_trt.runtime.dflash_proposer import DraftReader, Proposal
 from dflash_trt.runtime.rejection import rejection_rows
-from dflash_trt.runtime.sampling import StepSampling, sample_rows
+from dflash_trt.runtime.sampling import StepSampling, greedy, sample_rows
 from dflash_trt.runtime.scheduling import LIVE, PENDING, START, BatchedSequence, prefill_runs
 from dflash_trt.runtime.step_shapes import EAGER_WIDTH_MULTIPLE, round_up
 from dflash_trt.runtime.target import TargetAdapter
@@ -129,7 +129,7 @@ class TargetPasses:
         """Greedy verification -> [N, k+2]: the posterior post [N, k+1] and the accepted count a [N]
         side by side (one tensor: one read for the host)."""
         ids, logits = self.verify_logits(table, drafts, width)
-        post = logits.argmax(-1)  # [N, k+1]
+        post = greedy(logits)  # [N, k+1]
         return torch.cat([post, accepted_lengths(ids, post)[:, None]], dim=1)
 
     def verify_sampled(self, table: torch.Tensor, proposal: Proposal | None, width: int, sampling: StepSampling,
@@ -145,7 +145,7 @@ class TargetPasses:
             post, bad = sample_rows(logits, sampling)
             accepted = accepted_lengths(ids, post)
         else:
-            post = logits.argmax(-1)  # [n, k+1]: the greedy rows'; rejection_rows fills in the sampled ones
+            post = greedy(logits)  # [n, k+1]: the greedy rows'; rejection_rows fills in the sampled ones
             accepted = accepted_lengths(ids, post)
             bad = rejection_rows(drafts, logits, proposal.probs, sampling, post, accepted)
         if proposal is not None and proposal.bad is not None:  # its drafts had no distribution to come from
@@ -181,7 +181,7 @@ class TargetPasses:
                 ids[rows, lo + 1 : hi] = drafts(rows, lo, hi - 1)
             positions = start[rows, None] + torch.arange(lo, hi, device=dev)  # [m, c]
             mask = additive_mask(keys[None, None, None, :] <= positions[:, None, :, None], self.target.dtype)
-            post[rows, lo:hi] = self.forward(rows, ids[rows, lo:hi], positions, positions, mask).argmax(-1)
+            post[rows, lo:hi] = greedy(self.forward(rows, ids[rows, lo:hi], positions, positions, mask))
             got = (ids[rows, lo + 1 : hi] == post[rows, lo : hi - 1]).int().cumprod(dim=1).sum(dim=1)  # [m]
             accepted[rows] = lo + got
             if hi > k:
