@@ -374,13 +374,14 @@ class AdaptivePolicy:
                 return d
         best: Decision | None = None
         best_drafting: Decision | None = None
+        plain = self.costs.estimate(batch, 0)
         for k in ks:
             cost = self.costs.estimate(batch, k)
             if cost is None or cost <= 0:
                 continue
-            floor = self._ratio_floor(batch, k) if k > 0 else None
+            floor = self._ratio_floor(batch, k) if k > 0 and plain else None
             if floor is not None:  # a ratio carried over from fewer rows may be below what k costs here
-                cost = max(cost, floor * self.costs.estimate(batch, 0)) if self.costs.known(0) else cost
+                cost = max(cost, floor * plain)
             e = 1.0 + sum(q[:k])
             d = Decision(batch, k, e, cost, batch * e / cost)
             bar = 1 + (self.margin if best is not None and best.k == 0 else 1e-9)
