@@ -7,12 +7,15 @@ weight for every M > 1, and oneDNN's inner product costs ~1.3x MKL's GEMV alread
 embedded target's 210 decoder linears (one thread, weights streamed, `scripts/bench_cpu_packing.py`):
 
     rows M               1      2      4      8     16     64
-    stock (MKL)        32.7   35.9   56.3   70.8   72.2  107.7  ms
-    oneDNN blocked     42.1   43.2   45.3   51.1   59.6  105.4  ms
-    panels (this)      27.6   29.9   32.5   37.7   48.1  101.1  ms
+    stock (MKL)        33.9   36.5   57.6   75.3   80.7  139.7  ms
+    oneDNN blocked     40.4   43.4   47.3   55.6   67.9  125.6  ms
+    panels (this)      28.7   30.1   30.4   35.0   45.7  117.0  ms
 
-(2026-11-24, `OMP_NUM_THREADS=1 scripts/bench_cpu_packing.py --threads 1`, one core of a shared
-2-core VM; at M = 256 and more, prefill sizes, the panels reach ~94% of oneDNN's throughput.)
+(2026-11-27, `OMP_NUM_THREADS=1 scripts/bench_cpu_packing.py --threads 1`, one core of a shared
+2-core VM, in a slower hour than the 2026-11-24 run: stock read 32.7 / 107.7 ms at M = 1 / 64 then.
+Prefetching each panel stream 48 rows ahead, kernels/panel_gemm.cpp, took M = 2-4 from ~13 GB/s of
+weights to M = 1's pace: 30.4 against 32.5 ms at M = 4 that day. At M = 256 and more, prefill
+sizes, the panels reach ~94% of oneDNN's throughput.)
 
 How. Each weight [N, K] is reordered once into panels of 16 output columns, [ceil(N/16), K, 16];
 a tile holds R rows x NB panels of accumulators in vector registers and reads each panel once for
@@ -93,6 +96,20 @@ def namespace(variant: str | None = None) -> str:
     return f"dflash_{variant or default_variant()}"
 
 
+def _build_flags(variant: str) -> list[str]:
+    return ["-O3", "-ffp-contract=fast", f"-DDFLASH_OPS_NAMESPACE={namespace(variant)}", *_flags(variant)]
+
+
+def build_dir(variant: str) -> Path:
+    """Where `variant` of THIS source version is built and cached: one directory per source version
+    and flags, compiled from a copy inside it, so checkouts of other versions (or of the same
+    version at another path) sharing the cache do not rebuild it in turn."""
+    from dflash_trt.models.smollm2 import cache_root
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_build_flags(variant)).encode()).hexdigest()[:12]
+    return cache_root() / "kernels" / f"torch-{torch.__version__.split('+')[0]}" / f"dflash_panel_gemm_{variant}-{digest}"
+
+
 @functools.lru_cache(maxsize=None)
 def _load(variant: str) -> str | None:
     """Build (once per machine, variant and source version) and load a variant; None on success, else why not."""
@@ -106,23 +123,17 @@ def _load(variant: str) -> str | None:
             from torch.utils.cpp_extension import load
 
             from dflash_trt.fsutil import atomic_file
-            from dflash_trt.models.smollm2 import cache_root
 
-            name = f"dflash_panel_gemm_{variant}"
-            flags = ["-O3", "-ffp-contract=fast", f"-DDFLASH_OPS_NAMESPACE={ns}", *_flags(variant)]
+            directory = build_dir(variant)
+            directory.mkdir(parents=True, exist_ok=True)
             source = SOURCE.read_bytes()
-            # one directory per source version, compiled from a copy inside it: checkouts of other
-            # versions (or the same version at another path) sharing the cache do not rebuild it in turn
-            digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
-            build_dir = cache_root() / "kernels" / f"torch-{torch.__version__.split('+')[0]}" / f"{name}-{digest}"
-            build_dir.mkdir(parents=True, exist_ok=True)
-            copy = build_dir / SOURCE.name
+            copy = directory / SOURCE.name
             if not copy.is_file() or copy.read_bytes() != source:
                 with atomic_file(copy) as tmp:
                     tmp.write_bytes(source)
-            with _sole_builder(build_dir):
-                load(name, [str(copy)], extra_cflags=flags, build_directory=str(build_dir), is_python_module=False,
-                     verbose=False)
+            with _sole_builder(directory):
+                load(f"dflash_panel_gemm_{variant}", [str(copy)], extra_cflags=_build_flags(variant),
+                     build_directory=str(directory), is_python_module=False, verbose=False)
         # no compiler or ninja, a failed build, a read-only cache (atomic_file's one line)
         except (OSError, DFlashError, RuntimeError, ImportError, ValueError) as e:
             return f"cannot build {SOURCE.name}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"

@@ -4,10 +4,9 @@
 // Layout: W is reordered once into panels of 16 output columns, [ceil(N/16)][K][16], zero-padded.
 // A tile keeps R rows x NB panels of accumulators in vector registers (<= 24 of the 32 AVX-512
 // registers, <= 12 of the 16 AVX2 ones) and reads each panel once per tile; the rows of a batch
-// are taken TILE_ROWS (8; 6 on AVX2) at a time over the same group of panels, so a group's panels stay in L1/L2 while every row uses them. While its first
-// rows read a group, the tile prefetches the next group: the later row tiles of this group compute
-// from cache while memory delivers the next one (1.1-1.25x at 4-64 rows; a single row is left to
-// the hardware prefetcher, which keeps up with it).
+// are taken TILE_ROWS (8; 6 on AVX2) at a time over the same group of panels, so a group's panels
+// stay in L1/L2 while every row uses them. The first row tile, which streams the group from memory,
+// prefetches each of its panel streams PREFETCH_ROWS rows ahead (see there).
 //
 // Invariant: every output element is ONE sequential sum over k = 0..K-1 (fused multiply-adds in
 // that order), whatever M, the tile shape or the thread split, so a row's result does not depend on
@@ -83,10 +82,21 @@ constexpr int panels_for(int64_t rows) {
 constexpr int tail_panels_for(int64_t rows) { return panels_for(TILE_ROWS); }
 #endif
 
-// ahead: offset (floats) from these panels to the ones to prefetch, 0 = none
+// How far ahead (rows of k, 64 bytes each) a tile prefetches each panel it streams. A tile reads NB
+// panels as NB separate streams, 36 KB apart for K = 576. With more than one row the weight came
+// in at ~13 GB/s against 15.4 at one (the FMAs between two loads, we think, let the hardware
+// prefetcher fall behind). Software prefetches 3 KB ahead in every stream keep it at one row's
+// pace: the embedded target's 211 linears cost 13-15% less at 2-4 rows, 6% at 8, 3% at 16, 1-4% at
+// one (one thread, AVX-512 and AVX2 builds alike; 32 and 64 rows ahead read alike, 16 and 128 less
+// well). The previous scheme, prefetching the next panel group from the first row tile, cost 2.5
+// ms at 2 rows where it gained at 6-8. Reading past a panel's end prefetches the next panel's first rows, what the next tile
+// reads; past the weight's end, nothing (a prefetch never faults).
+constexpr int64_t PREFETCH_ROWS = 48;
+
+// prefetch: this tile streams its panels from memory (the first row tile of a group)
 template <int R, int NB>
 inline void tile(const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
-                 int64_t b0, int64_t ahead) {
+                 int64_t b0, bool prefetch) {
   vec acc[R][NB * LANES];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB * LANES; ++j) acc[r][j] = splat(0.f);
@@ -95,8 +105,8 @@ inline void tile(const float* x, int64_t K, const float* panels, const float* bi
     vec w[NB * LANES];
     for (int b = 0; b < NB; ++b)
       for (int l = 0; l < LANES; ++l) w[b * LANES + l] = *(const vec*)(w0 + (b * K + k) * 16 + l * WIDTH);
-    if (ahead)  // one cache line per panel row read: the same lines of the next group, into L1
-      for (int b = 0; b < NB; ++b) __builtin_prefetch(w0 + ahead + (b * K + k) * 16, 0, 3);
+    if (prefetch)  // one cache line per panel: the row PREFETCH_ROWS ahead in each stream, into L1
+      for (int b = 0; b < NB; ++b) __builtin_prefetch(w0 + (b * K + k + PREFETCH_ROWS) * 16, 0, 3);
     for (int r = 0; r < R; ++r) {
       const vec xr = splat(x[r * K + k]);
       for (int j = 0; j < NB * LANES; ++j) acc[r][j] += w[j] * xr;  // one FMA (-ffp-contract=fast)
@@ -120,33 +130,33 @@ inline void tile(const float* x, int64_t K, const float* panels, const float* bi
 // R rows over panels [b, b + count): tiles of NB panels, then single panels.
 template <int R, int NB>
 void rows_over(const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
-               int64_t b, int64_t count, int64_t ahead) {
+               int64_t b, int64_t count, bool prefetch) {
   int64_t i = 0;
-  for (; i + NB <= count; i += NB) tile<R, NB>(x, K, panels, bias, y, N, b + i, ahead);
-  for (; i < count; ++i) tile<R, 1>(x, K, panels, bias, y, N, b + i, ahead);
+  for (; i + NB <= count; i += NB) tile<R, NB>(x, K, panels, bias, y, N, b + i, prefetch);
+  for (; i < count; ++i) tile<R, 1>(x, K, panels, bias, y, N, b + i, prefetch);
 }
 
 // tail: these rows follow 8-row tiles over the same groups (tail_panels_for), else panels_for
 template <int R>
 void rows_over(bool tail, const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
-               int64_t b, int64_t count, int64_t ahead) {
+               int64_t b, int64_t count, bool prefetch) {
   if (tail)
-    rows_over<R, tail_panels_for(R)>(x, K, panels, bias, y, N, b, count, ahead);
+    rows_over<R, tail_panels_for(R)>(x, K, panels, bias, y, N, b, count, prefetch);
   else
-    rows_over<R, panels_for(R)>(x, K, panels, bias, y, N, b, count, ahead);
+    rows_over<R, panels_for(R)>(x, K, panels, bias, y, N, b, count, prefetch);
 }
 
 void rows_over(int64_t rows, bool tail, const float* x, int64_t K, const float* panels, const float* bias, float* y,
-               int64_t N, int64_t b, int64_t count, int64_t ahead) {
+               int64_t N, int64_t b, int64_t count, bool prefetch) {
   switch (rows) {
-    case 8: rows_over<8, panels_for(8)>(x, K, panels, bias, y, N, b, count, ahead); break;
-    case 7: rows_over<7>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
-    case 6: rows_over<6>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
-    case 5: rows_over<5>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
-    case 4: rows_over<4>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
-    case 3: rows_over<3>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
-    case 2: rows_over<2>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
-    case 1: rows_over<1>(tail, x, K, panels, bias, y, N, b, count, ahead); break;
+    case 8: rows_over<8, panels_for(8)>(x, K, panels, bias, y, N, b, count, prefetch); break;
+    case 7: rows_over<7>(tail, x, K, panels, bias, y, N, b, count, prefetch); break;
+    case 6: rows_over<6>(tail, x, K, panels, bias, y, N, b, count, prefetch); break;
+    case 5: rows_over<5>(tail, x, K, panels, bias, y, N, b, count, prefetch); break;
+    case 4: rows_over<4>(tail, x, K, panels, bias, y, N, b, count, prefetch); break;
+    case 3: rows_over<3>(tail, x, K, panels, bias, y, N, b, count, prefetch); break;
+    case 2: rows_over<2>(tail, x, K, panels, bias, y, N, b, count, prefetch); break;
+    case 1: rows_over<1>(tail, x, K, panels, bias, y, N, b, count, prefetch); break;
     default: TORCH_CHECK(false, "panel_linear: 1..8 rows per chunk, got ", rows);
   }
 }
@@ -197,13 +207,11 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g * group, count = std::min(group, nb - b);
-      // the next group's panels sit right after this group's (prefetching past the last group's
-      // end is harmless: a prefetch never faults)
-      const int64_t ahead = M >= 2 ? group * K * 16 : 0;
+      // the first row tile streams the group from memory; the later ones read it from cache
       int64_t m = 0;
       for (; m + TILE_ROWS <= M; m += TILE_ROWS)
-        rows_over(TILE_ROWS, false, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
-      if (m < M) rows_over(M - m, M > TILE_ROWS, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0 ? ahead : 0);
+        rows_over(TILE_ROWS, false, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0);
+      if (m < M) rows_over(M - m, M > TILE_ROWS, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0);
     }
   });
   return y;
