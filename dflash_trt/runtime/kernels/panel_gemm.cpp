@@ -82,6 +82,23 @@ constexpr int panels_for(int64_t rows) {
 constexpr int tail_panels_for(int64_t rows) { return panels_for(TILE_ROWS); }
 #endif
 
+// Rows per tile for a batch of M rows: TILE_ROWS, except 4-5 rows on 16 registers (AVX2), which run
+// as a NARROW-row tile NARROW_PANELS wide and a 1-2-row tile over the same panels. In one tile, 4
+// rows would be one panel wide: 8 accumulators, too few chains to hide the FMA latency. The 211
+// linears of the embedded target at 4 rows, x86-64-v3 build, one thread, the same packed weights:
+// 46.1 against 50.0 ms (2-row tiles 47.5); at 6-16 rows 3-row tiles lose (16 rows: 95.0 against
+// 80.8), so those keep TILE_ROWS.
+#if defined(__AVX512F__)
+constexpr int64_t NARROW = TILE_ROWS;  // never narrower here
+constexpr int NARROW_PANELS = panels_for(TILE_ROWS);
+#else
+constexpr int64_t NARROW = TILE_ROWS / 2;  // 3 on AVX2
+constexpr int NARROW_PANELS = panels_for(NARROW);  // 2 on AVX2
+#endif
+inline int64_t tile_rows_for(int64_t M) {
+  return TILE_ROWS == 6 && (M == 4 || M == 5) ? NARROW : TILE_ROWS;
+}
+
 // How far ahead (rows of k, 64 bytes each) a tile prefetches each panel it streams. A tile reads NB
 // panels as NB separate streams, 36 KB apart for K = 576. With more than one row the weight came
 // in at ~13 GB/s against 15.4 at one (the FMAs between two loads, we think, let the hardware
@@ -136,17 +153,22 @@ void rows_over(const float* x, int64_t K, const float* panels, const float* bias
   for (; i < count; ++i) tile<R, 1>(x, K, panels, bias, y, N, b + i, prefetch);
 }
 
-// tail: these rows follow 8-row tiles over the same groups (tail_panels_for), else panels_for
+// What a tile of R rows follows: nothing (its own width, panels_for), TILE_ROWS-row tiles over the
+// same groups (tail_panels_for), or NARROW-row tiles (NARROW_PANELS wide: see tile_rows_for)
+enum Tail : int { NONE = 0, AFTER_FULL = 1, AFTER_NARROW = 2 };
+
 template <int R>
-void rows_over(bool tail, const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
+void rows_over(Tail tail, const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
                int64_t b, int64_t count, bool prefetch) {
-  if (tail)
+  if (tail == AFTER_FULL)
     rows_over<R, tail_panels_for(R)>(x, K, panels, bias, y, N, b, count, prefetch);
+  else if (tail == AFTER_NARROW)
+    rows_over<R, NARROW_PANELS>(x, K, panels, bias, y, N, b, count, prefetch);
   else
     rows_over<R, panels_for(R)>(x, K, panels, bias, y, N, b, count, prefetch);
 }
 
-void rows_over(int64_t rows, bool tail, const float* x, int64_t K, const float* panels, const float* bias, float* y,
+void rows_over(int64_t rows, Tail tail, const float* x, int64_t K, const float* panels, const float* bias, float* y,
                int64_t N, int64_t b, int64_t count, bool prefetch) {
   switch (rows) {
     case 8: rows_over<8, panels_for(8)>(x, K, panels, bias, y, N, b, count, prefetch); break;
@@ -200,18 +222,22 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   float* yp = y.data_ptr<float>();
   // Panel groups are the unit of work (and of threads): a group is as wide as the widest tile
   // that runs over it, so its panels are read from memory once for all rows.
-  const int64_t tail = M % TILE_ROWS;
-  const int64_t group = M < TILE_ROWS ? panels_for(M)
-                                      : std::max<int64_t>(panels_for(TILE_ROWS), tail ? tail_panels_for(tail) : 0);
+  const int64_t rows = tile_rows_for(M);
+  const bool narrow = rows != TILE_ROWS;
+  const int64_t tail = M % rows;
+  const int64_t group = M < rows ? panels_for(M)
+                        : narrow ? NARROW_PANELS
+                                 : std::max<int64_t>(panels_for(rows), tail ? tail_panels_for(tail) : 0);
+  const Tail after = narrow ? AFTER_NARROW : AFTER_FULL;
   const int64_t groups = (nb + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g * group, count = std::min(group, nb - b);
       // the first row tile streams the group from memory; the later ones read it from cache
       int64_t m = 0;
-      for (; m + TILE_ROWS <= M; m += TILE_ROWS)
-        rows_over(TILE_ROWS, false, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0);
-      if (m < M) rows_over(M - m, M > TILE_ROWS, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0);
+      for (; m + rows <= M; m += rows)
+        rows_over(rows, NONE, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0);
+      if (m < M) rows_over(M - m, M > rows ? after : NONE, xp + m * K, K, wp, bp, yp + m * n, n, b, count, m == 0);
     }
   });
   return y;
