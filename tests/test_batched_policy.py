@@ -332,6 +332,23 @@ def test_stale_low_acceptance_fades_during_plain_decoding():
     assert policy.decisions[-1].reason == "max est_tokens_per_s"
 
 
+def test_a_plain_streak_returns_the_estimate_to_what_the_drafter_delivers():
+    """Plain steps age the acceptance evidence towards the drafter's delivered slot-1 acceptance (here
+    0.8), not towards the 0.5 prior: k = 3 at 1.8 plain steps pays with 0.8 (2.95 tokens expected,
+    1.6x) and does not with 0.5 (1.875, 1.04x), which kept a policy on plain decoding at 4 rows on
+    AVX2 while drafting read 1.04x (stop 51)."""
+    policy = AdaptivePolicy(8, costs=_costs(lambda n, k: {0: 1.0, 1: 1.5, 3: 1.8, 7: 3.0}[k]),
+                            candidates=[0, 1, 3, 7], reexplore_every=0)
+    for i in range(400):
+        policy.observe_acceptance(3, 3 if i % 5 else 0)  # slot 1 accepted 4 times in 5, then all three
+    for _ in range(300):
+        policy._forget(8)  # what 300 plain steps at 8 rows do (choose() calls it on each)
+    assert sum(policy._drafted) < 1e-3  # the evidence itself has faded
+    q = policy.position_acceptance()
+    assert q[0] == pytest.approx(0.8, abs=0.01) and q[1] == pytest.approx(0.64, abs=0.01)
+    assert policy.choose(8, 7).k == 3
+
+
 def test_one_slow_drafting_step_moves_the_cost_ratio_a_little():
     costs = CostTable()
     costs.set(1, 0, 1.0)
