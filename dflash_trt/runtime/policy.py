@@ -290,19 +290,18 @@ class AdaptivePolicy:
     def position_acceptance(self) -> list[float]:
         """Estimated P(a >= j) for j = 1..block_size-1, non-increasing.
 
-        Each position's evidence is blended with a prior worth `prior_weight` steps: for slot 1, the
-        acceptance this drafter has delivered (every observation, decayed as observed but never aged
-        by plain streaks), or `prior` where that is lower or unknown; for each later slot, the slot before it times the
-        conditional acceptance seen there (P(a >= j) / P(a >= j-1)). A slot the policy has rarely
-        drafted thus extends the measured slots geometrically, rather than falling to prior ** j: with
-        a fixed 0.5 ** j, a policy that settled on k = 1 priced k = 3 at 1.86 tokens where it brings
-        2.16, and never drafted it again (AVX2, C = 1, issue 44). And a plain streak returns the
-        estimate to what the drafter delivers, not to 0.5: with 0.5, k = 3 at 4 rows on AVX2 (1.81
-        plain steps) read 1.77 tokens where the drafter brings ~2.07, and the policy decoded plainly
-        at 0.99x where drafting reads 1.04x (stop 51)."""
-        d, a = self._delivered
+        Each position's evidence is blended with a prior worth `prior_weight` steps. For slot 1 that
+        prior is the acceptance this drafter has delivered (every observation, decayed as observed but
+        never aged by plain streaks), or `prior` where that is lower or unknown; for each later slot,
+        the slot before it times the conditional acceptance seen there (P(a >= j) / P(a >= j-1)).
+        A slot the policy has rarely drafted thus extends the measured slots geometrically, rather
+        than falling to prior ** j: with a fixed 0.5 ** j, a policy that settled on k = 1 priced k = 3
+        at 1.86 tokens where it brings 2.16, and never drafted it again (AVX2, C = 1, issue 44). And a
+        plain streak returns the estimate to what the drafter delivers, not to 0.5: with 0.5, after a
+        streak k = 3 read 1.77 tokens where the drafter brings ~2.07 (AVX2, C = 4, stop 51)."""
+        delivered_drafts, delivered_accepts = self._delivered
         # never below `prior`: one unpredictable stretch must not keep the policy from drafting again
-        first = max(self.prior, a / d) if d > 0 else self.prior
+        first = max(self.prior, delivered_accepts / delivered_drafts) if delivered_drafts > 0 else self.prior
         out, prev, conditional = [], 1.0, first
         for d, a in zip(self._drafted, self._accepted):
             p = min(prev, (a + self.prior_weight * prev * conditional) / (d + self.prior_weight))
