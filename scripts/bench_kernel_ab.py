@@ -51,8 +51,8 @@ def main(baseline_rev: str | None, baseline_source: str | None, concurrency: tup
     src.write_text(Path(baseline_source).read_text() if baseline_source else
                    subprocess.run(["git", "show", f"{baseline_rev}:{SOURCE}"], check=True, capture_output=True,
                                   text=True).stdout)
-    flags = ["-O3", "-ffp-contract=fast", "-DDFLASH_OPS_NAMESPACE=dflash_ab", *panel_gemm._flags(variant)]
-    load("dflash_ab", [str(src)], extra_cflags=flags, build_directory=str(build), is_python_module=False)
+    load("dflash_ab", [str(src)], extra_cflags=panel_gemm.build_flags(variant, "dflash_ab"), build_directory=str(build),
+         is_python_module=False)
     current = panel_gemm.linear
     use_baseline = [False]
 

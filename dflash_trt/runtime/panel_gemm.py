@@ -96,8 +96,11 @@ def namespace(variant: str | None = None) -> str:
     return f"dflash_{variant or default_variant()}"
 
 
-def _build_flags(variant: str) -> list[str]:
-    return ["-O3", "-ffp-contract=fast", f"-DDFLASH_OPS_NAMESPACE={namespace(variant)}", *_flags(variant)]
+def build_flags(variant: str, ops_namespace: str | None = None) -> list[str]:
+    """The compiler flags of `variant`, its ops registered under `ops_namespace` (default: the
+    variant's own, :func:`namespace`; scripts/bench_kernel_ab.py builds another source beside it)."""
+    return ["-O3", "-ffp-contract=fast", f"-DDFLASH_OPS_NAMESPACE={ops_namespace or namespace(variant)}",
+            *_flags(variant)]
 
 
 def build_dir(variant: str) -> Path:
@@ -106,7 +109,7 @@ def build_dir(variant: str) -> Path:
     version at another path) sharing the cache do not rebuild it in turn."""
     from dflash_trt.models.smollm2 import cache_root
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_build_flags(variant)).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags(variant)).encode()).hexdigest()[:12]
     return cache_root() / "kernels" / f"torch-{torch.__version__.split('+')[0]}" / f"dflash_panel_gemm_{variant}-{digest}"
 
 
@@ -132,7 +135,7 @@ def _load(variant: str) -> str | None:
                 with atomic_file(copy) as tmp:
                     tmp.write_bytes(source)
             with _sole_builder(directory):
-                load(f"dflash_panel_gemm_{variant}", [str(copy)], extra_cflags=_build_flags(variant),
+                load(f"dflash_panel_gemm_{variant}", [str(copy)], extra_cflags=build_flags(variant),
                      build_directory=str(directory), is_python_module=False, verbose=False)
         # no compiler or ninja, a failed build, a read-only cache (atomic_file's one line)
         except (OSError, DFlashError, RuntimeError, ImportError, ValueError) as e:

@@ -88,16 +88,9 @@ constexpr int tail_panels_for(int64_t rows) { return panels_for(TILE_ROWS); }
 // linears of the embedded target at 4 rows, x86-64-v3 build, one thread, the same packed weights:
 // 46.1 against 50.0 ms (2-row tiles 47.5); at 6-16 rows 3-row tiles lose (16 rows: 95.0 against
 // 80.8), so those keep TILE_ROWS.
-#if defined(__AVX512F__)
-constexpr int64_t NARROW = TILE_ROWS;  // never narrower here
-constexpr int NARROW_PANELS = panels_for(TILE_ROWS);
-#else
-constexpr int64_t NARROW = TILE_ROWS / 2;  // 3 on AVX2
-constexpr int NARROW_PANELS = panels_for(NARROW);  // 2 on AVX2
-#endif
-inline int64_t tile_rows_for(int64_t M) {
-  return TILE_ROWS == 6 && (M == 4 || M == 5) ? NARROW : TILE_ROWS;
-}
+constexpr int64_t NARROW = TILE_ROWS == 6 ? 3 : TILE_ROWS;  // 3 on AVX2; AVX-512 and SSE: none narrower
+constexpr int NARROW_PANELS = panels_for(NARROW);          // 2 on AVX2
+inline int64_t tile_rows_for(int64_t M) { return NARROW < TILE_ROWS && (M == 4 || M == 5) ? NARROW : TILE_ROWS; }
 
 // How far ahead (rows of k, 64 bytes each) a tile prefetches each panel it streams. A tile reads NB
 // panels as NB separate streams, 36 KB apart for K = 576. With more than one row the weight came
@@ -106,8 +99,8 @@ inline int64_t tile_rows_for(int64_t M) {
 // pace: the embedded target's 211 linears cost 13-15% less at 2-4 rows, 6% at 8, 3% at 16, 1-4% at
 // one (one thread, AVX-512 and AVX2 builds alike; 32 and 64 rows ahead read alike, 16 and 128 less
 // well). The previous scheme, prefetching the next panel group from the first row tile, cost 2.5
-// ms at 2 rows where it gained at 6-8. Reading past a panel's end prefetches the next panel's first rows, what the next tile
-// reads; past the weight's end, nothing (a prefetch never faults).
+// ms at 2 rows where it gained at 6-8. Reading past a panel's end prefetches the next panel's first
+// rows, what the next tile reads; past the weight's end, nothing (a prefetch never faults).
 constexpr int64_t PREFETCH_ROWS = 48;
 
 // prefetch: this tile streams its panels from memory (the first row tile of a group)
