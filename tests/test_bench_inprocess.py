@@ -100,6 +100,12 @@ def test_relations_between_fields(run):
             fastest = max(p["total_tokens_per_s"] for p in _rows(result, mode="plain")
                           if p["concurrency"] == row["concurrency"])
             assert row["vs_fastest_plain"] == pytest.approx(row["total_tokens_per_s"] / fastest)
+            if row["steady_dflash_over_plain"] is not None:
+                assert row["steady_dflash_over_plain"] == pytest.approx(row["steady_tokens_per_s"]
+                                                                        / plain["steady_tokens_per_s"])
+        # the batched runtime keeps C = 2 requests decoding at once; the reference loop queues them
+        if row["concurrency"] == 2:
+            assert (row["steady_tokens_per_s"] is not None) is (row["side"] == "batched")
     ref = _rows(result, "reference", "dflash")[0]
     assert len(ref["per_position_acceptance"]) == 7  # block 8, K = 7: the reference loop drafts all of them
     c = result["ceiling"]

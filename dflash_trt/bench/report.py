@@ -144,6 +144,26 @@ def policies_table(result: dict[str, Any]) -> Table | None:
                  "against the same plain runtime", ("C", "plain tok/s", *names), out)
 
 
+def steady_table(result: dict[str, Any]) -> Table | None:
+    """Per DFlash row: total tokens/s while all C requests decoded (bench/steady.py), against its plain
+    decoding's over the same kind of window, beside the whole run's ratio (which ends in a drain)."""
+    from dflash_trt.bench.summary import baseline_of, find
+
+    out = []
+    for r in result["rows"]:
+        if r["mode"] != "dflash" or r["concurrency"] < 2 or r.get("steady_dflash_over_plain") is None:
+            continue
+        plain = find(result["rows"], baseline_of(r), "plain", r["concurrency"])
+        out.append([str(r["concurrency"]), r["label"], f"{r['steady_tokens_per_s']:.1f}",
+                    f"{plain['steady_tokens_per_s']:.1f}" if plain else "-", _x(r["steady_dflash_over_plain"]),
+                    _x(r.get("dflash_over_plain"))])
+    if not out:
+        return None
+    return Table("While all C requests decode (a server's steady traffic): total tok/s, DFlash against plain; the "
+                 "whole run's ratio also counts its end, where rows that finish leave a smaller batch",
+                 ("C", "side", "DFlash tok/s", "plain tok/s", "DFlash/plain", "whole run"), out)
+
+
 def category_table(result: dict[str, Any]) -> Table | None:
     out = []
     for r in result["rows"]:
@@ -196,8 +216,8 @@ def frontier_table(result: dict[str, Any]) -> Table | None:
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
-    return [t for t in (sweep_table(result), policies_table(result), limits_table(result), policy_table(result),
-                        category_table(result), frontier_table(result)) if t]
+    return [t for t in (sweep_table(result), policies_table(result), steady_table(result), limits_table(result),
+                        policy_table(result), category_table(result), frontier_table(result)) if t]
 
 
 def goal_lines(result: dict[str, Any]) -> list[str]:

@@ -5,7 +5,10 @@ the ratios between them, and the identity check.
   means), latencies as distributions, total_tokens_per_s over the run's wall time.
 - ``dflash_over_plain``: a side's DFlash total tokens/s over its own plain decoding's, same C (a
   side without a plain mode -- one of several policies side by side -- over its ``baseline``'s);
-  ``speedup``: plain mean TPOT over DFlash mean TPOT (the per-user pace).
+  ``speedup``: plain mean TPOT over DFlash mean TPOT (the per-user pace);
+  ``steady_dflash_over_plain``: the same over ``steady_tokens_per_s``, the total tokens/s while all
+  C requests decoded (bench/steady.py: what a server with steady traffic sees, without the drain
+  at the end of a one-request-per-user run).
 - ``vs_peer``: a side's total tokens/s over the peer's (vLLM in its default, compiled mode when it
   ran, else eager), same mode, same C; ``vs_fastest_plain``: a DFlash row over the fastest plain
   decoder of all sides at that C (what speculation must beat to be worth it).
@@ -22,6 +25,7 @@ from typing import Any
 
 from dflash_trt.bench.divergence import departures
 from dflash_trt.bench.runners import RequestRecord, RunResult
+from dflash_trt.bench.steady import steady_tokens_per_s
 from dflash_trt.metrics import GenerationStats, merge_stats, summarize, tokens_per_second
 
 PEER_SIDES = ("vllm", "vllm-eager")  # in order of preference for vs_peer
@@ -106,6 +110,7 @@ def build_rows(results: dict[tuple[str, str, int], RunResult], sides: list[Any],
                 row: dict[str, Any] = {"side": side.name, "label": side.label, "mode": mode, "concurrency": c,
                                        "baseline": getattr(side, "baseline", None) or side.name,
                                        **summarize_records(run.records, run.counters)}
+                row["steady_tokens_per_s"] = steady_tokens_per_s([r for r in run.records if r.error is None], c)
                 if per_category:
                     cats = sorted({r.category for r in run.records})
                     row["per_category"] = {cat: summarize_records([r for r in run.records if r.category == cat])
@@ -131,11 +136,13 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         c, mode = r["concurrency"], r["mode"]
         plain = find(rows, baseline_of(r), "plain", c)
-        r["dflash_over_plain"] = r["speedup"] = None
+        r["dflash_over_plain"] = r["speedup"] = r["steady_dflash_over_plain"] = None
         if mode == "dflash" and plain and plain["total_tokens_per_s"]:
             r["dflash_over_plain"] = r["total_tokens_per_s"] / plain["total_tokens_per_s"]
             if r["tpot_s"]["mean"]:
                 r["speedup"] = plain["tpot_s"]["mean"] / r["tpot_s"]["mean"]
+            if r.get("steady_tokens_per_s") and plain.get("steady_tokens_per_s"):
+                r["steady_dflash_over_plain"] = r["steady_tokens_per_s"] / plain["steady_tokens_per_s"]
         peer = next((p for s in peers if (p := find(rows, s, mode, c)) is not None), None)
         r["vs_peer"] = (r["total_tokens_per_s"] / peer["total_tokens_per_s"]
                         if peer and r["side"] not in PEER_SIDES and peer["total_tokens_per_s"] else None)
