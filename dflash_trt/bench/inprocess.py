@@ -55,7 +55,8 @@ class PairInputs:
 
 
 def record_of(side: str, mode: str, concurrency: int, req: BenchRequest, stats: Any, output_ids: list[int],
-              t_submit: float, t_first: float, t_end: float, queue_s: float) -> RequestRecord:
+              t_submit: float, t_first: float, t_end: float, queue_s: float,
+              progress: list[tuple[float, int]] | None = None) -> RequestRecord:
     s = stats
     return RequestRecord(
         mode=mode, concurrency=concurrency, prompt_id=req.prompt.id, category=req.prompt.category,
@@ -64,7 +65,7 @@ def record_of(side: str, mode: str, concurrency: int, req: BenchRequest, stats: 
         tau=s.tau, acceptance_rate=s.acceptance_rate, t_submit=t_submit, t_first=t_first, t_end=t_end,
         queue_s=queue_s, finish_reason=s.finish_reason, acceptance_lengths=list(s.acceptance_lengths),
         position_drafted=list(s.position_drafted), position_accepted=list(s.position_accepted),
-        output_ids=list(output_ids), side=side,
+        output_ids=list(output_ids), side=side, progress=progress,
     )
 
 
@@ -243,14 +244,19 @@ class BatchedSide:
             i = len(requests) - len(pending)
             req = pending.popleft()
             first: list[float] = []
+            progress: list[tuple[float, int]] = []  # (run clock, tokens so far) after each step
 
             def on_step(new: list[int]) -> None:
-                if not first and new:
-                    first.append(time.perf_counter() - t0)
+                if not new:
+                    return
+                now = time.perf_counter() - t0
+                if not first:
+                    first.append(now)
+                progress.append((now, (progress[-1][1] if progress else 0) + len(new)))
 
             seq = rt.add(SequenceRequest(self.inputs.encode(req.prompt),
                                          self.inputs.params(req.max_new_tokens, req.temperature, req.seed), on_step))
-            live[id(seq)] = (i, req, time.perf_counter() - t0, first)
+            live[id(seq)] = (i, req, time.perf_counter() - t0, first, progress)
 
         graphs_before = rt.graph_stats()
         decode_steps: list[float] = []  # steps without a prefill: the decoding pace the run saw
@@ -272,11 +278,11 @@ class BatchedSide:
                     steps.append(StepTiming(rows=rows, k=decision.k if decision is not None and rows else 0,
                                             step_s=now - t, passes=passes, prefill=prefill or not rows))
                 for seq in finished:
-                    i, req, t_submit, first = live.pop(id(seq))
+                    i, req, t_submit, first, progress = live.pop(id(seq))
                     res = seq.result
                     t_end = now - t0
                     rec = record_of(self.name, mode, concurrency, req, res.stats, res.output_ids, t_submit,
-                                    first[0] if first else t_end, t_end, seq.queue_s)
+                                    first[0] if first else t_end, t_end, seq.queue_s, progress)
                     done.append((i, rec))
                     on_done(rec)
                 while pending and len(live) < concurrency:

@@ -62,6 +62,9 @@ class RequestRecord:
     side: str = ""  # which system produced it (reference, batched, vllm, vllm-eager, endpoint)
     server_decode_s: float | None = None  # an endpoint's own decode time (its latency minus queue and this: overhead)
     error: str | None = None  # a request an endpoint failed (counted, never summarised as a success)
+    # (seconds on the run clock, tokens so far) after each step that committed tokens: a side that
+    # sees its steps (the batched runtime) records it, for the throughput while all C decode (bench/steady.py)
+    progress: list[tuple[float, int]] | None = None
 
     @property
     def ttft_s(self) -> float:
