@@ -339,7 +339,9 @@ class AdaptivePolicy:
         streak k = 3 read 1.77 tokens where the drafter brings ~2.07 (AVX2, C = 4, stop 51)."""
         delivered_drafts, delivered_accepts = self._delivered
         # never below `prior`: one unpredictable stretch must not keep the policy from drafting again
-        first = max(self.prior, delivered_accepts / delivered_drafts) if delivered_drafts > 0 else self.prior
+        # blended with `prior` like every slot's evidence: one lucky first step is not a 100% drafter
+        delivered = (delivered_accepts + self.prior_weight * self.prior) / (delivered_drafts + self.prior_weight)
+        first = max(self.prior, delivered)
         out, prev, conditional = [], 1.0, first
         for d, a in zip(self._drafted, self._accepted):
             p = min(prev, (a + self.prior_weight * prev * conditional) / (d + self.prior_weight))
@@ -370,14 +372,19 @@ class AdaptivePolicy:
         rates). With a calibrated table and a few hundred drafted rows it is ~5-6%, where a fixed
         10% kept plain decoding on gains measured at 1.08-1.09x (AVX2 C = 4, one core C = 8; stop
         51). Anything unmeasured keeps the full `margin`."""
+        se = self._gain_error(batch, k, q)
+        return self.margin if se is None else min(self.margin, self.margin_floor + se)
+
+    def _gain_error(self, batch: int, k: int, q: list[float]) -> float | None:
+        """The relative standard error of k's estimated gain at `batch` rows (see :meth:`margin_for`);
+        None where its cost was never timed at this batch or nothing was drafted yet."""
         n_cost = self.costs.ratio_samples(batch, k)
         n_acc = self._delivered[0]
         if n_cost <= 0 or n_acc <= 0 or not 0 < q[0] < 1:
-            return self.margin
+            return None
         tokens = 1.0 + sum(q[:k])
         tokens_rel_sd = math.sqrt(q[0] * (1 - q[0]) / n_acc) / q[0] * (tokens - 1) / tokens
-        se = math.sqrt(self.step_noise**2 / n_cost + tokens_rel_sd**2)
-        return min(self.margin, self.margin_floor + se)
+        return math.sqrt(self.step_noise**2 / n_cost + tokens_rel_sd**2)
 
     def _needs_measurement(self, batch: int, k: int, q: list[float]) -> bool:
         """Whether to spend a step measuring cost(batch, k) before trusting the table.
@@ -488,8 +495,12 @@ class AdaptivePolicy:
     def _probe_wait(self, plain: Decision, drafting: Decision, q: list[float]) -> float:
         """Plain steps before the next probe: the current interval (64, doubling after each probe that
         changed nothing), doubled again per `probe_shortfall` by which `drafting`, the best draft
-        length, misses the margin over `plain`; at most 16 x reexplore_every."""
-        need = (1 + self.margin_for(drafting.batch, drafting.k, q)) * plain.est_tokens_per_s / drafting.est_tokens_per_s
+        length, misses the margin over `plain` even at one standard error above its estimate (thin
+        evidence -- a calibration a busy machine slowed -- must not postpone the probe that corrects
+        it); at most 16 x reexplore_every."""
+        se = self._gain_error(drafting.batch, drafting.k, q)
+        optimistic = drafting.est_tokens_per_s * (1 + (self.margin if se is None else se))
+        need = (1 + self.margin_for(drafting.batch, drafting.k, q)) * plain.est_tokens_per_s / optimistic
         doublings = max(0.0, need - 1) / self.probe_shortfall if self.probe_shortfall > 0 else 0.0
         return min(self._reexplore_interval * 2.0 ** min(doublings, 4.0), 16 * self.reexplore_every)
 
