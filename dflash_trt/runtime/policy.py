@@ -149,27 +149,16 @@ class CostTable:
     _plain_seen: dict[int, int] = field(default_factory=dict, init=False)  # rows -> _observed at the last plain step
     table: dict[int, dict[int, float]] = field(default_factory=dict)  # k -> {rows: seconds}
     ratios: dict[int, dict[int, float]] = field(default_factory=dict)  # k > 0 -> {rows: cost / plain cost}
-    # k > 0 -> {rows: timed steps behind the ratio}, capped at the EMA's effective sample size
-    # (2 - ema) / ema: how far the policy may trust it (AdaptivePolicy.margin_for)
-    samples: dict[int, dict[int, float]] = field(default_factory=dict)
 
-    def set(self, batch: int, k: int, seconds: float, samples: int = 1) -> None:
-        """An entry measured apart from online decoding (calibration: the median of `samples` steps)."""
+    def set(self, batch: int, k: int, seconds: float) -> None:
         self.table.setdefault(k, {})[batch] = seconds
         if k == 0:
             self._plain_seen[batch] = self._observed
-        else:
-            self.samples.setdefault(k, {})[batch] = min(samples, self.effective_samples)
         plain = self.table.get(0, {}).get(batch)
         if plain:  # whichever of a round's entries comes last completes the ratios at this batch
             for kk, row in self.table.items():
                 if kk > 0 and batch in row:
                     self.ratios.setdefault(kk, {})[batch] = row[batch] / plain
-
-    @property
-    def effective_samples(self) -> float:
-        """How many samples an EMA with weight `ema` averages over, in variance: (2 - ema) / ema."""
-        return (2 - self.ema) / self.ema
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         self._observed += 1
@@ -180,8 +169,6 @@ class CostTable:
             # step the plain entry goes stale, and dividing by a plain cost from a slow minute
             # would make drafting look cheap (seen: k=1 "0.9x plain" at 4-6 rows)
             self._blend(self.ratios.setdefault(k, {}), batch, seconds / self.table[0][batch], self.clip)
-            counts = self.samples.setdefault(k, {})
-            counts[batch] = min(counts.get(batch, 0) + 1, self.effective_samples)
         self._blend(self.table.setdefault(k, {}), batch, seconds)
 
     def _blend(self, row: dict[int, float], batch: int, sample: float, clip: float | None = None) -> None:
@@ -204,20 +191,6 @@ class CostTable:
         """Estimated cost(batch, k) / cost(batch, 0), or None when never measured side by side."""
         row = self.ratios.get(k)
         return _interpolate(row, batch, proportional_above=False) if row else None
-
-    def ratio_samples(self, batch: int, k: int) -> float:
-        """Timed steps behind cost(batch, k) / plain (k > 0): between measured batch sizes, the fewer
-        of the two neighbours'; past them, the nearest one's; 0 when never measured."""
-        row = self.samples.get(k)
-        if not row:
-            return 0.0
-        if batch in row:
-            return row[batch]
-        ns = sorted(row)
-        i = bisect.bisect_left(ns, batch)
-        if i in (0, len(ns)):
-            return row[ns[0] if i == 0 else ns[-1]]
-        return min(row[ns[i - 1]], row[ns[i]])
 
     def estimate(self, batch: int, k: int) -> float | None:
         ratio = self.ratio(batch, k) if k > 0 else None
@@ -263,14 +236,9 @@ class AdaptivePolicy:
     decay: float = 0.995  # per observed row-step: forget old traffic slowly
     forget: float = 0.99  # per plain row-step: unobserved time ages the evidence faster (see _forget)
     log_size: int = 256
-    # Speculate only when the estimated gain over plain decoding clears a margin: estimates are
-    # noisy, and a marginal "win" that is really a loss would break the never-slower-than-plain
-    # promise. The margin is `margin_floor` (what the estimate leaves out: a batch's stragglers, a
-    # probe's catch-up) plus one standard error of the estimated gain, and at most `margin`, which
-    # is also what a draft length with no cost samples at this batch must clear (see margin_for).
+    # speculate only when its estimate beats plain decoding by this fraction: estimates are noisy,
+    # and a marginal "win" that is really a loss would break the never-slower-than-plain promise
     margin: float = 0.1
-    margin_floor: float = 0.02
-    step_noise: float = 0.06  # relative sd of one timed step's cost ratio (the shared CPU drifts +-10% in minutes)
     explore: bool = True  # measure each candidate online where the cost table cannot vouch for it
     explore_growth: float = 1.5  # a batch this much larger than any measured one is measured anew
     # After this many plain steps in a row, speculate (two steps) with the best positive k: acceptance is
@@ -278,12 +246,6 @@ class AdaptivePolicy:
     # would never notice that traffic became predictable again. The wait doubles after each probe
     # that changes nothing (64, 128, ... 1024 steps), so a useless drafter costs almost nothing.
     reexplore_every: int = 64
-    # ... and the further drafting is from paying, the rarer the probe: the wait doubles again for
-    # every `probe_shortfall` by which the best draft length's estimated gain misses its margin (a
-    # probe only changes the choice if acceptance rose by that much), up to 16 x reexplore_every.
-    # At 16 rows on one core k = 1 reads 0.91x for a 1.07 bar: ~1% of a 127-step run went to a
-    # probe, its catch-up and two losing steps (stop 51). 0: the interval alone.
-    probe_shortfall: float = 0.05
     _plain_streak: int = field(default=0, init=False)
     _probe_again: int = field(default=0, init=False)  # k of a probe's second step (0: none due)
     _reexplore_interval: int = field(default=0, init=False)
@@ -360,31 +322,6 @@ class AdaptivePolicy:
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
         if batch > 0 and k in (self.candidates or ()):
             self.costs.observe(batch, k, seconds)
-
-    def margin_for(self, batch: int, k: int, q: list[float]) -> float:
-        """The fraction by which draft length k's estimated gain over plain decoding must beat 1 at
-        `batch` rows: `margin_floor` plus one standard error of the estimate, at most `margin`.
-
-        The error has two parts. The cost ratio's: `step_noise` over the root of the timed steps
-        behind it (calibration's rounds, then online ones up to the EMA's effective sample size).
-        The expected tokens': slot 1's binomial error over every slot-1 observation this drafter has
-        delivered, carried to all k slots as if they moved with it (each is slot 1 times conditional
-        rates). With a calibrated table and a few hundred drafted rows it is ~5-6%, where a fixed
-        10% kept plain decoding on gains measured at 1.08-1.09x (AVX2 C = 4, one core C = 8; stop
-        51). Anything unmeasured keeps the full `margin`."""
-        se = self._gain_error(batch, k, q)
-        return self.margin if se is None else min(self.margin, self.margin_floor + se)
-
-    def _gain_error(self, batch: int, k: int, q: list[float]) -> float | None:
-        """The relative standard error of k's estimated gain at `batch` rows (see :meth:`margin_for`);
-        None where its cost was never timed at this batch or nothing was drafted yet."""
-        n_cost = self.costs.ratio_samples(batch, k)
-        n_acc = self._delivered[0]
-        if n_cost <= 0 or n_acc <= 0 or not 0 < q[0] < 1:
-            return None
-        tokens = 1.0 + sum(q[:k])
-        tokens_rel_sd = math.sqrt(q[0] * (1 - q[0]) / n_acc) / q[0] * (tokens - 1) / tokens
-        return math.sqrt(self.step_noise**2 / n_cost + tokens_rel_sd**2)
 
     def _needs_measurement(self, batch: int, k: int, q: list[float]) -> bool:
         """Whether to spend a step measuring cost(batch, k) before trusting the table.
@@ -463,7 +400,7 @@ class AdaptivePolicy:
                 cost = max(cost, floor * plain)
             e = 1.0 + sum(q[:k])
             d = Decision(batch, k, e, cost, batch * e / cost)
-            bar = 1 + (self.margin_for(batch, k, q) if best is not None and best.k == 0 else 1e-9)
+            bar = 1 + (self.margin if best is not None and best.k == 0 else 1e-9)
             if best is None or d.est_tokens_per_s > best.est_tokens_per_s * bar:
                 best = d
             if k > 0 and (best_drafting is None or d.est_tokens_per_s > best_drafting.est_tokens_per_s):
@@ -473,9 +410,8 @@ class AdaptivePolicy:
             self._forget(batch)
         else:  # speculation pays again: probe at the base rate next time it stops paying
             self._plain_streak, self._reexplore_interval = 0, self.reexplore_every
-        if (best_drafting is not None and self.reexplore_every and best is not None
-                and self._plain_streak > self._probe_wait(best, best_drafting, q)):
-            best_drafting.reason = f"re-explore after {self._plain_streak - 1} plain steps: refresh acceptance"
+        if best_drafting is not None and self.reexplore_every and self._plain_streak > self._reexplore_interval:
+            best_drafting.reason = f"re-explore after {self._reexplore_interval} plain steps: refresh acceptance"
             self._plain_streak = 0
             # each probe that finds plain decoding still best doubles the wait (up to 16x), so a
             # drafter that never pays costs a vanishing fraction of steps
@@ -491,18 +427,6 @@ class AdaptivePolicy:
         self.decisions.append(best)
         log.debug("policy: %s", best)
         return best
-
-    def _probe_wait(self, plain: Decision, drafting: Decision, q: list[float]) -> float:
-        """Plain steps before the next probe: the current interval (64, doubling after each probe that
-        changed nothing), doubled again per `probe_shortfall` by which `drafting`, the best draft
-        length, misses the margin over `plain` even at one standard error above its estimate (thin
-        evidence -- a calibration a busy machine slowed -- must not postpone the probe that corrects
-        it); at most 16 x reexplore_every."""
-        se = self._gain_error(drafting.batch, drafting.k, q)
-        optimistic = drafting.est_tokens_per_s * (1 + (self.margin if se is None else se))
-        need = (1 + self.margin_for(drafting.batch, drafting.k, q)) * plain.est_tokens_per_s / optimistic
-        doublings = max(0.0, need - 1) / self.probe_shortfall if self.probe_shortfall > 0 else 0.0
-        return min(self._reexplore_interval * 2.0 ** min(doublings, 4.0), 16 * self.reexplore_every)
 
     def summary(self) -> dict:
         """The policy's state: what `dflash-trt`'s stats and the benchmark print."""

@@ -82,7 +82,7 @@ def calibrate(runtime: "BatchedRuntime", batch_sizes: Sequence[int], prompt_len:
                     runtime.step()
                     samples[k].append(time.perf_counter() - t)
                 cost = statistics.median(samples[k])
-                policy.costs.set(n, k, cost, samples=len(samples[k]))
+                policy.costs.set(n, k, cost)
                 if progress is not None:
                     progress(n, k, cost)
             for s in seqs:
