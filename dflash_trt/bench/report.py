@@ -115,8 +115,8 @@ def policy_table(result: dict[str, Any]) -> Table | None:
     if not out:
         return None
     return Table("The adaptive policy's table at each C: cost in plain steps / expected tokens per step -> expected "
-                 "gain (it drafts where the gain beats 1 by its margin: a floor plus one standard error of the "
-                 "estimate, capped)", ("C", "candidates", "k chosen (last 256 steps)"), out)
+                 "gain (it drafts where the gain beats 1 by its margin)", ("C", "candidates", "k chosen (last 256 steps)"),
+                 out)
 
 
 def policies_table(result: dict[str, Any]) -> Table | None:
