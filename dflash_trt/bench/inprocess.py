@@ -236,27 +236,23 @@ class BatchedSide:
                           rt.draft_head if mode == "dflash" else None)
         t0 = time.perf_counter()
         pending = deque(requests)
-        live: dict[int, tuple[int, BenchRequest, float, list[float]]] = {}  # id(seq) -> (i, req, t_submit, [t_first])
+        # id(seq) -> (i, req, t_submit, progress: [(run clock, tokens so far)], [0] the first token)
+        live: dict[int, tuple[int, BenchRequest, float, list[tuple[float, int]]]] = {}
         done: list[tuple[int, RequestRecord]] = []
         steps: list[StepTiming] = []
 
         def submit() -> None:
             i = len(requests) - len(pending)
             req = pending.popleft()
-            first: list[float] = []
-            progress: list[tuple[float, int]] = []  # (run clock, tokens so far) after each step
+            progress: list[tuple[float, int]] = []  # after each step that committed tokens
 
             def on_step(new: list[int]) -> None:
-                if not new:
-                    return
-                now = time.perf_counter() - t0
-                if not first:
-                    first.append(now)
-                progress.append((now, (progress[-1][1] if progress else 0) + len(new)))
+                if new:
+                    progress.append((time.perf_counter() - t0, (progress[-1][1] if progress else 0) + len(new)))
 
             seq = rt.add(SequenceRequest(self.inputs.encode(req.prompt),
                                          self.inputs.params(req.max_new_tokens, req.temperature, req.seed), on_step))
-            live[id(seq)] = (i, req, time.perf_counter() - t0, first, progress)
+            live[id(seq)] = (i, req, time.perf_counter() - t0, progress)
 
         graphs_before = rt.graph_stats()
         decode_steps: list[float] = []  # steps without a prefill: the decoding pace the run saw
@@ -278,11 +274,11 @@ class BatchedSide:
                     steps.append(StepTiming(rows=rows, k=decision.k if decision is not None and rows else 0,
                                             step_s=now - t, passes=passes, prefill=prefill or not rows))
                 for seq in finished:
-                    i, req, t_submit, first, progress = live.pop(id(seq))
+                    i, req, t_submit, progress = live.pop(id(seq))
                     res = seq.result
                     t_end = now - t0
                     rec = record_of(self.name, mode, concurrency, req, res.stats, res.output_ids, t_submit,
-                                    first[0] if first else t_end, t_end, seq.queue_s, progress)
+                                    progress[0][0] if progress else t_end, t_end, seq.queue_s, progress)
                     done.append((i, rec))
                     on_done(rec)
                 while pending and len(live) < concurrency:

@@ -45,7 +45,7 @@ def full_batch_windows(records: Sequence[Any], concurrency: int) -> list[tuple[f
 def steady_tokens_per_s(records: Sequence[Any], concurrency: int) -> float | None:
     """Total tokens/s over :func:`full_batch_windows`: the tokens of every step (each record's
     progress) that committed inside a window, over the windows' length."""
-    if not records or any(getattr(r, "progress", None) is None for r in records):
+    if not records or any(r.progress is None for r in records):
         return None
     windows = full_batch_windows(records, concurrency)
     span = sum(hi - lo for lo, hi in windows)

@@ -300,9 +300,9 @@ class AdaptivePolicy:
         plain streak returns the estimate to what the drafter delivers, not to 0.5: with 0.5, after a
         streak k = 3 read 1.77 tokens where the drafter brings ~2.07 (AVX2, C = 4, stop 51)."""
         delivered_drafts, delivered_accepts = self._delivered
-        # never below `prior`: one unpredictable stretch must not keep the policy from drafting again
         # blended with `prior` like every slot's evidence: one lucky first step is not a 100% drafter
         delivered = (delivered_accepts + self.prior_weight * self.prior) / (delivered_drafts + self.prior_weight)
+        # never below `prior`: one unpredictable stretch must not keep the policy from drafting again
         first = max(self.prior, delivered)
         out, prev, conditional = [], 1.0, first
         for d, a in zip(self._drafted, self._accepted):
