@@ -317,6 +317,23 @@ def test_every_user_has_a_request_unless_num_requests_says(tiny_pair_dirs, tmp_p
     assert {r["concurrency"]: r["num_requests"] for r in result["rows"]} == {1: 2, 3: 2}
 
 
+def test_repeated_rounds_alternate_which_mode_runs_first(tiny_pair_dirs, tmp_path):
+    """With --repeats, every other round runs in reverse order, counted across levels: DFlash, listed
+    first, does not always meet a level's shapes and memory first. Every run is kept beside the
+    fastest, which is the one the row counts."""
+    tdir, ddir = tiny_pair_dirs
+    result, _ = _bench(tmp_path, "--target", str(tdir), "--draft", str(ddir), "--num-prompts", "2",
+                       "--max-new-tokens", "4", "--runtime", "batched", "--no-calibrate", "--no-plots",
+                       "--concurrency", "1,2", "--repeats", "2")
+    for row in result["rows"]:
+        runs = row["info"]["runs"]
+        first_round = {1: 0, 2: 2}[row["concurrency"]]
+        assert [r["round"] for r in runs] == [first_round, first_round + 1]
+        listed = 0 if row["mode"] == "dflash" else 1  # position when the round runs in listed order
+        assert [r["position"] for r in runs] == [listed, 1 - listed], row["mode"]
+        assert row["total_tokens_per_s"] == pytest.approx(max(r["tokens_per_s"] for r in runs), rel=1e-3)
+
+
 def _rec(lengths: list[int], drafted: int, t_submit: float, t_first: float, t_end: float, n: int) -> RequestRecord:
     accepted = sum(lengths) - len(lengths)
     return RequestRecord(

@@ -72,7 +72,7 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="DFlash only: acceptance figures (deterministic at temperature 0) in half the time; no plain "
                    "decoding, no speed ratios, no identity check. For comparing drafters.")
 @click.option("--concurrency", callback=int_list("1,2,4,8"), help="Concurrency levels to sweep, e.g. 1,4,8,16 [default: 1].")
-@click.option("--repeats", type=int, help="Timed runs per side, mode and level, alternating; the fastest counts [1].")
+@click.option("--repeats", type=int, help="Timed runs per side, mode and level; every other round runs in reverse order; the fastest counts [1].")
 @click.option("--calibrate/--no-calibrate", default=None,
               help="Batched, adaptive: measure each candidate k's step cost at every level before the sweep (its "
                    "time is reported apart) [default: calibrate].")

@@ -88,7 +88,7 @@ class BenchConfig(RuntimeChoices):
     draft_len_schedule: str | None = None
     tau_only: bool = False  # DFlash only: acceptance figures, no plain decoding, no speed ratios
     concurrency: list[int] = Field(default_factory=lambda: [1])
-    repeats: int = Field(1, ge=1)  # timed runs per (side, mode, C), alternating; the fastest counts
+    repeats: int = Field(1, ge=1)  # timed runs per (side, mode, C), in alternating order; the fastest counts
     calibrate: bool = True  # batched adaptive: measure every candidate k's step cost at each C first
     check: bool = True  # greedy: every output against the reference loop's plain decoding
     # where (device, dtype, pack, cuda_graphs and torch_compile: the RuntimeChoices keys, in process)

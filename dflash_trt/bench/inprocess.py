@@ -256,6 +256,7 @@ class BatchedSide:
 
         graphs_before = rt.graph_stats()
         decode_steps: list[float] = []  # steps without a prefill: the decoding pace the run saw
+        prefill_s = 0.0  # steps that admitted a request: its prefill (and the drafter's first pass)
         with timer if timer is not None else _null():
             while pending and len(live) < concurrency:
                 submit()
@@ -268,6 +269,8 @@ class BatchedSide:
                 now = time.perf_counter()
                 if rows and not prefill:
                     decode_steps.append(now - t)
+                else:
+                    prefill_s += now - t
                 if timer is not None:
                     decision = rt.last_decision
                     passes, _ = timer.take()
@@ -285,7 +288,8 @@ class BatchedSide:
                     submit()
         records = [rec for _, rec in sorted(done, key=lambda x: x[0])]
         info: dict[str, Any] = {"policy": self.policy, "startup": self._startup.get(mode),
-                                "decode_step_s": summarize(decode_steps) if decode_steps else None}
+                                "decode_step_s": summarize(decode_steps) if decode_steps else None,
+                                "prefill_steps_s": round(prefill_s, 4)}
         if graphs_before is not None:
             info["graphs_in_run"] = graphs_in_run(graphs_before, rt.graph_stats())
         if steps:

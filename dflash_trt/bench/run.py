@@ -1,8 +1,9 @@
 """One bench run: resolve the sides and prompts, sweep concurrency, summarise.
 
 The sweep runs level by level: at each C every side runs DFlash and plain decoding back to back
-(with --repeats, that whole round again, alternating, and the fastest run of each (side, mode, C)
-counts), so load from other processes on a shared machine hits every side alike.
+(with --repeats, that whole round again, and the fastest run of each (side, mode, C) counts), so
+load from other processes on a shared machine hits every side alike. Every other round, counted
+across levels, runs in reverse order (:func:`round_order`), so no mode always goes first.
 """
 
 from __future__ import annotations
@@ -286,18 +287,28 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
         if cfg.check and cfg.temperature == 0 and inputs is not None and not ran_reference_plain and not cfg.tau_only:
             oracle = _oracle(inputs, requests[max(cfg.concurrency)], say)
         results: dict[tuple[str, str, int], RunResult] = {}
+        every_run: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
         on_done = (lambda r: progress("done", r)) if progress else (lambda r: None)
+        rounds = 0
         for c in cfg.concurrency:
             for _ in range(cfg.repeats):
-                for side, mode in runs:
+                for position, (side, mode) in enumerate(round_order(runs, rounds)):
                     settle_s = _settle(sides, say)
                     load = load_average()
                     res = side.run(mode, requests[c], c, on_done)
                     res.info.update(loadavg=load, settle_s=round(settle_s, 2))
                     say(f"{side.name} {mode} C={c}: {_throughput(res):.1f} tok/s total (load {load[0] if load else '?'})")
-                    best = results.get((side.name, mode, c))
+                    key = (side.name, mode, c)
+                    every_run.setdefault(key, []).append(
+                        {"round": rounds, "position": position, "tokens_per_s": round(_throughput(res), 3),
+                         "loadavg": load, "prefill_steps_s": res.info.get("prefill_steps_s"),
+                         "step_timing": res.info.get("step_timing")})
+                    best = results.get(key)
                     if best is None or _throughput(res) > _throughput(best):
-                        results[(side.name, mode, c)] = res
+                        results[key] = res
+                rounds += 1
+        for key, res in results.items():  # the fastest run counts; every run is kept beside it
+            res.info["runs"] = every_run[key]
     finally:
         for side in sides:
             side.close()
@@ -348,6 +359,15 @@ def _gpus(cfg: BenchConfig) -> tuple[int | None, str]:
         m = load_manifest(cfg.engine).mapping
         return m.world_size, f"the engine's manifest: tp {m.tp} x pp {m.pp}"
     return None, "unknown: pass --gpus N or --engine ENGINE"
+
+
+def round_order(runs: list[Any], round_index: int) -> list[Any]:
+    """The order of one round's (side, mode) runs: as listed in even rounds, reversed in odd ones.
+    Rounds count across levels, so with one run per level the sweep alternates too. Whatever runs
+    first at a level meets that level's shapes and memory first (and, on a shared machine, a
+    minute the others do not); reversing every other round spreads that over every mode alike
+    instead of charging it to DFlash, which is listed first."""
+    return list(runs) if round_index % 2 == 0 else list(reversed(runs))
 
 
 def _throughput(res: RunResult) -> float:
