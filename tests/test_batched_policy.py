@@ -240,6 +240,35 @@ def test_reexploration_backs_off_while_plain_decoding_stays_best():
     assert probes == [8, 9, 8 + 16 + 2, 8 + 16 + 3, 8 + 16 + 32 + 4, 8 + 16 + 32 + 5]
 
 
+def test_drafting_at_a_shrunken_batch_does_not_reset_the_probe_wait():
+    """Drafting that pays only because the batch shrank (a burst's last rows) says nothing new about
+    the full batch: the next probe there waits out the backed-off interval, not the base one
+    (resetting on it re-probed every burst at 16 rows, ~1.4% of a run). Drafting that pays at as
+    many rows as the last probe does reset it: the traffic changed."""
+    # k > 0 costs 1.1x plain at 1-2 rows, 2x at 4 and more; slot 1 is always accepted, so E(k) ~ 2:
+    # drafting pays at 2 rows and never at 16
+    policy = AdaptivePolicy(8, costs=_costs(lambda n, k: 1.0 if k == 0 else (1.1 if n <= 2 else 2.0)),
+                            candidates=[0, 1, 3, 7], reexplore_every=8, prior_weight=1e-9)
+
+    def run(batch: int, steps: int, accepted=lambda k: 1, times: int = 1) -> list[int]:
+        drafted = []
+        for step in range(steps):
+            d = policy.choose(batch, 7)
+            if d.k:
+                drafted.append(step)
+                for _ in range(times):
+                    policy.observe_acceptance(d.k, accepted(d.k))
+        return drafted
+
+    assert run(16, 12) == [8, 9]  # the first probe at the base wait; the wait doubles to 16
+    assert len(run(2, 5)) == 5  # the burst's last rows: drafting pays at 2 rows
+    assert run(16, 17) == [16]  # back at 16 rows: the doubled wait, not 8
+    # the probe's second step finds every draft accepted: drafting pays at 16 rows, the traffic changed
+    assert run(16, 2, accepted=lambda k: k, times=50) == [0, 1]
+    run(16, 1, accepted=lambda k: 0, times=300)  # and then it turns unpredictable again
+    assert run(16, 12)[:1] == [8]  # the wait is back at its base
+
+
 def test_plain_decoding_reexplores_and_recovers_when_acceptance_returns():
     """Acceptance is only learned from drafting steps. A policy that settled on plain decoding
     (poor drafter) still drafts once every `reexplore_every` steps, so when the traffic turns
@@ -375,6 +404,49 @@ def test_a_stale_plain_cost_does_not_rescale_drafting_costs():
     costs.observe(8, 0, 0.8)
     costs.observe(8, 1, 1.0)
     assert costs.ratio(8, 1) != frozen
+
+
+def _drive(policy: AdaptivePolicy, batch: int, cost: dict[int, float], steps: int) -> list[Decision]:
+    """`steps` choices at `batch` rows, each timed at `cost[k]` and accepting slot 1 three times in five."""
+    out = []
+    for i in range(steps):
+        d = policy.choose(batch, 1)
+        policy.observe_step(batch, d.k, cost[d.k])
+        if d.k:
+            policy.observe_acceptance(d.k, int(i % 5 < 3))
+        out.append(d)
+    return out
+
+
+def test_a_drafting_cost_mispriced_cheap_is_corrected_while_drafting_on_every_step():
+    """Calibrated in a loaded minute, plain decoding at 8 rows read 1.25 s and k = 1 1.8 s, 1.44
+    plain steps; now plain costs 1.0 and k = 1 still 1.8. For 1.6 tokens the policy drafts on every
+    step, its samples divided by the stale plain cost agree with the misprice, and after
+    `fresh_within` steps none is taken at all (AVX2, C = 16, stop 52: 0.90x plain over a whole run).
+    A narrow gain re-measures the plain cost once in `refresh_plain_every` steps, the ratio follows
+    the real cost, and the policy stops drafting at a loss."""
+    costs = CostTable()
+    costs.set(8, 0, 1.25)
+    costs.set(8, 1, 1.8)
+    policy = AdaptivePolicy(8, costs=costs, candidates=[0, 1], reexplore_every=0)
+    for i in range(100):  # what the drafter delivered so far: slot 1 three times in five
+        policy.observe_acceptance(1, int(i % 5 < 3))
+    ds = _drive(policy, 8, {0: 1.0, 1: 1.8}, 300)
+    assert ds[0].k == 1  # the mispriced estimate: 1.6 / 1.4 clears the margin
+    assert any(d.reason.startswith("refresh the plain cost") for d in ds)
+    assert costs.ratio(8, 1) > 1.6 / 1.1  # past where k = 1 clears the margin
+    assert all(d.k == 0 for d in ds[-100:])
+
+
+def test_a_wide_gain_drafts_on_every_step_without_refreshing_the_plain_cost():
+    """Where drafting wins by far more than a loaded minute can misprice, no step is spent on it."""
+    costs = CostTable()
+    costs.set(1, 0, 1.0)
+    costs.set(1, 1, 1.05)
+    policy = AdaptivePolicy(8, costs=costs, candidates=[0, 1], reexplore_every=0)
+    for i in range(100):
+        policy.observe_acceptance(1, int(i % 5 < 3))
+    assert all(d.k == 1 for d in _drive(policy, 1, {0: 1.0, 1: 1.05}, 300))
 
 
 def test_slots_rarely_drafted_extend_the_measured_acceptance():

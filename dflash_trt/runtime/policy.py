@@ -184,6 +184,11 @@ class CostTable:
             sample = min(max(sample, old / clip), old * clip)
         row[batch] = (1 - self.ema) * old + self.ema * sample
 
+    def plain_age(self, batch: int) -> int | None:
+        """Observed steps since the plain cost at `batch` rows was last measured (None: never)."""
+        seen = self._plain_seen.get(batch)
+        return None if seen is None else self._observed - seen
+
     def known(self, k: int) -> bool:
         return bool(self.table.get(k))
 
@@ -244,9 +249,19 @@ class AdaptivePolicy:
     # After this many plain steps in a row, speculate (two steps) with the best positive k: acceptance is
     # only learned from steps that draft, so without this a policy that settled on plain decoding
     # would never notice that traffic became predictable again. The wait doubles after each probe
-    # that changes nothing (64, 128, ... 1024 steps), so a useless drafter costs almost nothing.
+    # that changes nothing (64, 128, ... 1024 steps), so a useless drafter costs almost nothing; it
+    # returns to 64 when drafting pays again at as many rows as the last probe's.
     reexplore_every: int = 64
+    # While drafting pays only narrowly (est. gain under (1 + margin) x refresh_band), one step in
+    # `refresh_plain_every` decodes plainly when the plain cost at this batch is that old: drafting's
+    # cost is kept as a ratio to a plain cost of the same moment, so a ratio that a loaded minute
+    # mispriced at calibration (k = 1 at 16 rows read 1.44 plain steps under load, 1.73-1.81 quiet)
+    # would otherwise never be corrected while the policy drafts on every step. At most one step in
+    # 64 at a gain under ~1.4x: under 0.6% of the run, against a ~20% misprice left standing.
+    refresh_plain_every: int = 64
+    refresh_band: float = 1.25  # CostTable.clip: how far one loaded moment has been seen to misprice
     _plain_streak: int = field(default=0, init=False)
+    _probed_at: int = field(default=0, init=False)  # rows at the last probe (0: none since drafting paid there)
     _probe_again: int = field(default=0, init=False)  # k of a probe's second step (0: none due)
     _reexplore_interval: int = field(default=0, init=False)
     _drafted: list[float] = field(init=False)
@@ -371,6 +386,17 @@ class AdaptivePolicy:
         floor = self._ratio_floor(batch, k)
         return floor is not None and (1.0 + sum(q[:k])) / floor < 1.0 + self.margin
 
+    def _plain_cost_stale(self, batch: int, best: Decision, plain: float) -> bool:
+        """Whether this drafting step should decode plainly instead, to re-measure the plain cost
+        that drafting's cost ratio is sampled against (see `refresh_plain_every`)."""
+        if not self.refresh_plain_every:
+            return False
+        age = self.costs.plain_age(batch)
+        if age is not None and age < self.refresh_plain_every:
+            return False
+        gain = best.est_tokens_per_s / (batch / plain)
+        return gain < (1 + self.margin) * self.refresh_band
+
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, batch: int, k_max: int) -> Decision:
         q = self.position_acceptance()
@@ -408,8 +434,14 @@ class AdaptivePolicy:
         if best is not None and best.k == 0:
             self._plain_streak += 1
             self._forget(batch)
-        else:  # speculation pays again: probe at the base rate next time it stops paying
-            self._plain_streak, self._reexplore_interval = 0, self.reexplore_every
+        else:
+            self._plain_streak = 0  # this step's acceptance is fresh evidence: the streak starts again
+            # The probe wait returns to its base only when drafting pays at as many rows as the last
+            # probe found it did not: the traffic changed. Drafting that pays because the batch shrank
+            # (a burst's last rows) says nothing new there; resetting on it re-probed a 16-row batch at
+            # every burst's 64th step, ~1.4% of a 127-step run (bench, C = 16, stop 53).
+            if batch >= self._probed_at:
+                self._reexplore_interval, self._probed_at = self.reexplore_every, 0
         if best_drafting is not None and self.reexplore_every and self._plain_streak > self._reexplore_interval:
             best_drafting.reason = f"re-explore after {self._reexplore_interval} plain steps: refresh acceptance"
             self._plain_streak = 0
@@ -417,8 +449,14 @@ class AdaptivePolicy:
             # drafter that never pays costs a vanishing fraction of steps
             self._reexplore_interval = min(2 * self._reexplore_interval, 16 * self.reexplore_every)
             self._probe_again = best_drafting.k
+            self._probed_at = batch
             self.decisions.append(best_drafting)
             return best_drafting
+        if best is not None and best.k > 0 and plain and self._plain_cost_stale(batch, best, plain):
+            best = Decision(batch, 0, 1.0, plain, batch / plain,
+                            reason=f"refresh the plain cost: {self.refresh_plain_every}+ steps old at a narrow gain")
+            self.decisions.append(best)
+            return best
         if best is None:  # nothing measured yet: speculate fully (the reference loop's choice)
             best = Decision(batch, min(max(self.candidates or [0]), k_max), 1.0 + sum(q[:k_max]), math.nan, math.nan,
                             reason="no cost estimate")
