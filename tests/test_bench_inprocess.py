@@ -334,6 +334,25 @@ def test_repeated_rounds_alternate_which_mode_runs_first(tiny_pair_dirs, tmp_pat
         assert row["total_tokens_per_s"] == pytest.approx(max(r["tokens_per_s"] for r in runs), rel=1e-3)
 
 
+def test_the_warm_up_does_not_teach_the_adaptive_policy(tiny_pair_dirs):
+    """The warm-up drafts a few steps on a greeting before any cost is known; its acceptance is not
+    the traffic the timed runs measure, so the policy starts them from its prior (kept, it made the
+    first run at C = 1 decode 8 steps plainly before drafting, stop 53). Costs it measured stay."""
+    from dflash_trt.bench.config import BenchConfig
+    from dflash_trt.bench.run import _in_process_sides, load_bench_prompts
+    from dflash_trt.runtime.policy import AdaptivePolicy
+
+    tdir, ddir = tiny_pair_dirs
+    cfg = BenchConfig(target=str(tdir), draft=str(ddir), runtime=["batched"], num_prompts=1, concurrency=[1],
+                      max_new_tokens=4, threads=1, calibrate=False)
+    (side,), *_ = _in_process_sides(cfg, load_bench_prompts(cfg), lambda msg: None)
+    side.warmup()
+    policy = side.runtime("dflash").policy
+    assert isinstance(policy, AdaptivePolicy) and any(d.k > 0 for d in policy.decisions)  # it did draft
+    assert policy.position_acceptance() == AdaptivePolicy(policy.block_size).position_acceptance()
+    assert policy.costs.known(0) or any(policy.costs.known(k) for k in policy.candidates)
+
+
 def _rec(lengths: list[int], drafted: int, t_submit: float, t_first: float, t_end: float, n: int) -> RequestRecord:
     accepted = sum(lengths) - len(lengths)
     return RequestRecord(

@@ -290,6 +290,13 @@ class AdaptivePolicy:
             d, a = self._delivered
             self._delivered = [d * self.decay + 1.0, a * self.decay + float(accepted > 0)]
 
+    def reset_acceptance(self) -> None:
+        """Forget every acceptance observation: the prior alone again (costs are kept). For a
+        warm-up, whose few steps on a greeting are not the traffic that follows."""
+        self._drafted = [0.0] * (self.block_size - 1)
+        self._accepted = [0.0] * (self.block_size - 1)
+        self._delivered = [0.0, 0.0]
+
     def _forget(self, rows: int) -> None:
         """Age the acceptance evidence by a plain step's row-steps, as if they had been observed.
         Acceptance is only learned from drafting steps; without this, one stretch of unpredictable
