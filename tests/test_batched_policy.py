@@ -269,6 +269,25 @@ def test_drafting_at_a_shrunken_batch_does_not_reset_the_probe_wait():
     assert run(16, 12)[:1] == [8]  # the wait is back at its base
 
 
+def test_a_probes_second_step_is_dropped_when_the_batch_grew():
+    """A probe drafts two steps with the draft length best at its batch. When its first step was a
+    burst's last (2 rows, k = 7) and the next step is a new burst's first (16 rows), drafting 7 there
+    costs several plain steps: the second step is dropped and the choice made afresh."""
+    # any draft costs 3 plain steps at 2 rows (so the longest is the probe's), 10 at 16
+    policy = AdaptivePolicy(8, costs=_costs(lambda n, k: 1.0 if k == 0 else (3.0 if n <= 2 else 10.0)),
+                            candidates=[0, 1, 3, 7], reexplore_every=4)
+    for i in range(40):
+        policy.observe_acceptance(7, 7 if i % 5 == 0 else 0)  # 2.4 tokens for 3 steps: plain, then probes
+    ks = [policy.choose(2, 7).k for _ in range(5)]
+    assert ks[:4] == [0, 0, 0, 0] and ks[4] > 0  # the probe's first step, at 2 rows
+    d = policy.choose(16, 7)
+    assert not d.reason.startswith("re-explore") and d.k == 0
+    first = next(d for d in (policy.choose(2, 7) for _ in range(20)) if d.k)
+    assert first.reason.startswith("re-explore after")  # the next probe, its rows unchanged ...
+    second = policy.choose(2, 7)
+    assert second.reason.startswith("re-explore, second step") and second.k == first.k  # ... takes both steps
+
+
 def test_plain_decoding_reexplores_and_recovers_when_acceptance_returns():
     """Acceptance is only learned from drafting steps. A policy that settled on plain decoding
     (poor drafter) still drafts once every `reexplore_every` steps, so when the traffic turns

@@ -408,7 +408,9 @@ class AdaptivePolicy:
     def choose(self, batch: int, k_max: int) -> Decision:
         q = self.position_acceptance()
         probe, self._probe_again = min(self._probe_again, k_max), 0
-        if probe > 0:
+        # a probe's second step at the rows it was chosen for, or fewer; not after the batch grew (a
+        # burst's last rows probed k = 7 and the next burst's first step drafted 7 at 16 rows, stop 53)
+        if probe > 0 and batch <= self._probed_at:
             # A probe's first step drafts over the plain streak's commits too, so the runtime does
             # not time it (BatchedRuntime.step); the second step gives a clean cost measurement.
             d = Decision(batch, probe, 1.0 + sum(q[:probe]), reason="re-explore, second step: measure the cost")
