@@ -263,6 +263,7 @@ class BatchedSide:
         graphs_before = rt.graph_stats()
         decode_steps: list[float] = []  # steps without a prefill: the decoding pace the run saw
         prefill_s = 0.0  # steps that admitted a request: its prefill (and the drafter's first pass)
+        reasons: dict[str, int] = {}  # the policy's choices at the full batch, by draft length and reason
         with timer if timer is not None else _null():
             while pending and len(live) < concurrency:
                 submit()
@@ -277,6 +278,10 @@ class BatchedSide:
                     decode_steps.append(now - t)
                 else:
                     prefill_s += now - t
+                if mode == "dflash" and rows and rt.last_decision is not None:
+                    d = rt.last_decision  # why each step drafted what it did, counted per run
+                    why = f"k={d.k} ({d.reason})" if d.batch >= concurrency or d.k == 0 else f"k={d.k} at fewer rows"
+                    reasons[why] = reasons.get(why, 0) + 1
                 if timer is not None:
                     decision = rt.last_decision
                     passes, _ = timer.take()
@@ -301,6 +306,7 @@ class BatchedSide:
         if steps:
             info["step_timing"] = summarize_steps(steps)
         if mode == "dflash":
+            info["policy_choices"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
             info["runtime_stats"] = rt.stats()
             info["speculation"] = rt.speculation.to_dict() if rt.speculation is not None else None
             if self.calibration_s:

@@ -302,7 +302,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None, say: Any = None
                     every_run.setdefault(key, []).append(
                         {"round": rounds, "position": position, "tokens_per_s": round(_throughput(res), 3),
                          "loadavg": load, "prefill_steps_s": res.info.get("prefill_steps_s"),
-                         "step_timing": res.info.get("step_timing")})
+                         "step_timing": res.info.get("step_timing"), "policy_choices": res.info.get("policy_choices")})
                     best = results.get(key)
                     if best is None or _throughput(res) > _throughput(best):
                         results[key] = res
