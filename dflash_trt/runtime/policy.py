@@ -266,9 +266,10 @@ class AdaptivePolicy:
     _reexplore_interval: int = field(default=0, init=False)
     _drafted: list[float] = field(init=False)
     _accepted: list[float] = field(init=False)
-    # slot 1's evidence as observed (decayed per observed row-step only, never by _forget): what this
-    # drafter has delivered on this traffic, the level plain streaks age the estimate towards
-    _delivered: list[float] = field(default_factory=lambda: [0.0, 0.0], init=False)  # [drafted, accepted]
+    # each slot's conditional evidence as observed (decayed per observation only, never by _forget):
+    # [times slot j was verified with every slot before it accepted, times it was accepted too]. What
+    # this drafter has delivered on this traffic: the shape plain streaks age the estimate towards
+    _delivered: list[list[float]] = field(init=False)
     decisions: deque = field(init=False)
 
     def __post_init__(self) -> None:
@@ -278,6 +279,7 @@ class AdaptivePolicy:
             raise ValueError(f"candidates {self.candidates} must lie in 0..{self.block_size - 1}")
         self._drafted = [0.0] * (self.block_size - 1)
         self._accepted = [0.0] * (self.block_size - 1)
+        self._delivered = [[0.0, 0.0] for _ in range(self.block_size - 1)]
         self.decisions = deque(maxlen=self.log_size)
         self._reexplore_interval = self.reexplore_every
 
@@ -286,16 +288,16 @@ class AdaptivePolicy:
         for j in range(drafted):
             self._drafted[j] = self._drafted[j] * self.decay + 1.0
             self._accepted[j] = self._accepted[j] * self.decay + float(j < accepted)
-        if drafted:
-            d, a = self._delivered
-            self._delivered = [d * self.decay + 1.0, a * self.decay + float(accepted > 0)]
+            if accepted >= j:  # slot j + 1 was reached: every slot before it accepted
+                reached, passed = self._delivered[j]
+                self._delivered[j] = [reached * self.decay + 1.0, passed * self.decay + float(accepted > j)]
 
     def reset_acceptance(self) -> None:
         """Forget every acceptance observation: the prior alone again (costs are kept). For a
         warm-up, whose few steps on a greeting are not the traffic that follows."""
         self._drafted = [0.0] * (self.block_size - 1)
         self._accepted = [0.0] * (self.block_size - 1)
-        self._delivered = [0.0, 0.0]
+        self._delivered = [[0.0, 0.0] for _ in range(self.block_size - 1)]
 
     def _forget(self, rows: int) -> None:
         """Age the acceptance evidence by a plain step's row-steps, as if they had been observed.
@@ -315,19 +317,25 @@ class AdaptivePolicy:
         Each position's evidence is blended with a prior worth `prior_weight` steps. For slot 1 that
         prior is the acceptance this drafter has delivered (every observation, decayed as observed but
         never aged by plain streaks), or `prior` where that is lower or unknown; for each later slot,
-        the slot before it times the conditional acceptance seen there (P(a >= j) / P(a >= j-1)).
-        A slot the policy has rarely drafted thus extends the measured slots geometrically, rather
+        the slot before it times a conditional acceptance: the one this drafter delivered at that slot
+        (as slot 1's, never aged by plain streaks), blended towards the one seen at the slot before
+        (P(a >= j-1) / P(a >= j-2)), which alone stands where the slot was never reached. So after a
+        plain streak a lucky k = 1 probe does not price slot 7 at slot 1's rate (k = 7 was drafted at 16
+        rows for 4 plain steps, stop 53). A slot never reached extends the measured slots geometrically, rather
         than falling to prior ** j: with a fixed 0.5 ** j, a policy that settled on k = 1 priced k = 3
         at 1.86 tokens where it brings 2.16, and never drafted it again (AVX2, C = 1, issue 44). And a
         plain streak returns the estimate to what the drafter delivers, not to 0.5: with 0.5, after a
         streak k = 3 read 1.77 tokens where the drafter brings ~2.07 (AVX2, C = 4, stop 51)."""
-        delivered_drafts, delivered_accepts = self._delivered
+        delivered_drafts, delivered_accepts = self._delivered[0]
         # blended with `prior` like every slot's evidence: one lucky first step is not a 100% drafter
         delivered = (delivered_accepts + self.prior_weight * self.prior) / (delivered_drafts + self.prior_weight)
         # never below `prior`: one unpredictable stretch must not keep the policy from drafting again
         first = max(self.prior, delivered)
         out, prev, conditional = [], 1.0, first
-        for d, a in zip(self._drafted, self._accepted):
+        for j, (d, a) in enumerate(zip(self._drafted, self._accepted)):
+            if j:  # the conditional this drafter delivered at this slot, blended towards the running one
+                reached, passed = self._delivered[j]
+                conditional = (passed + self.prior_weight * conditional) / (reached + self.prior_weight)
             p = min(prev, (a + self.prior_weight * prev * conditional) / (d + self.prior_weight))
             conditional = p / prev if prev > 0 else 0.0
             out.append(p)
