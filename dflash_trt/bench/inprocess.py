@@ -215,7 +215,6 @@ class BatchedSide:
 
     def warmup(self) -> None:
         from dflash_trt.runtime.batched import SequenceRequest
-
         from dflash_trt.runtime.policy import AdaptivePolicy
 
         for mode in self.modes:
@@ -224,7 +223,7 @@ class BatchedSide:
             rt.run()
             if isinstance(getattr(rt, "policy", None), AdaptivePolicy):
                 # a few steps drafting 15 on a greeting (no costs known yet): acceptance so low on
-                # them that the first timed run at C = 1 decoded 8 steps plainly before drafting
+                # them that the first timed run at C = 1 decoded 48 steps plainly before drafting
                 rt.policy.reset_acceptance()
         if self.policy == "adaptive" and self.calibrate_levels and "dflash" in self.modes:
             from dflash_trt.runtime.policy_calibration import calibrate

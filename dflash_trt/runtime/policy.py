@@ -277,9 +277,7 @@ class AdaptivePolicy:
             self.candidates = default_candidates(self.block_size - 1)
         if any(not 0 <= k < self.block_size for k in self.candidates):
             raise ValueError(f"candidates {self.candidates} must lie in 0..{self.block_size - 1}")
-        self._drafted = [0.0] * (self.block_size - 1)
-        self._accepted = [0.0] * (self.block_size - 1)
-        self._delivered = [[0.0, 0.0] for _ in range(self.block_size - 1)]
+        self.reset_acceptance()
         self.decisions = deque(maxlen=self.log_size)
         self._reexplore_interval = self.reexplore_every
 
@@ -293,8 +291,8 @@ class AdaptivePolicy:
                 self._delivered[j] = [reached * self.decay + 1.0, passed * self.decay + float(accepted > j)]
 
     def reset_acceptance(self) -> None:
-        """Forget every acceptance observation: the prior alone again (costs are kept). For a
-        warm-up, whose few steps on a greeting are not the traffic that follows."""
+        """Forget every acceptance observation: the prior alone again (costs are kept). At start-up,
+        and after a warm-up, whose few steps on a greeting are not the traffic that follows."""
         self._drafted = [0.0] * (self.block_size - 1)
         self._accepted = [0.0] * (self.block_size - 1)
         self._delivered = [[0.0, 0.0] for _ in range(self.block_size - 1)]
