@@ -158,7 +158,7 @@ class _Alternating:
     chosen: list[int] = field(default_factory=list)
     timed: list[int] = field(default_factory=list)
 
-    def choose(self, batch, k_max):
+    def choose(self, batch, k_max, can_shadow=False):
         k = min(len(self.chosen) // 3 % 2, k_max)
         self.chosen.append(k)
         return Decision(batch, k, reason="test")

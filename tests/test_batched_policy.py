@@ -345,7 +345,7 @@ class _Recorder(FixedPolicy):
         self.chosen: list[int] = []
         self.timed: list[int] = []
 
-    def choose(self, batch, k_max):
+    def choose(self, batch, k_max, can_shadow=False):
         k = min(len(self.chosen) // 3 % 2, k_max)  # 0 0 0 1 1 1 0 0 0 ...
         self.chosen.append(k)
         return Decision(batch, k, reason="test")

@@ -4,7 +4,8 @@ One step over the n running rows (slots 0..n-1 of preallocated caches, see batch
 
     admit   waiting requests into free slots (scheduling.py); prefill them in left-padded target
             passes (one per run of similar prompt lengths on a CPU)           target_passes.py
-    k       = policy.choose(n, K)                      0 = plain decoding (no draft pass)
+    k       = policy.choose(n, K)                      0 = plain decoding (no draft pass; now and
+            then one greedy row drafts unverified, graded by the next commits)  shadow_drafts.py
     table   ONE host-to-device copy: each row's start, drafter position, pending token
     draft   one drafter pass over [each row's unconsumed context ; anchor, MASK x (B-1)]
             (the full trained block; slots 1..k are this step's drafts), by the proposer of the
@@ -76,6 +77,7 @@ from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
 from dflash_trt.runtime.host_transfers import HostTransfers
 from dflash_trt.runtime.policy import Decision, FixedPolicy, SpeculationPolicy, make_policy
 from dflash_trt.runtime.sampling import StepSampling
+from dflash_trt.runtime.shadow_drafts import ShadowDrafts
 from dflash_trt.runtime.scheduling import (
     CPU_PREFILL_PAD_LIMIT,
     PENDING,
@@ -131,6 +133,8 @@ class Decoded:
     out: torch.Tensor  # [n, k+2]: the posterior [n, k+1] and the accepted count [n] side by side
     bad: torch.Tensor | None  # [n]: rows whose sampling had no distribution (None: every row is greedy)
     steady: bool  # its cost is a sample of steady decoding (every pass replayed / no drafter catch-up)
+    # a plain step's shadow draft (runtime/shadow_drafts.py): the row, and its drafts [1, K] on the device
+    shadow: tuple[BatchedSequence, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,7 @@ class BatchedRuntime:
         self.proposer = (make_proposer(draft, self.target, max_batch, capacity, extras.use_draft_vocab)
                          if draft is not None else None)
         self.scheduler = Scheduler(max_batch, self.device)
+        self.shadows = ShadowDrafts() if self.proposer is not None else None
         self.prefill_pad_limit = CPU_PREFILL_PAD_LIMIT if self.device.type == "cpu" else float("inf")
         cuda_graphs = options.cuda_graphs
         self.static_shapes = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
@@ -358,6 +363,9 @@ class BatchedRuntime:
         if first is not None:
             parts.append(first)
         parts += [b for b in (decode.bad if decode is not None else None, first_bad) if b is not None]
+        shadow = decode.shadow if decode is not None else None
+        if shadow is not None:
+            parts.append(shadow[1])
         host = self.transfers.download(parts)
         i = 0
 
@@ -370,6 +378,9 @@ class BatchedRuntime:
         first_out = take(len(new)) if first is not None else []
         bad_old = take(n_old) if decode is not None and decode.bad is not None else [0] * n_old
         bad_new = take(len(new)) if first_bad is not None else [0] * len(new)
+        if shadow is not None:  # graded from this step's commit on
+            assert self.shadows is not None
+            self.shadows.add(shadow[0], take(shadow[1].numel()))
         finished: list[BatchedSequence] = []
         now = time.perf_counter()
         self.last_step_timed = False
@@ -408,6 +419,8 @@ class BatchedRuntime:
             if commit(seq, [tok]):
                 finished.append(seq)
         self._retire(finished)
+        if self.shadows is not None and self.shadows.pending:
+            self.shadows.grade(self.policy.observe_acceptance)
         self.steps += 1
         # in the order they were added, whatever their slots (slots follow prompt length, see admit)
         return sorted(finished, key=lambda s: s.order)
@@ -429,7 +442,8 @@ class BatchedRuntime:
             # the row's generator). Pinning the reference loop's schedule (k = K) makes a seed
             # reproduce the same text under any load, and the same text as dflash_generate.
             return Decision(len(seqs), K, reason="seeded sampling pins the reference schedule")
-        return self.policy.choose(len(seqs), K)
+        can_shadow = self.shadows is not None and self.shadows.row(seqs) is not None
+        return self.policy.choose(len(seqs), K, can_shadow=can_shadow)
 
     def _decode(self, n: int) -> Decoded:
         """Draft + verify for rows 0..n-1 (queued on the device; nothing read back yet)."""
@@ -479,6 +493,9 @@ class BatchedRuntime:
                     steady = False
             for s in seqs:
                 s.draft_len = s.start
+        shadow = self._shadow_draft(seqs, decision.shadow) if k == 0 and decision.shadow else None
+        if shadow is not None:
+            steady = False  # a plain step's cost plus one row's drafter pass
         W = self.shapes.verify_width(longest, k)
         drafts = proposal.drafts if proposal is not None else None  # [N, k] | None (k = 0)
         bad = None
@@ -489,7 +506,22 @@ class BatchedRuntime:
             out = self.passes.verify_greedy(table, drafts, W)
         else:
             out, bad = self.passes.verify_sampled(table, proposal, W, sampling, rejection_verified(method))
-        return Decoded(k, out, bad, steady)
+        return Decoded(k, out, bad, steady, shadow)
+
+    def _shadow_draft(self, seqs: list[BatchedSequence], k: int) -> tuple[BatchedSequence, torch.Tensor] | None:
+        """One greedy row drafts k without verifying (runtime/shadow_drafts.py): its drafter pass
+        alone, eager, in its own slot; the drafts are read with the step's one download."""
+        assert self.proposer is not None and self.shadows is not None
+        seq = self.shadows.row(seqs)
+        if seq is None:
+            return None
+        table = self.transfers.upload(row_table([seq], 1))  # [1, 4]
+        drafts = self.proposer.propose(table, self.passes.features, k, seq.backlog,
+                                       self.shapes.draft_width(seq.start), first_slot=seq.slot)  # [1, k]
+        seq.draft_len = seq.start
+        if self.graphs is not None:
+            self.eager_passes["shadow draft"] += 1
+        return seq, drafts
 
     # -- static shapes -----------------------------------------------------------------------------
     def _draft_lengths(self) -> set[int]:

@@ -80,11 +80,13 @@ class DFlashProposer:
             self.head = DraftVocabHead(target.model.get_output_embeddings().weight, draft.draft_vocab)
 
     # -- what the runtime asks for ---------------------------------------------------------------
-    def propose(self, table: torch.Tensor, features: torch.Tensor, k: int, context: int, width: int) -> torch.Tensor:
-        """Greedy drafts [N, k] for the N rows of the step's row table [N, 4], reading their context
-        from `features` [slots, capacity, n*H] in `context` columns (>= every row's backlog), with a
-        mask `width` keys wide (>= every row's start + B)."""
-        return self.greedy(self.hidden(table, features, k, context, width), table[:, PENDING])
+    def propose(self, table: torch.Tensor, features: torch.Tensor, k: int, context: int, width: int,
+                first_slot: int = 0) -> torch.Tensor:
+        """Greedy drafts [N, k] for the N rows of the step's row table [N, 4] (slots first_slot..
+        first_slot+N-1: a shadow draft runs one row of the batch), reading their context from
+        `features` [slots, capacity, n*H] in `context` columns (>= every row's backlog), with a mask
+        `width` keys wide (>= every row's start + B)."""
+        return self.greedy(self.hidden(table, features, k, context, width, first_slot), table[:, PENDING])
 
     def propose_sampled(self, table: torch.Tensor, features: torch.Tensor, k: int, context: int, width: int,
                         sampling: StepSampling) -> Proposal:
@@ -137,9 +139,10 @@ class DFlashProposer:
         return full.index_copy_(-1, self.head.token_ids, q)
 
     # -- the pass --------------------------------------------------------------------------------------
-    def hidden(self, table: torch.Tensor, features: torch.Tensor, k: int, context: int, width: int) -> torch.Tensor:
+    def hidden(self, table: torch.Tensor, features: torch.Tensor, k: int, context: int, width: int,
+               first_slot: int = 0) -> torch.Tensor:
         """The drafter's pass (see the module doc) up to the hidden states of the draft slots
-        [N, k, H] (index j: slot j+1), before the head."""
+        [N, k, H] (index j: slot j+1), before the head; the table's rows sit in slots first_slot.."""
         dev, B = table.device, self.block_size
         N = table.shape[0]
         start, drafted, live = table[:, START], table[:, DRAFTED], table[:, LIVE]
@@ -157,8 +160,8 @@ class DFlashProposer:
         keys = torch.arange(width, device=dev)
         visible = (keys[None, :] < (start + B)[:, None])[:, None, None, :]  # [N, 1, 1, W]: context and own block
         mask = additive_mask(visible, self.target.dtype)
-        self.cache.kv.prepare(slice(0, N), write, width)
-        rows = torch.arange(N, device=dev)[:, None].expand_as(ctx_pos)
+        self.cache.kv.prepare(slice(first_slot, first_slot + N), write, width)
+        rows = (first_slot + torch.arange(N, device=dev))[:, None].expand_as(ctx_pos)  # slots [N, C]
         ctx = features[rows, ctx_pos]  # [N, C, n_ctx*H]
         # [N, k, H]: the draft slots only; the whole block is still the drafter's input
         return self.draft(ctx, self.target.embed(block), draft_pos, self.cache, mask, outputs=slice(1, k + 1))

@@ -54,15 +54,19 @@ class Decision:
     # the step's measured wall time, filled in by the runtime when the step was timed (None: a
     # step with a prefill, a drafter catch-up or a CUDA-graph capture, which the cost table skips)
     measured_s: float | None = None
+    # with k = 0: drafts one greedy row draws in this plain step without verifying them, graded by
+    # the tokens plain decoding commits next (runtime/shadow_drafts.py); 0: none
+    shadow: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 class SpeculationPolicy(Protocol):
-    """Chooses k (drafts verified this step) for a batch; k_max = K (SpeculationSettings)."""
+    """Chooses k (drafts verified this step) for a batch; k_max = K (SpeculationSettings).
+    `can_shadow`: a row of the batch can draft without verifying (Decision.shadow) this step."""
 
-    def choose(self, batch: int, k_max: int) -> Decision: ...
+    def choose(self, batch: int, k_max: int, can_shadow: bool = False) -> Decision: ...
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None: ...
 
@@ -79,7 +83,7 @@ class FixedPolicy:
 
     k: int
 
-    def choose(self, batch: int, k_max: int) -> Decision:
+    def choose(self, batch: int, k_max: int, can_shadow: bool = False) -> Decision:
         return Decision(batch, min(self.k, k_max), reason="fixed")
 
     def draft_lengths(self, k_max: int) -> set[int]:
@@ -99,7 +103,7 @@ class SchedulePolicy:
 
     schedule: "DraftLenSchedule"
 
-    def choose(self, batch: int, k_max: int) -> Decision:
+    def choose(self, batch: int, k_max: int, can_shadow: bool = False) -> Decision:
         return Decision(batch, min(self.schedule.draft_len(batch), k_max), reason="schedule")
 
     def draft_lengths(self, k_max: int) -> set[int]:
@@ -246,11 +250,14 @@ class AdaptivePolicy:
     margin: float = 0.1
     explore: bool = True  # measure each candidate online where the cost table cannot vouch for it
     explore_growth: float = 1.5  # a batch this much larger than any measured one is measured anew
-    # After this many plain steps in a row, speculate (two steps) with the best positive k: acceptance is
-    # only learned from steps that draft, so without this a policy that settled on plain decoding
-    # would never notice that traffic became predictable again. The wait doubles after each probe
-    # that changes nothing (64, 128, ... 1024 steps), so a useless drafter costs almost nothing; it
-    # returns to 64 when drafting pays again at as many rows as the last probe's.
+    # After this many plain steps in a row, re-explore: acceptance is only learned from graded drafts,
+    # so without this a policy that settled on plain decoding would never notice that traffic became
+    # predictable again. Where a greedy row can, it drafts K in a plain step without verifying them
+    # (a shadow draft, graded by plain decoding's next commits: runtime/shadow_drafts.py), which
+    # costs one row's drafter pass. Otherwise (every row samples) the probe drafts for real, two steps
+    # with the best positive k, and the wait doubles after each that changes nothing (64, 128, ...
+    # 1024 steps), so a useless drafter costs almost nothing; it returns to 64 when drafting pays
+    # again at as many rows as the last probe's.
     reexplore_every: int = 64
     # While drafting pays only narrowly (est. gain under (1 + margin) x refresh_band), one step in
     # `refresh_plain_every` decodes plainly when the plain cost at this batch is that old: drafting's
@@ -411,7 +418,7 @@ class AdaptivePolicy:
         return gain < (1 + self.margin) * self.refresh_band
 
     # -- the choice -----------------------------------------------------------------------------
-    def choose(self, batch: int, k_max: int) -> Decision:
+    def choose(self, batch: int, k_max: int, can_shadow: bool = False) -> Decision:
         q = self.position_acceptance()
         probe, self._probe_again = min(self._probe_again, k_max), 0
         # a probe's second step at the rows it was chosen for, or fewer; not after the batch grew (a
@@ -458,6 +465,13 @@ class AdaptivePolicy:
             if batch >= self._probed_at:
                 self._reexplore_interval, self._probed_at = self.reexplore_every, 0
         if best_drafting is not None and self.reexplore_every and self._plain_streak > self._reexplore_interval:
+            if can_shadow and best is not None:  # best.k == 0 here: decode plainly, one row drafts unverified
+                self._plain_streak = 0
+                best.shadow = max(ks)  # one pass drafts the whole block: grade every slot
+                best.reason = (f"re-explore after {self._reexplore_interval} plain steps: {best.shadow} drafts on "
+                               "one row, graded by plain decoding")
+                self.decisions.append(best)
+                return best
             best_drafting.reason = f"re-explore after {self._reexplore_interval} plain steps: refresh acceptance"
             self._plain_streak = 0
             # each probe that finds plain decoding still best doubles the wait (up to 16x), so a
