@@ -453,6 +453,57 @@ def test_a_stale_plain_cost_does_not_rescale_drafting_costs():
     assert costs.ratio(8, 1) != frozen
 
 
+def _dear_calibration() -> CostTable:
+    """k = 3 at 4 rows calibrated in a loaded minute at 1.93 plain steps; then a stretch at one row,
+    so the plain cost at 4 rows goes stale, and 20 drafting steps at 4 rows measuring 1.57."""
+    costs = CostTable()
+    costs.set(4, 0, 0.075)
+    costs.set(4, 3, 0.145)
+    costs.set(1, 0, 0.06)
+    costs.set(1, 3, 0.07)
+    for _ in range(40):
+        costs.observe(1, 0, 0.06)
+    for _ in range(20):
+        costs.observe(4, 3, 0.117)
+    return costs
+
+
+def test_a_drafting_cost_mispriced_dear_is_corrected_by_the_next_plain_step_there():
+    """Drafting steps timed while the plain cost at their batch was stale give no ratio sample; the
+    plain step that next measures that batch pairs with the recent ones (their mean over it), so a
+    ratio a loaded calibration priced too high moves towards what drafting costs now."""
+    costs = _dear_calibration()
+    assert costs.ratio(4, 3) == pytest.approx(0.145 / 0.075)  # nothing sampled against a stale plain cost
+    costs.observe(4, 0, 0.0746)
+    weight = 1 - 0.8 ** 4  # the last 4 drafting steps, as 4 EMA samples
+    assert costs.ratio(4, 3) == pytest.approx((1 - weight) * 0.145 / 0.075 + weight * 0.117 / 0.0746)
+    costs.observe(4, 0, 0.0746)
+    assert costs.ratio(4, 3) == pytest.approx((1 - weight) * 0.145 / 0.075 + weight * 0.117 / 0.0746)  # paired once
+
+
+def test_drafting_steps_long_past_are_not_paired_with_a_plain_step():
+    costs = _dear_calibration()
+    for _ in range(costs.fresh_within):
+        costs.observe(1, 0, 0.06)  # the drafting steps at 4 rows are now fresh_within steps old
+    costs.observe(4, 0, 0.0746)
+    assert costs.ratio(4, 3) == pytest.approx(0.145 / 0.075)
+
+
+def test_the_policy_drafts_again_once_a_dear_ratio_is_corrected():
+    """C = 4 in the issue's bench (stop 54): k = 3 brings ~2.02 tokens per step; at the calibrated 1.93
+    plain steps that misses the 10% margin and the policy decoded plainly for the rest of the run,
+    though k = 3 had measured 1.57 there. After the refreshing plain step it drafts k = 3 again."""
+    policy = AdaptivePolicy(8, costs=_dear_calibration(), candidates=[0, 3])
+    for _ in range(20):  # P(a >= 1, 2, 3) = 0.6, 0.2, 0.2, spread evenly
+        for a in (0, 0, 1, 1, 3):
+            policy.observe_acceptance(3, a)
+    # between 1.1 x 1.72 (the corrected ratio) and 1.1 x 1.93 (the calibrated one)
+    assert 1.1 * 1.72 < policy.expected_tokens(3) < 1.1 * 0.145 / 0.075
+    assert policy.choose(4, 3).k == 0
+    policy.observe_step(4, 0, 0.0746)
+    assert policy.choose(4, 3).k == 3
+
+
 def _drive(policy: AdaptivePolicy, batch: int, cost: dict[int, float], steps: int) -> list[Decision]:
     """`steps` choices at `batch` rows, each timed at `cost[k]` and accepting slot 1 three times in five."""
     out = []

@@ -144,12 +144,16 @@ class CostTable:
     stale k > 0 entry from a fast minute looks cheap next to a plain cost from a slow one. Ratios
     are taken within one moment: calibration measures all k in the same round, and an online
     k > 0 step is divided by the plain cost at the same row count, if that was measured recently
-    (otherwise the step refreshes only its absolute entry)."""
+    (otherwise the step refreshes only its absolute entry, and the plain step that next measures
+    that batch pairs with those recent drafting steps: see :meth:`_pair_recent`)."""
 
     ema: float = 0.2  # weight of a new online measurement
     clip: float = 1.25  # an online ratio sample counts as at most this factor off the estimate
     fresh_within: int = 32  # a plain cost measured this many observed steps ago still counts as current
+    pair_at_most: int = 4  # recent drafting steps a plain step pairs with weigh as this many ratio samples at most
     _observed: int = field(default=0, init=False)
+    # (k, rows) -> [(observed index, seconds)] of drafting steps timed while the plain cost there was stale
+    _unpaired: dict[tuple[int, int], list[tuple[int, float]]] = field(default_factory=dict, init=False)
     _plain_seen: dict[int, int] = field(default_factory=dict, init=False)  # rows -> _observed at the last plain step
     table: dict[int, dict[int, float]] = field(default_factory=dict)  # k -> {rows: seconds}
     ratios: dict[int, dict[int, float]] = field(default_factory=dict)  # k > 0 -> {rows: cost / plain cost}
@@ -168,25 +172,47 @@ class CostTable:
         self._observed += 1
         if k == 0:
             self._plain_seen[batch] = self._observed
+            self._pair_recent(batch, seconds)
         elif self._observed - self._plain_seen.get(batch, -self.fresh_within - 1) <= self.fresh_within:
             # a ratio sample needs a plain cost of this moment: while the policy drafts on every
             # step the plain entry goes stale, and dividing by a plain cost from a slow minute
             # would make drafting look cheap (seen: k=1 "0.9x plain" at 4-6 rows)
             self._blend(self.ratios.setdefault(k, {}), batch, seconds / self.table[0][batch], self.clip)
+        else:
+            recent = self._unpaired.setdefault((k, batch), [])
+            recent.append((self._observed, seconds))
+            del recent[: -self.pair_at_most]
         self._blend(self.table.setdefault(k, {}), batch, seconds)
 
-    def _blend(self, row: dict[int, float], batch: int, sample: float, clip: float | None = None) -> None:
-        """EMA; with `clip`, each sample counts as at most clip x off the estimate, so one step
-        slowed by the shared machine moves a ratio by a few percent only. (Ratios are clipped: a
-        drafting cost is refreshed only while the policy drafts, so one unclipped hiccup could stop
-        it for good. Plain costs are refreshed on every plain step and follow the machine freely.)"""
+    def _pair_recent(self, batch: int, plain_s: float) -> None:
+        """A plain step at `batch` rows pairs with the drafting steps timed there while the plain
+        cost was stale, if they are recent: their mean over this plain step is one ratio sample,
+        weighing as many EMA samples as the steps it averages (at most `pair_at_most`). Without it a
+        ratio a loaded calibration priced too HIGH stood after the narrow-gain refresh: k = 3 at 4
+        rows kept its calibrated 1.93 plain steps while 21 drafting steps there measured 1.57, and
+        the policy decoded plainly from the refresh on (C = 4, 1.02x against 1.07-1.14x; stop 54)."""
+        for k in [k for (k, n) in self._unpaired if n == batch]:
+            recent = [s for i, s in self._unpaired.pop((k, batch)) if self._observed - i <= self.fresh_within]
+            if recent:
+                weight = 1 - (1 - self.ema) ** len(recent)
+                self._blend(self.ratios.setdefault(k, {}), batch, sum(recent) / len(recent) / plain_s, self.clip,
+                            weight)
+
+    def _blend(self, row: dict[int, float], batch: int, sample: float, clip: float | None = None,
+               weight: float | None = None) -> None:
+        """EMA (a new sample weighs `weight`, default `ema`); with `clip`, each sample counts as at
+        most clip x off the estimate, so one step slowed by the shared machine moves a ratio by a few
+        percent only. (Ratios are clipped: a drafting cost is refreshed only while the policy drafts,
+        so one unclipped hiccup could stop it for good. Plain costs are refreshed on every plain step
+        and follow the machine freely.)"""
         old = row.get(batch)
         if old is None:
             row[batch] = sample
             return
         if clip:
             sample = min(max(sample, old / clip), old * clip)
-        row[batch] = (1 - self.ema) * old + self.ema * sample
+        w = self.ema if weight is None else weight
+        row[batch] = (1 - w) * old + w * sample
 
     def plain_age(self, batch: int) -> int | None:
         """Observed steps since the plain cost at `batch` rows was last measured (None: never)."""
