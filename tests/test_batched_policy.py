@@ -373,6 +373,38 @@ def test_drafting_steps_that_catch_the_drafter_up_are_not_timed():
     assert set(policy.timed) == {i for i in range(len(ks)) if i not in catch_up}
 
 
+class _EveryOther(FixedPolicy):
+    """k = 0 1 0 1 ...: each drafting step follows one plain step."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.chosen: list[int] = []
+        self.timed: list[int] = []
+
+    def choose(self, batch, k_max, can_shadow=False):
+        self.chosen.append(len(self.chosen) % 2)
+        return Decision(batch, self.chosen[-1], reason="test")
+
+    def observe_step(self, batch, k, seconds):
+        self.timed.append(len(self.chosen) - 1)
+
+
+def test_a_drafting_step_after_one_plain_step_is_timed():
+    """One plain step adds one column to the drafter's context (backlog <= k + 2), not a catch-up:
+    a policy alternating plain and drafting steps near its margin must still time its drafting
+    steps, or a drafting cost calibration priced wrong is never corrected online (C = 4, stop 54:
+    37 drafting steps among 68 plain ones). Only the first, over the prompt, is a catch-up."""
+    target = tiny_target("llama", seed=4)
+    draft = random_draft(target.config, block_size=4, seed=4)
+    policy = _EveryOther()
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=1, max_seq_len=64),
+                        None, RuntimeExtras(policy=policy)).start()
+    rt.add(SequenceRequest([1, 2, 3, 4, 5], SamplingParams(max_tokens=14)))
+    rt.run()
+    assert policy.chosen[:2] == [0, 1] and len(policy.chosen) >= 6
+    assert set(policy.timed) == set(range(len(policy.chosen))) - {1}
+
+
 def test_stale_low_acceptance_fades_during_plain_decoding():
     """One unpredictable stretch drove the estimate to ~0 and the policy to plain decoding. Plain
     steps age that evidence, so the policy drafts again on its own (well before the re-exploration

@@ -450,7 +450,12 @@ class BatchedRuntime:
         seqs = self.rows[:n]
         decision = self.last_decision = self._choose(seqs)
         k = decision.k
-        catching_up = k > 0 and not all(s.drafted_last for s in seqs)
+        # A catch-up: the drafter first consumes a backlog longer than steady drafting leaves (a prompt,
+        # a plain streak's commits), and the step's cost says nothing about steady drafting. One plain
+        # step in between adds one context column (backlog <= k + 2): that step still counts, or a
+        # policy alternating plain and drafting steps near the margin (C = 4, stop 54) never times one
+        # and a calibrated misprice stands.
+        catching_up = k > 0 and not all(s.drafted_last for s in seqs) and max(s.backlog for s in seqs) > k + 2
         for s in seqs:
             s.drafted_last = k > 0
         greedy = all(s.request.params.greedy for s in seqs)
