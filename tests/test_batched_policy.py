@@ -338,15 +338,16 @@ def test_drafting_costs_follow_the_plain_cost_when_the_machine_slows_down():
 
 
 class _Recorder(FixedPolicy):
-    """Alternates plain and 1-draft steps and records which steps the runtime times."""
+    """Alternates `run` plain and `run` 1-draft steps and records which steps the runtime times."""
 
-    def __init__(self) -> None:
+    def __init__(self, run: int = 3) -> None:
         super().__init__(1)
+        self.run = run
         self.chosen: list[int] = []
         self.timed: list[int] = []
 
     def choose(self, batch, k_max, can_shadow=False):
-        k = min(len(self.chosen) // 3 % 2, k_max)  # 0 0 0 1 1 1 0 0 0 ...
+        k = min(len(self.chosen) // self.run % 2, k_max)  # run = 3: 0 0 0 1 1 1 0 0 0 ...
         self.chosen.append(k)
         return Decision(batch, k, reason="test")
 
@@ -373,22 +374,6 @@ def test_drafting_steps_that_catch_the_drafter_up_are_not_timed():
     assert set(policy.timed) == {i for i in range(len(ks)) if i not in catch_up}
 
 
-class _EveryOther(FixedPolicy):
-    """k = 0 1 0 1 ...: each drafting step follows one plain step."""
-
-    def __init__(self) -> None:
-        super().__init__(1)
-        self.chosen: list[int] = []
-        self.timed: list[int] = []
-
-    def choose(self, batch, k_max, can_shadow=False):
-        self.chosen.append(len(self.chosen) % 2)
-        return Decision(batch, self.chosen[-1], reason="test")
-
-    def observe_step(self, batch, k, seconds):
-        self.timed.append(len(self.chosen) - 1)
-
-
 def test_a_drafting_step_after_one_plain_step_is_timed():
     """One plain step adds one column to the drafter's context (backlog <= k + 2), not a catch-up:
     a policy alternating plain and drafting steps near its margin must still time its drafting
@@ -396,7 +381,7 @@ def test_a_drafting_step_after_one_plain_step_is_timed():
     37 drafting steps among 68 plain ones). Only the first, over the prompt, is a catch-up."""
     target = tiny_target("llama", seed=4)
     draft = random_draft(target.config, block_size=4, seed=4)
-    policy = _EveryOther()
+    policy = _Recorder(run=1)  # 0 1 0 1 ...: each drafting step follows one plain step
     rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=1, max_seq_len=64),
                         None, RuntimeExtras(policy=policy)).start()
     rt.add(SequenceRequest([1, 2, 3, 4, 5], SamplingParams(max_tokens=14)))
