@@ -77,7 +77,6 @@ from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
 from dflash_trt.runtime.host_transfers import HostTransfers
 from dflash_trt.runtime.policy import Decision, FixedPolicy, SpeculationPolicy, make_policy
 from dflash_trt.runtime.sampling import StepSampling
-from dflash_trt.runtime.shadow_drafts import ShadowDrafts
 from dflash_trt.runtime.scheduling import (
     CPU_PREFILL_PAD_LIMIT,
     PENDING,
@@ -88,6 +87,7 @@ from dflash_trt.runtime.scheduling import (
     row_table,
     sampling_failure,
 )
+from dflash_trt.runtime.shadow_drafts import ShadowDrafts
 from dflash_trt.runtime.graphed_passes import GraphedPasses
 from dflash_trt.runtime.step_shapes import StepShapes
 from dflash_trt.runtime.target import TargetAdapter
