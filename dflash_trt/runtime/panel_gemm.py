@@ -109,7 +109,10 @@ def build_dir(variant: str) -> Path:
     version at another path) sharing the cache do not rebuild it in turn."""
     from dflash_trt.models.smollm2 import cache_root
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags(variant)).encode()).hexdigest()[:12]
+    # torch's build files name its include directories, i.e. the virtualenv's path: two
+    # environments (or one reached through a symlink) sharing the cache would rebuild it in turn
+    torch_dir = str(Path(torch.__file__).parent)
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([*build_flags(variant), torch_dir]).encode()).hexdigest()[:12]
     return cache_root() / "kernels" / f"torch-{torch.__version__.split('+')[0]}" / f"dflash_panel_gemm_{variant}-{digest}"
 
 
