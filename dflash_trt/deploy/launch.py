@@ -14,8 +14,8 @@ Backends:
   taken for a hub id), so it works whatever directory srun / mpiexec started in. Relative paths
   in the server command are therefore relative to the engine directory too, as in its launch/
   scripts.
-- reference: the project's PyTorch server does not shard; ranks are independent replicas (like
-  Triton's multi-instance mode), one endpoint per rank:
+- reference: tritonserver over a repository of the project's pytorch backend, which does not
+  shard; ranks are independent replicas (like Triton's multi-instance mode), one endpoint per rank:
       grpc port    = --grpc-port    + rank * --port-stride
       metrics port = --metrics-port + rank * --port-stride
   e.g. defaults 8001/8002, stride 10: rank 0 -> 8001/8002, rank 1 -> 8011/8012.
@@ -197,35 +197,36 @@ def check_port_plan(world_size: int, grpc_port: int, metrics_port: int, stride: 
 
 def run_reference_replica(engine_dir: Path, info: RankInfo, host: str, grpc_port: int, metrics_port: int,
                           stride: int, model_repository: Path | None = None) -> int:
-    """Serve the engine with the project's Triton-protocol server on this rank's ports.
+    """Serve the engine on tritonserver (its pytorch backend) on this rank's ports, as `dflash-trt
+    serve` does.
 
     Without `model_repository`, each rank writes its own temporary repository for the engine
-    (reference runtime), as `dflash-trt serve ENGINE` does, and removes it on exit.
+    (pytorch backend), as `dflash-trt serve ENGINE` does, and removes it on exit.
     """
     import importlib.util
     import shutil
     import tempfile
 
     if importlib.util.find_spec("dflash_trt.serving") is None:
-        raise DFlashError("the reference server (dflash_trt.serving) is not part of this installation; "
+        raise DFlashError("the serving package (dflash_trt.serving) is not part of this installation; "
                           "reinstall dflash-trt or use --backend trtllm")
-    # lazy: grpc, torch and the model load here
     from dflash_trt.serving.repository import TritonRepoSettings, generate_repository
-    from dflash_trt.serving.server import run_server
+    from dflash_trt.serving.serve import run_serve
+    from dflash_trt.serving.tritonserver import ServerPorts, require_tritonserver
 
+    require_tritonserver()  # one line naming what is missing, before a repository is written
     grpc, metrics = replica_ports(info.rank, grpc_port, metrics_port, stride)
     tmp = None
     try:
         if model_repository is None:
             tmp = Path(tempfile.mkdtemp(prefix=f"dflash-trt-rank{info.rank}-"))
-            model_repository = generate_repository(engine_dir, tmp / "repo", TritonRepoSettings(backend="reference"))
+            model_repository = generate_repository(engine_dir, tmp / "repo", TritonRepoSettings(backend="pytorch"))
         log(info, f"reference replica: {model_repository} on {host}:{grpc} (gRPC), metrics :{metrics}")
-        # run_server handles SIGTERM itself once serving: in-flight requests finish, then it returns.
-        run_server(model_repository, grpc_port=grpc, metrics_port=metrics, host=host)
+        # run_serve handles SIGTERM itself once serving: in-flight requests finish, then it returns.
+        return run_serve(model_repository, ServerPorts(grpc=grpc, metrics=metrics, address=host), openai_port=None)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    return 0
 
 
 class Terminated(KeyboardInterrupt):

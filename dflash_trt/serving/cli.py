@@ -12,7 +12,7 @@ from dflash_trt.cli_helpers import (DRAFT_METHOD_HELP, draft_len_schedule_option
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime_options import DTYPE_NAMES
 from dflash_trt.serving.backends import BACKEND_ALIASES, BACKENDS, normalize_backend
-from dflash_trt.serving.limits import DEFAULT_MAX_STREAMS
+from dflash_trt.serving.openai_front import DEFAULT_MAX_STREAMS
 from dflash_trt.speculation import DEFAULT_DRAFT_METHOD
 
 _BACKEND_HELP = ("Runtime inside the model: auto = TensorRT-LLM when it is importable and has DFlash, else pytorch; "
@@ -125,48 +125,61 @@ def _default_engine() -> Path:
 @click.option("--model-repository", type=click.Path(file_okay=False), default=None,
               help="Model repository to serve (from `dflash-trt deploy triton`). Or give an engine directory as "
                    "SOURCE: it is turned into a temporary repository.")
-@click.option("--grpc-address", default="127.0.0.1", show_default=True,
-              help="Address to bind (0.0.0.0 to accept remote clients).")
+@click.option("--address", "--grpc-address", "address", default="127.0.0.1", show_default=True,
+              help="Address every endpoint binds (0.0.0.0 to accept remote clients).")
 @click.option("--grpc-port", type=click.IntRange(0, 65535), default=8001, show_default=True,
-              help="gRPC port (KServe v2 protocol); 0 picks a free one.")
+              help="Triton's gRPC port (KServe v2); 0 picks a free one.")
+@click.option("--http-port", type=click.IntRange(0, 65535), default=None,
+              help="Triton's HTTP port (KServe v2 REST, the generate extension; tritonserver's default is 8000); "
+                   "0 picks a free one. [default: off]")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=8002, show_default=True,
-              help="Prometheus /metrics port; 0 picks a free one.")
+              help="Triton's Prometheus /metrics port (nv_inference_*, dflash_*, vLLM's and TensorRT-LLM's "
+                   "speculation counters); 0 picks a free one.")
 @click.option("--allow-metrics/--no-allow-metrics", default=True, show_default=True, help="Serve Prometheus metrics.")
+@click.option("--openai-port", type=click.IntRange(0, 65535), default=9000, show_default=True,
+              help="The OpenAI-compatible front (/v1/models, /v1/completions, /v1/chat/completions), a client of "
+                   "Triton, as Triton's own OpenAI frontend (port 9000); 0 picks a free one.")
+@click.option("--openai/--no-openai", "openai_on", default=True, show_default=True,
+              help="Start the OpenAI-compatible front beside tritonserver.")
 @click.option("--load-model", "load_models", multiple=True, help="Load only this model (repeatable).")
 @click.option("--exit-timeout-secs", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="On SIGTERM/SIGINT, time in-flight requests get to finish before they are cancelled.")
-@click.option("--http-port", type=click.IntRange(0, 65535), default=None,
-              help="Also serve HTTP here: KServe v2 REST, Triton's generate / generate_stream and the "
-                   "OpenAI-compatible /v1 API (tritonserver's default is 8000); 0 picks a free one. [default: off]")
+              help="On SIGTERM/SIGINT, time in-flight requests get to finish (Triton's --exit-timeout-secs); a "
+                   "second signal stops at once.")
+@click.option("--ready-timeout", "ready_timeout_s", type=click.FloatRange(min=1), default=900.0, show_default=True,
+              help="Seconds tritonserver gets to load every model before `serve` gives up.")
 @click.option("--max-streams", type=click.IntRange(min=1), default=DEFAULT_MAX_STREAMS, show_default=True,
-              help="Concurrent streams/requests admitted; past it RESOURCE_EXHAUSTED (HTTP 429). Health and "
-                   "metadata are always answered.")
+              help="Requests in flight through the OpenAI front; past it HTTP 429. (Triton's own endpoints are "
+                   "limited by the model's --max-queue: UNAVAILABLE past it.)")
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
-              help="Write 'host:grpc_port metrics_port http_port' here once serving (0: not served).")
+              help="Write 'host:grpc_port metrics_port http_port openai_port' here once serving (0: not served).")
 @_repo_options
 @friendly_errors
-def serve(source: str | None, model_repository: str | None, grpc_address: str, grpc_port: int, metrics_port: int,
-          allow_metrics: bool, load_models: tuple[str, ...], exit_timeout_secs: float, http_port: int | None,
-          max_streams: int, ready_file: str | None, model_name: str, backend: str, default_max_tokens: int | None,
-          max_queue: int, max_draft_len: int | None, policy: str, draft_method: str | None,
-          draft_len_schedule: str | None, dtype: str | None,
-          device: str | None, cuda_graphs: bool | None, torch_compile: bool | None, decoupled: bool) -> None:
-    """Serve a model repository (or an engine directory) over Triton's gRPC protocol (and HTTP), with metrics.
+def serve(source: str | None, model_repository: str | None, address: str, grpc_port: int, http_port: int | None,
+          metrics_port: int, allow_metrics: bool, openai_port: int, openai_on: bool, load_models: tuple[str, ...],
+          exit_timeout_secs: float, ready_timeout_s: float, max_streams: int, ready_file: str | None, model_name: str,
+          backend: str, default_max_tokens: int | None, max_queue: int, max_draft_len: int | None, policy: str,
+          draft_method: str | None, draft_len_schedule: str | None, dtype: str | None, device: str | None,
+          cuda_graphs: bool | None, torch_compile: bool | None, decoupled: bool) -> None:
+    """Serve a model repository (or an engine directory) on the real Triton Inference Server.
 
-    The repository's model.py runs through the Triton Python-backend interface, exactly as in
-    tritonserver; the real tritonclient talks to it unchanged. The options --model-name, --backend,
+    Runs tritonserver (on PATH, in /opt/tritonserver as in NVIDIA's containers, or the one `make setup`
+    installed) over the repository, whose model.py runs in Triton's Python backend, and the OpenAI-compatible
+    front beside it. Stopping `serve` stops everything it started. The options --model-name, --backend,
     --default-max-tokens, --max-queue, --max-draft-len, --policy, --draft-method, --draft-len-schedule,
-    --dtype, --device, --cuda-graphs and --torch-compile apply when SOURCE is an engine directory.
+    --dtype, --device, --cuda-graphs, --torch-compile and --decoupled apply when SOURCE is an engine directory.
     """
     import logging
     import shutil
+    import sys
     import tempfile
 
-    from dflash_trt.serving.server import run_server
+    from dflash_trt.serving.serve import run_serve
+    from dflash_trt.serving.tritonserver import ServerPorts, require_tritonserver
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if source and model_repository:
         raise DFlashError("give either SOURCE or --model-repository, not both")
+    install = require_tritonserver()  # before any repository is written: one line naming what is missing
     tmp = None
     if model_repository is None:
         from dflash_trt.engine.manifest import MANIFEST_NAME
@@ -183,24 +196,51 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
                                  decoupled=decoupled)
             tmp = Path(tempfile.mkdtemp(prefix="dflash-trt-repo-"))
             model_repository = str(generate_repository(engine, tmp / "repo", settings))
-    click.echo(json.dumps({"model_repository": model_repository, "grpc": f"{grpc_address}:{grpc_port}",
-                           "metrics_port": metrics_port if allow_metrics else None, "http_port": http_port,
+    ports = ServerPorts(grpc=grpc_port, http=http_port, metrics=metrics_port if allow_metrics else None,
+                        address=address)
+    click.echo(json.dumps({"model_repository": model_repository, "tritonserver": str(install.binary),
+                           "found": install.origin, "grpc": f"{address}:{grpc_port}", "http_port": http_port,
+                           "metrics_port": ports.metrics, "openai_port": openai_port if openai_on else None,
                            "load_model": list(load_models) or "all", "exit_timeout_secs": exit_timeout_secs}),
                err=True)
     try:
-        run_server(model_repository, grpc_port=grpc_port, metrics_port=metrics_port if allow_metrics else None,
-                   host=grpc_address, models=list(load_models) or None, grace_s=exit_timeout_secs,
-                   ready_file=ready_file, http_port=http_port, max_streams=max_streams)
+        code = run_serve(model_repository, ports, openai_port=openai_port if openai_on else None,
+                         models=list(load_models) or None, exit_timeout_s=exit_timeout_secs, ready_file=ready_file,
+                         max_streams=max_streams, ready_timeout_s=ready_timeout_s)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    sys.exit(code)
+
+
+@click.command("setup-tritonserver")
+@click.option("--wheel", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Install from this nvidia-pytriton wheel file instead of downloading it.")
+@click.option("--force", is_flag=True, help="Reinstall even when an install is there.")
+@friendly_errors
+def setup_tritonserver(wheel: str | None, force: bool) -> None:
+    """Install the real Triton Inference Server (2.51, with its Python backend) for machines without
+    NVIDIA's container: from PyPI's nvidia-pytriton wheel into the dflash-trt cache (`make setup` runs it).
+    Prints where it is, then what `doctor` would say of it."""
+    from dflash_trt.serving.triton_install import install
+    from dflash_trt.serving.tritonserver import find_tritonserver, stub_problems
+
+    root = install(wheel=Path(wheel) if wheel else None, force=force)
+    found = find_tritonserver()
+    click.echo(f"tritonserver installed in {root}; `dflash-trt serve` runs {found.binary if found else '?'} "
+               f"({found.origin if found else 'none found'})")
+    for problem in stub_problems(found):
+        click.echo(f"warning: {problem}", err=True)
 
 
 @click.command()
 @click.argument("prompt")
 @click.option("--url", default="localhost:8001", show_default=True,
-              help="host:port: a Triton gRPC server (tritonserver or `dflash-trt serve`); http[s]://host:port: an "
-                   "OpenAI-compatible server (`dflash-trt serve --http-port`, vllm serve, trtllm-serve).")
+              help="host:port: a Triton gRPC server (`dflash-trt serve`, tritonserver); http[s]://host:port: an "
+                   "OpenAI-compatible server (`dflash-trt serve`'s front on :9000, vllm serve, trtllm-serve).")
+@click.option("--raw", is_flag=True,
+              help="Send PROMPT as raw text, no chat template (as upstream's llmapi clients do; OpenAI: "
+                   "/v1/completions). [default: one chat turn]")
 @click.option("--model", "model", default="dflash", show_default=True, help="Model name in the repository.")
 @click.option("--stream/--no-stream", default=False, show_default=True, help="Print text as it is accepted.")
 @click.option("--max-tokens", type=int, default=None, help="Tokens to generate [default: the model's].")
@@ -213,14 +253,18 @@ def serve(source: str | None, model_repository: str | None, grpc_address: str, g
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, finish_reason, statistics).")
 @friendly_errors
 def client(prompt: str, url: str, model: str, stream: bool, max_tokens: int | None, temperature: float | None,
-           top_p: float | None, seed: int | None, stop: tuple[str, ...], timeout_s: float, as_json: bool) -> None:
-    """Send PROMPT to a Triton gRPC or an OpenAI-compatible server; print the answer and its DFlash statistics."""
+           top_p: float | None, seed: int | None, stop: tuple[str, ...], timeout_s: float, as_json: bool,
+           raw: bool) -> None:
+    """Send PROMPT to a Triton gRPC or an OpenAI-compatible server; print the answer and its DFlash statistics.
+
+    PROMPT goes as one user turn through the target's chat template (gRPC: text_input_format=user, applied by
+    the model; OpenAI: /v1/chat/completions), as `dflash-trt generate` encodes it; --raw sends it as it is."""
     from dflash_trt.serving.client import generate, per_position_acceptance
     from dflash_trt.serving.openai_client import generate_openai
 
     printer = (lambda t: click.echo(t, nl=False)) if stream and not as_json else None
     send = generate_openai if url.startswith(("http://", "https://")) else generate
-    result = send(url, prompt, model=model, stream=stream, on_text=printer, timeout_s=timeout_s,
+    result = send(url, prompt, model=model, stream=stream, on_text=printer, timeout_s=timeout_s, raw=raw,
                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
     ppa = per_position_acceptance(result.stats)
     if as_json:
@@ -240,4 +284,4 @@ def client(prompt: str, url: str, model: str, stream: bool, max_tokens: int | No
 
 
 DEPLOY_COMMANDS = [triton]
-COMMANDS = [serve, client]
+COMMANDS = [serve, client, setup_tritonserver]

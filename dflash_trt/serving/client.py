@@ -1,7 +1,10 @@
 """A `tritonclient.grpc` client for the generated DFlash model (works with tritonserver too).
 
 It speaks the llmapi contract (config.pbtxt: text_input, streaming, sampling_param_*,
-return_finish_reason) and uses whichever call the repository allows, as Triton does:
+return_finish_reason) and uses whichever call the repository allows, as Triton does. The prompt
+goes as one chat turn (``text_input_format`` = "user": the model applies the target's chat
+template, as `dflash-trt generate` encodes a prompt); ``text_input_format=None`` sends it as
+upstream's clients do, raw text:
 
 - a decoupled model: the streaming API (ModelStreamInfer; tritonserver refuses unary calls to
   decoupled models); with stream=True text arrives as the drafter's blocks are accepted (each
@@ -26,9 +29,11 @@ import numpy as np
 
 from dflash_trt.errors import DFlashError
 
-STAT_OUTPUTS = ("tau", "acceptance_rate", "total_draft_tokens", "total_accepted_draft_tokens", "num_output_tokens",
-                "queue_time_ms", "decode_time_ms")
-POSITION_OUTPUTS = ("position_drafted", "position_accepted")  # one value per draft position (0-based)
+STAT_OUTPUTS = ("tau", "acceptance_rate", "total_draft_tokens", "total_accepted_draft_tokens", "num_input_tokens",
+                "num_output_tokens", "num_steps", "max_draft_len", "queue_time_ms", "decode_time_ms",
+                "arrival_time_ns", "first_token_time_ns")
+# lists: one value per draft position (0-based), and the histogram of accepted drafts per step
+POSITION_OUTPUTS = ("position_drafted", "position_accepted", "acceptance_histogram")
 
 
 @dataclass
@@ -44,8 +49,11 @@ class ClientResult:
 
 def build_inputs(prompt: str | bytes, max_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
-                 stream: bool = False) -> list[Any]:
-    """InferInputs named and typed as in triton_repo/dflash/config.pbtxt.in (the llmapi contract)."""
+                 stream: bool = False, text_input_format: str | None = "user",
+                 perf_metrics: bool = False) -> list[Any]:
+    """InferInputs named and typed as in triton_repo/dflash/config.pbtxt.in (the llmapi contract);
+    `text_input_format`: "user" (one chat turn), "messages" (a JSON array of chat messages), or
+    None / "raw" (the text as it is, upstream's meaning); `perf_metrics`: ask for the *_time_ns outputs."""
     from tritonclient.grpc import InferInput
 
     def tensor(name: str, datatype: str, array: np.ndarray) -> Any:
@@ -57,6 +65,10 @@ def build_inputs(prompt: str | bytes, max_tokens: int | None = None, temperature
     inputs = [tensor("text_input", "BYTES", np.array([text], dtype=np.object_)),
               tensor("streaming", "BOOL", np.array([stream], dtype=bool)),
               tensor("return_finish_reason", "BOOL", np.array([True], dtype=bool))]
+    if text_input_format not in (None, "raw"):
+        inputs.append(tensor("text_input_format", "BYTES", np.array([text_input_format.encode()], dtype=np.object_)))
+    if perf_metrics:
+        inputs.append(tensor("sampling_param_return_perf_metrics", "BOOL", np.array([True], dtype=bool)))
     if max_tokens is not None:
         inputs.append(tensor("sampling_param_max_tokens", "INT32", np.array([max_tokens], dtype=np.int32)))
     if temperature is not None:
@@ -116,10 +128,13 @@ def is_decoupled(client: Any, url: str, model: str) -> bool:
 
 def generate(url: str, prompt: str | bytes, model: str = "dflash", stream: bool = False,
              on_text: Callable[[str], None] | None = None, timeout_s: float = 300.0, request_id: str = "",
-             **sampling: Any) -> ClientResult:
-    """Send one request and wait (at most `timeout_s`) for its final response."""
+             raw: bool = False, **sampling: Any) -> ClientResult:
+    """Send one request and wait (at most `timeout_s`) for its final response. `raw`: the prompt as
+    raw text (upstream's meaning), else one chat turn (text_input_format "user")."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
+
+    sampling.setdefault("text_input_format", None if raw else "user")
 
     client = grpcclient.InferenceServerClient(url=url)
     t0 = time.perf_counter()

@@ -1,24 +1,33 @@
 """Triton Python-backend model: DFlash speculative decoding over one dflash-trt engine directory.
 
 Copied unchanged into every repository `dflash-trt deploy triton` writes; everything specific to
-a deployment is in config.pbtxt's `parameters` and in model.yaml beside this file. Runs inside a
-real Triton server (the Python backend provides `triton_python_backend_utils`) and inside
-`dflash-trt serve` (which installs its own implementation of that module), so both run this
-exact file.
+a deployment is in config.pbtxt's `parameters` and in model.yaml beside this file. It runs in
+tritonserver's Python backend (`dflash-trt serve` starts tritonserver over the repository; on a
+node, NVIDIA's container runs it), which provides `triton_python_backend_utils`.
 
 It speaks the contract of tensorrtllm_backend's `llmapi` model (NVIDIA/TensorRT-LLM,
 triton_backend/all_models/llmapi/tensorrt_llm): the same inputs and outputs, model.yaml's
 `triton_config` deciding `decoupled` through auto_complete_config, streaming only when
 decoupled, text_output holding the whole text so far, finish_reason / stop_reason on request,
-the `stop` input cancelling the requests of a request id. Beyond it, the final response always
-carries the speculative statistics (acceptance_rate, total_draft_tokens,
-total_accepted_draft_tokens, tau), the per-position counts (position_drafted[j] /
-position_accepted[j]: steps that drafted / accepted draft position j, 0-based; their ratio is the
-per-position acceptance) and num_output_tokens, queue_time_ms, decode_time_ms.
+the `stop` input cancelling the requests of a request id, and `text_input` handed to the engine
+as raw text, as upstream hands it to TensorRT-LLM. Beyond it:
+
+- the optional input `text_input_format` (ours; upstream's clients never send it): "raw" (the
+  default, upstream's meaning), "user" (text_input is one user turn: the target's chat template
+  is applied, assistant turn opened) or "messages" (text_input is a JSON array of OpenAI chat
+  messages, through the same template). `dflash-trt client` sends "user", the OpenAI front
+  "messages" for /v1/chat/completions;
+- the final response always carries the speculative statistics (acceptance_rate,
+  total_draft_tokens, total_accepted_draft_tokens, tau), the per-position counts
+  (position_drafted[j] / position_accepted[j]: steps that drafted / accepted draft position j,
+  0-based), acceptance_histogram[j] (drafting steps that accepted exactly j drafts), num_steps,
+  max_draft_len (K), num_input_tokens, num_output_tokens, queue_time_ms, decode_time_ms;
+- the same statistics are counted on Triton's own metrics port through the backend's custom
+  metrics (dflash_trt/serving/metrics.py: ours, and vLLM's and TensorRT-LLM's names), before the
+  final response is sent, so a client that reads the metrics after its answer finds it counted.
 
 The engine is loaded by dflash_trt.serving.backends.load_backend with the repository's backend
-(TensorRT-LLM with model.yaml's LLM() arguments, or dflash-trt's pytorch backend); `self.backend`
-is that serving Backend, which `dflash-trt serve`'s OpenAI endpoints share. This file only
+(TensorRT-LLM with model.yaml's LLM() arguments, or dflash-trt's pytorch backend). This file only
 translates Triton requests and responses: the sampling inputs become one SamplingParams,
 validated once.
 """
@@ -38,12 +47,14 @@ INPUTS = ("text_input", "image_url", "streaming", "sampling_param_best_of", "sam
           "sampling_param_presence_penalty", "sampling_param_max_tokens", "sampling_param_stop",
           "sampling_param_seed", "sampling_param_exclude_input_from_output", "sampling_param_return_perf_metrics",
           "return_finish_reason", "return_stop_reason", "return_cumulative_logprob", "stop", "lora_id", "lora_name",
-          "lora_path", "lora_ckpt_source")
+          "lora_path", "lora_ckpt_source", "text_input_format")
 OUTPUTS = ("text_output", "finish_reason", "stop_reason", "cumulative_logprob", "kv_cache_reused_block",
            "kv_cache_missed_block", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks", "kv_cache_hit_rate",
            "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
            "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
-           "tau", "num_output_tokens", "queue_time_ms", "decode_time_ms", "position_drafted", "position_accepted")
+           "tau", "num_input_tokens", "num_output_tokens", "num_steps", "max_draft_len", "queue_time_ms",
+           "decode_time_ms", "position_drafted", "position_accepted", "acceptance_histogram")
+TEXT_INPUT_FORMATS = ("raw", "user", "messages")  # text_input_format's values (module docstring)
 PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "policy", "max_draft_len", "draft_method",
               "dtype", "device", "cuda_graphs", "torch_compile")
 # upstream's override of the model.yaml path (relative to this folder)
@@ -102,6 +113,10 @@ class TritonPythonModel:
         )
         llm_kwargs = {k: v for k, v in _model_yaml().items() if k != "triton_config"}
         self.backend = load_backend(params["engine_dir"], settings, llm_kwargs=llm_kwargs)
+        from dflash_trt.serving.metrics import SpeculationMetrics
+
+        self.metrics = SpeculationMetrics(pb_utils, args.get("model_name", config.get("name", "")),
+                                          str(args.get("model_version", "1")))
         self._live = {}  # request id -> its running Generations (the `stop` input cancels them)
         self._lock = threading.Lock()
         pb_utils.Logger.log_info(f"dflash: engine {params['engine_dir']} loaded ({'decoupled' if self.decoupled else 'not decoupled'}): "
@@ -160,7 +175,9 @@ class TritonPythonModel:
             self._track(request_id, generation, add=False)
         if final is None or (final.finish_reason == "cancelled" and cancelled):
             return _fail(sender, CANCELLED, pb_utils.TritonError.CANCELLED)
-        sender.send(self._response(text, parsed, final, arrival_ns), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        response = self._response(text, parsed, final, arrival_ns)
+        self.metrics.request_finished(final.stats)  # before the client can see its answer
+        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _track(self, request_id, generation, add):
         if not request_id:
@@ -205,12 +222,16 @@ class TritonPythonModel:
             _tensor("total_accepted_draft_tokens", [s.total_accepted_draft_tokens], np.int32),
             _tensor("total_draft_tokens", [s.total_draft_tokens], np.int32),
             _tensor("tau", [s.tau], np.float32),
+            _tensor("num_input_tokens", [s.num_prompt_tokens], np.int32),
             _tensor("num_output_tokens", [s.num_output_tokens], np.int32),
+            _tensor("num_steps", [s.num_steps], np.int32),
+            _tensor("max_draft_len", [s.max_draft_len], np.int32),
             _tensor("queue_time_ms", [s.queue_s * 1e3], np.float32),
             _tensor("decode_time_ms", [s.decode_s * 1e3], np.float32),
             # one value per draft position (empty when nothing was drafted, or the backend sees no steps)
             _tensor("position_drafted", s.position_drafted, np.int32),
             _tensor("position_accepted", s.position_accepted, np.int32),
+            _tensor("acceptance_histogram", s.acceptance_histogram, np.int32),
         ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
@@ -252,6 +273,12 @@ class TritonPythonModel:
         prompt = text(prompts[0], "text_input")
         if not prompt:
             raise _BadRequest("text_input is empty; send a non-empty prompt")
+        fmt = scalar("text_input_format")
+        fmt = "raw" if fmt is None else text(fmt, "text_input_format")
+        if fmt not in TEXT_INPUT_FORMATS:
+            raise _BadRequest(f"text_input_format={fmt!r}; send one of {', '.join(TEXT_INPUT_FORMATS)} (raw: the text "
+                              f"as it is, as upstream's llmapi model; user: one chat turn; messages: a JSON array of "
+                              f"chat messages)")
         stop_tensor = pb_utils.get_input_tensor_by_name(request, "sampling_param_stop")
         stop = () if stop_tensor is None else tuple(text(s, "sampling_param_stop")
                                                     for s in stop_tensor.as_numpy().reshape(-1))
@@ -264,7 +291,15 @@ class TritonPythonModel:
             seed=None if seed is None else int(seed),
             stop=stop,
         )
-        parsed["request"] = GenerateRequest(prompt=prompt, params=params)
+        if fmt == "messages":
+            try:
+                messages = json.loads(prompt)
+            except json.JSONDecodeError as e:
+                raise _BadRequest(f"text_input is not a JSON array of chat messages ({e.msg} at character {e.pos}); "
+                                  f'send [{{"role": "user", "content": "..."}}], or text_input_format=raw')
+            parsed["request"] = GenerateRequest(messages=messages, params=params)  # InvalidRequest if malformed
+        else:
+            parsed["request"] = GenerateRequest(prompt=prompt, params=params, raw=fmt == "raw")
         return parsed
 
 
