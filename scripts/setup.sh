@@ -32,6 +32,10 @@ if ! timeout 900 "$VENV/bin/python" -m dflash_trt.runtime.panel_gemm; then
   echo "error: building the panel GEMM kernel did not finish within 15 min; rerun make setup, or set DFLASH_TRT_PANEL_GEMM=0 to run on oneDNN without it" >&2
   exit 1
 fi
+# The real Triton Inference Server `dflash-trt serve` runs, where no container provides one: tritonserver
+# 2.51 with its Python backend, from PyPI's nvidia-pytriton wheel (its server files only, sha256-checked)
+# into the same cache, with this Python's backend stub (serving/triton_install.py; a no-op once there).
+"$VENV/bin/dflash-trt" setup-tritonserver
 # The reference implementations the tests compare against (z-lab's dflash, speculators), each in
 # its own --no-deps directory of the same cache, never .venv (scripts/oracles.txt).
 PYTHON="$VENV/bin/python" bash scripts/setup_oracles.sh

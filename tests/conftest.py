@@ -51,3 +51,32 @@ def save_tiny_pair(root: Path, arch: str = "llama", block_size: int = 8, draft_l
 def tiny_pair_dirs(tmp_path_factory) -> tuple[Path, Path]:
     """(target_dir, draft_dir) of a tiny Llama target and a random 1-layer drafter, block 8."""
     return save_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+# -- the real Triton servers most serving tests share (tests/triton_servers.py) -----------------------
+@pytest.fixture(scope="session")
+def triton_streaming(tmp_path_factory):
+    """tritonserver over a DECOUPLED repository of the tiny engine (the only kind that streams),
+    policy fixed (every step drafts K, so the speculation counters move), HTTP, metrics and the
+    OpenAI front; shared by the session."""
+    from tests.engine_fixtures import shared_tiny_engine
+    from tests.triton_servers import serve_engine
+
+    from dflash_trt.serving.repository import TritonRepoSettings
+
+    served = serve_engine(shared_tiny_engine(tmp_path_factory), tmp_path_factory.mktemp("triton-streaming"),
+                          TritonRepoSettings(decoupled=True, policy="fixed"))
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="session")
+def triton_unary(tmp_path_factory):
+    """tritonserver over the default repository of the tiny engine: not decoupled (as upstream's
+    model.yaml), so it answers unary ModelInfer and HTTP infer; the serving default policy."""
+    from tests.engine_fixtures import shared_tiny_engine
+    from tests.triton_servers import serve_engine
+
+    served = serve_engine(shared_tiny_engine(tmp_path_factory), tmp_path_factory.mktemp("triton-unary"))
+    yield served
+    served.stop()

@@ -91,7 +91,10 @@ class Environment:
     # SpeculativeDecodingMode.DFLASH.support_dynamic_draft_len(): DFlash applies draft_len_schedule
     dflash_dynamic_draft_len: bool | None = None
     llm_args_fields: list[str] | None = None  # TorchLlmArgs.model_fields
-    tritonserver: str | None = None  # path of the binary
+    tritonserver: str | None = None  # path of the binary `serve` would run
+    tritonserver_origin: str = ""  # where it was found (PATH, /opt/tritonserver, dflash-trt's install)
+    # what keeps its Python backend from running model.py here (serving/tritonserver.stub_problems)
+    tritonserver_problems: list[str] = field(default_factory=list)
     gpus: list[GpuInfo] = field(default_factory=list)
     gpu_source: str = "none"  # nvidia-smi | torch | none
     topology: str | None = None  # `nvidia-smi topo -m`
@@ -278,8 +281,12 @@ def probe_environment() -> Environment:
             env.torch_cuda = None
     _probe_trtllm(env)
     _probe_attention_packages(env)
-    env.tritonserver = shutil.which("tritonserver") or next(
-        (str(p) for p in [Path("/opt/tritonserver/bin/tritonserver")] if p.is_file()), None)
+    from dflash_trt.serving.tritonserver import find_tritonserver, stub_problems
+
+    install = find_tritonserver()
+    if install is not None:
+        env.tritonserver, env.tritonserver_origin = str(install.binary), install.origin
+        env.tritonserver_problems = stub_problems(install)
     _probe_gpus(env)
     return env
 
@@ -312,9 +319,13 @@ def environment_findings(env: Environment) -> list[Finding]:
                          if env.flash_attn else f"flash-attn: {env.flash_attn_error or 'not installed'} (DFlash VANILLA "
                          "attention, the Hopper engines' backend, imports flash_attn.flash_attn_with_kvcache)",
                          FLASH_ATTN_FIX))
-    found.append(Finding(env.tritonserver is not None, f"tritonserver {env.tritonserver}" if env.tritonserver
-                         else "tritonserver: not found on PATH or in /opt/tritonserver/bin",
-                         CONTAINER_HINT + " (it copies /opt/tritonserver in), or serve with --server trtllm-serve"))
+    found.append(Finding(env.tritonserver is not None,
+                         f"tritonserver {env.tritonserver} ({env.tritonserver_origin})" if env.tritonserver
+                         else "tritonserver: not found on PATH, in /opt/tritonserver/bin or in dflash-trt's install",
+                         CONTAINER_HINT + " (it copies /opt/tritonserver in); elsewhere `make setup` or "
+                         "`dflash-trt setup-tritonserver`"))
+    # each piece its Python backend lacks to run model.py here, one line each (the fix is in the line)
+    found += [Finding(False, f"tritonserver's Python backend: {problem}") for problem in env.tritonserver_problems]
     if env.gpus:
         found += [Finding(True, g.describe() + f" [{env.gpu_source}]") for g in env.gpus]
     else:
@@ -387,8 +398,14 @@ def engine_findings(env: Environment, manifest: Any, opts: dict[str, Any], backe
         backend = "reference" if manifest.gpu == "cpu" else "trtllm"
     name = f"engine {manifest.name!r}"
     if backend == "reference":
+        # `serve` runs it on tritonserver's Python backend: the server, and what its stub needs here
+        serve = [Finding(env.tritonserver is not None and not env.tritonserver_problems,
+                         f"{name}: `dflash-trt serve` runs it on tritonserver "
+                         + (f"({env.tritonserver})" if env.tritonserver else "(none found)"),
+                         "; ".join(env.tritonserver_problems) if env.tritonserver_problems
+                         else "`make setup` or `dflash-trt setup-tritonserver`")]
         return [Finding(env.torch is not None, f"{name}: reference backend (PyTorch) needs torch",
-                        "pip install 'dflash-trt[all]'")]
+                        "pip install 'dflash-trt[all]'"), *serve]
     refusal = tensorrt_llm_refusal(manifest)
     if refusal:
         return [Finding(False, refusal, f"dflash-trt doctor {manifest.name} --backend reference")]

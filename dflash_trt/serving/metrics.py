@@ -21,6 +21,7 @@ table. Triton's metric library (prometheus-cpp) writes names as given, so counte
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 LABELS = ("model", "version")
@@ -72,6 +73,10 @@ class SpeculationMetrics:
 
     def __init__(self, pb_utils: Any, model: str, version: str) -> None:
         counter, histogram = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.HISTOGRAM
+        # one update at a time: the 2.51 stub's metric calls are not safe from several threads at
+        # once (concurrent increments from model.py's request threads crashed tritonserver, SIGSEGV
+        # in libtriton_python.so; tests/test_serving_metrics.py runs requests side by side)
+        self._lock = threading.Lock()
         self._families: list[Any] = []  # kept alive: a family must outlive its metrics
         self._metrics: dict[tuple, Any] = {}
         ours = {"model": model, "version": version}
@@ -79,7 +84,10 @@ class SpeculationMetrics:
         self._output_tokens = self._family(pb_utils, "dflash_output_tokens_total", "Generated tokens", counter)
         self._tau = self._family(pb_utils, "dflash_acceptance_length",
                                  "Per-request mean acceptance length tau (bonus token included)", histogram)
-        self._ours = {"output_tokens": (self._output_tokens, ours)}
+        self._cancelled = self._family(pb_utils, "dflash_cancelled_requests_total",
+                                       "Requests whose client left (or that were stopped) before they finished; their "
+                                       "rows were freed", counter)
+        self._ours = {"output_tokens": (self._output_tokens, ours), "cancelled": (self._cancelled, ours)}
         # (quantity, family, fixed labels, position label or None)
         self._counters = []
         for quantity, name, labels in (*OUR_COUNTERS, *UPSTREAM_COUNTERS):
@@ -107,6 +115,16 @@ class SpeculationMetrics:
         """Count one finished request (its final ChunkStats)."""
         if stats is None:
             return
+        with self._lock:
+            self._count(stats)
+
+    def request_cancelled(self) -> None:
+        """Count one request that ended cancelled (nothing else of it is counted)."""
+        family, labels = self._ours["cancelled"]
+        with self._lock:
+            self._metric(family, labels).increment(1)
+
+    def _count(self, stats: Any) -> None:
         output, labels = self._ours["output_tokens"]
         self._metric(output, labels).increment(int(stats.num_output_tokens))
         counts = speculation_counts(stats)

@@ -174,6 +174,11 @@ class TritonPythonModel:
         finally:
             self._track(request_id, generation, add=False)
         if final is None or (final.finish_reason == "cancelled" and cancelled):
+            # its row is free from the next step on: say so, with what it had decoded
+            produced = final.stats.num_output_tokens if final is not None and final.stats else 0
+            self.metrics.request_cancelled()
+            pb_utils.Logger.log_info(f"dflash: request {request_id or '-'} cancelled by its client after {produced} "
+                                     f"of {parsed['request'].params.max_tokens or 'default'} tokens")
             return _fail(sender, CANCELLED, pb_utils.TritonError.CANCELLED)
         response = self._response(text, parsed, final, arrival_ns)
         self.metrics.request_finished(final.stats)  # before the client can see its answer
