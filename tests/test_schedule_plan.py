@@ -277,3 +277,24 @@ def test_plan_shows_the_schedule_for_gpt_oss_on_8_b300s_and_the_flag_overrides_o
     off, err = _plan_cli("--draft-len-schedule", "off", "--max-draft-len", "9")
     assert off["speculation"]["draft_len_schedule"] is None and off["max_draft_len"] == 9
     assert "draft_len_schedule (off): none" in err
+
+
+def test_plan_shows_what_each_release_gets(tmp_path):
+    """gpt-oss-120b tp 8 on b300 serving 2048: every release from DFlash's first gets a file it accepts;
+    the first has no draft_len_schedule (none written), the later ones the floored schedule; a setting
+    a release lacks shows that release's refusal instead of failing the plan."""
+    out, err = _plan_cli("--max-batch-size", "2048")
+    rows = {r["release"]: r for r in out["by_release"]}
+    first, container = DFLASH_FIRST, out["tensorrt_llm_release"]
+    assert list(rows) == sorted(rows, key=Version) and {first, container, "1.4.0rc1"} <= set(rows)
+    assert "container" in rows[container]["roles"] and "first DFlash" in rows[first]["roles"]
+    assert rows[first]["written"] == {} and rows[first]["min_tensorrt_llm_version"] == first
+    later = DraftLenSchedule.from_mapping(rows[container]["written"]["draft_len_schedule"])
+    assert later == DraftLenSchedule.from_mapping(out["speculation"]["draft_len_schedule"])
+    assert later.steps[-1][0] == 2048 and min(k for _, k in later.steps) == 1 and not later.zero_ranges(2048)
+    assert rows[container]["written"]["attention_backend"] == "TRTLLM"
+    assert "What each TensorRT-LLM release gets" in err
+    (tmp_path / "s.yaml").write_text("dflash_attention_backend: TRTLLM\n")
+    refused, _ = _plan_cli("--spec", str(tmp_path / "s.yaml"))
+    row = next(r for r in refused["by_release"] if r["release"] == first)
+    assert row["written"] is None and f"TensorRT-LLM {first} refuses" in row["refusal"]
