@@ -7,26 +7,26 @@ line). Those models are pydantic with extra="forbid": one unknown or misplaced k
 
 Which release accepts the file is data: `trtllm_fields.json` (read by `trtllm_versions`) records
 each key's first published TensorRT-LLM version and upstream's default. Keys equal to the default
-are left out, so an engine only needs the release that has every key it actually writes.
+are left out, so an engine only needs the release that has every key it actually writes. The file
+is written for one release (`build --tensorrt-llm-release`, default the container's): the fields
+that serve from it (engine/release_fields.py), never a key it lacks (the gate in
+`llm_api_options`), never a DFlash draft length of 0 (schedule_plan's floor; `verify` refuses one)
+and never the overlap scheduler off.
 
 Paths inside the file are relative to the engine directory; the launch scripts `cd` there first.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Sequence
+from typing import Any
 
 from dflash_trt.draft_len_schedule import DraftLenSchedule
 from dflash_trt.engine.hardware import GPUS, moe_backend
 from dflash_trt.engine.recompute_tail import RecomputeTailMeasurement
-from dflash_trt.engine.release_fields import FieldChoice, dflash_attention_backend, release_fields
-from dflash_trt.engine.trtllm_versions import (engine_release, requirements, strip_defaults, table, unmet,
-                                               upstream_default)
+from dflash_trt.engine.release_fields import FieldChoice, release_fields
+from dflash_trt.engine.trtllm_versions import engine_release, requirements, strip_defaults, unmet, upstream_default
 from dflash_trt.errors import DFlashError
-
-__all__ = ["dflash_attention_backend", "llm_api_options", "check_llm_api_options", "launch_scripts", "render_yaml"]
 
 # The keys this project writes or accepts, per section (a subset of upstream's fields).
 TOP_LEVEL_KEYS = frozenset({
