@@ -97,6 +97,42 @@ class DraftLenSchedule:
         rule requires; equal neighbours are left as they are (still a valid schedule)."""
         return DraftLenSchedule(tuple((b, min(k, max_draft_len)) for b, k in self.steps))
 
+    def zero_ranges(self, max_batch_size: int) -> list[tuple[int, int]]:
+        """The inclusive batch-size ranges in 1..max_batch_size that draft 0 as TensorRT-LLM reads the
+        schedule (an explicit 0, or above the largest key)."""
+        out: list[tuple[int, int]] = []
+        start = 1
+        for b, k in self.steps:
+            if start > max_batch_size:
+                break
+            if k == 0:
+                out.append((start, min(b, max_batch_size)))
+            start = b + 1
+        if start <= max_batch_size:
+            out.append((start, max_batch_size))
+        merged: list[tuple[int, int]] = []
+        for lo, hi in out:
+            if merged and merged[-1][1] + 1 == lo:
+                merged[-1] = (merged[-1][0], hi)
+            else:
+                merged.append((lo, hi))
+        return merged
+
+    def floored(self, max_batch_size: int, floor: int = 1) -> "DraftLenSchedule":
+        """Every batch size up to max_batch_size drafts at least `floor`: a 0 becomes `floor`, and
+        the batches above the largest key (0 upstream) get a last key at max_batch_size; equal
+        neighbours merge into the larger key (the same draft lengths, fewer keys)."""
+        steps = [(b, max(k, floor)) for b, k in self.steps]
+        if steps[-1][0] < max_batch_size:
+            steps.append((max_batch_size, floor))
+        merged: list[tuple[int, int]] = []
+        for b, k in steps:
+            if merged and merged[-1][1] == k:
+                merged[-1] = (b, k)
+            else:
+                merged.append((b, k))
+        return DraftLenSchedule(tuple(merged))
+
     def to_mapping(self) -> dict[int, int]:
         """Int keys in ascending order, as TensorRT-LLM's YAML wants them."""
         return dict(self.steps)

@@ -76,7 +76,8 @@ def test_moe_blackwell_options_use_upstream_names_and_placement():
 
 
 def test_dense_hopper_options_have_no_moe_keys_and_vanilla_attention():
-    s = resolve_spec(None, {"gpu": "h100", "quant": "fp8"})
+    """Built for the first DFlash release (no FA4 there): VANILLA, upstream's default."""
+    s = resolve_spec(None, {"gpu": "h100", "quant": "fp8", "tensorrt_llm_release": "1.3.0rc16"})
     opts = llm_api_options(s, is_moe=False, max_draft_len=15, max_num_tokens=8192, mask_token_id=151669,
                            target_layer_ids=[1, 9, 17, 25, 33])
     _assert_upstream_shape(opts)

@@ -10,19 +10,23 @@ from pathlib import Path
 from packaging.version import Version
 
 from dflash_trt.deploy.slurm import SlurmOptions, container_image_record
-from dflash_trt.engine.trtllm_versions import published_versions, table
+from dflash_trt.engine.trtllm_versions import container_release, published_versions, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_base_image_accepts_every_key_dflash_trt_writes():
+def test_base_image_holds_the_release_engines_are_built_for():
+    """`build` writes for the container's release unless told otherwise (trtllm_versions.container_release),
+    and never hands a release a key it lacks (tests/test_trtllm_versions.py): the base must be that
+    release, and have the attention backends and the schedule the build prefers."""
     record = container_image_record()
     base = record["base"]
     assert base["image"] == f"nvcr.io/nvidia/tensorrt-llm/release:{base['tensorrt_llm']}"
-    assert base["tensorrt_llm"] in published_versions()
-    newest_first_version = max((v for e in table()["fields"].values()
-                                for v in [e["first_version"], *e.get("values", {}).values()]), key=Version)
-    assert Version(base["tensorrt_llm"]) >= Version(newest_first_version)
+    assert base["tensorrt_llm"] in published_versions() and base["tensorrt_llm"] == container_release()
+    fields = table()["fields"]
+    preferred = [fields["speculative_config.attention_backend"]["values"][v] for v in ("TRTLLM", "FA4")]
+    for first in [*preferred, fields["speculative_config.draft_len_schedule"]["first_version"]]:
+        assert Version(base["tensorrt_llm"]) >= Version(first)
 
 
 def test_no_triton_trtllm_image_has_dflash_and_the_table_agrees_with_the_version_gate():

@@ -48,8 +48,10 @@ HAS_GPU_TOOLS = shutil.which("nvidia-smi") is not None
 
 
 def gpu_engine(root: Path, gpu: str = "b300", quant: str = "nvfp4", tp: int = 8, **over) -> Path:
-    """A GPU engine directory for the doctor: manifest + the llm_api_options.yaml the builder would write."""
-    spec = resolve_spec(None, {"gpu": gpu, "tp": tp, "ep": tp, "quant": quant, **over})
+    """A GPU engine directory for the doctor: manifest + the llm_api_options.yaml the builder would write
+    (for `tensorrt_llm_release` when given, else the container's)."""
+    spec = resolve_spec(None, {"gpu": gpu, "tp": tp, "ep": tp, "quant": quant,
+                               **{k: v for k, v in over.items() if v is not None}})
     opts = llm_api_options(spec, is_moe=True, max_draft_len=15, max_num_tokens=8192, mask_token_id=200000,
                            target_layer_ids=[1, 9, 17, 25, 33])
     engine = manifest_engine(root, tp, 1, gpus_per_node=8)
@@ -67,7 +69,7 @@ UPSTREAM_ATTENTION = NODE["DFlashDecodingConfig"]["attention_backend"]
 
 
 def env_with(version: str | None, fields: list[str] | None, gpus: list[GpuInfo], flash_attn: str | None = "2.8.3",
-             flashinfer: str | None = "0.6.0", backends: list[str] | None = None) -> Environment:
+             flashinfer: str | None = "0.6.0", backends: list[str] | None = None, **probed) -> Environment:
     if backends is None and fields and "attention_backend" in fields:
         backends = sorted(UPSTREAM_ATTENTION)
     return Environment(python="3.12.3", torch="2.9.0", tensorrt_llm=version, dflash_fields=fields,
@@ -75,7 +77,7 @@ def env_with(version: str | None, fields: list[str] | None, gpus: list[GpuInfo],
                        llm_args_fields=TORCH_LLM_ARGS_FIELDS if version else None,
                        tensorrt_llm_error=None if version else "not installed", gpus=gpus,
                        flash_attn=flash_attn, flash_attn_error=None if flash_attn else "not installed",
-                       flashinfer=flashinfer)
+                       flashinfer=flashinfer, **probed)
 
 
 @pytest.mark.skipif(HAS_GPU_TOOLS, reason="checks what a GPU-less machine reports")
@@ -119,22 +121,22 @@ def test_bad_engine_path_is_one_line(tmp_path):
     assert res.exit_code != 0 and res.output.startswith("error: ") and len(res.output.splitlines()) == 1
 
 
-@pytest.mark.parametrize("gpu, quant, version, fields, gpus, problem", [
+@pytest.mark.parametrize("gpu, quant, built_for, version, fields, gpus, problem", [
     # Blackwell engine (TRTLLM attention written) in an image with every field: servable
-    ("b300", "nvfp4", "1.3.0rc27", RC27_DFLASH_FIELDS, [B200] * 8, None),
+    ("b300", "nvfp4", None, "1.3.0rc27", RC27_DFLASH_FIELDS, [B200] * 8, None),
     # ... in a release with DFlash but before attention_backend: refused, naming the field
-    ("b300", "nvfp4", "1.3.0rc16", PRE_16914_DFLASH_FIELDS, [B200] * 8, "missing attention_backend"),
-    # Hopper engine (VANILLA left out) in the first DFlash release: servable
-    ("h100", "fp8", "1.3.0rc16", PRE_16914_DFLASH_FIELDS, [H100] * 8, None),
+    ("b300", "nvfp4", None, "1.3.0rc16", PRE_16914_DFLASH_FIELDS, [B200] * 8, "missing attention_backend"),
+    # Hopper engine built for the first DFlash release (VANILLA left out) there: servable
+    ("h100", "fp8", "1.3.0rc16", "1.3.0rc16", PRE_16914_DFLASH_FIELDS, [H100] * 8, None),
     # an image without DFlash at all (the Triton trtllm images pin 1.2.1)
-    ("h100", "fp8", "1.2.1", None, [H100] * 8, "needs TensorRT-LLM >= 1.3.0rc16, installed 1.2.1"),
+    ("h100", "fp8", "1.3.0rc16", "1.2.1", None, [H100] * 8, "needs TensorRT-LLM >= 1.3.0rc16, installed 1.2.1"),
     # NVFP4 engine on Hopper
-    ("b300", "nvfp4", "1.3.0rc27", RC27_DFLASH_FIELDS, [H100] * 8, "needs FP4 tensor cores"),
+    ("b300", "nvfp4", None, "1.3.0rc27", RC27_DFLASH_FIELDS, [H100] * 8, "needs FP4 tensor cores"),
     # fewer GPUs than ranks per node
-    ("h100", "fp8", "1.3.0rc27", RC27_DFLASH_FIELDS, [H100] * 4, "4 GPU(s) visible"),
+    ("h100", "fp8", None, "1.3.0rc27", RC27_DFLASH_FIELDS, [H100] * 4, "4 GPU(s) visible"),
 ])
-def test_verdicts_against_published_field_sets(tmp_path, gpu, quant, version, fields, gpus, problem):
-    manifest, opts = load_engine(gpu_engine(tmp_path / "e", gpu=gpu, quant=quant))
+def test_verdicts_against_published_field_sets(tmp_path, gpu, quant, built_for, version, fields, gpus, problem):
+    manifest, opts = load_engine(gpu_engine(tmp_path / "e", gpu=gpu, quant=quant, tensorrt_llm_release=built_for))
     findings = engine_findings(env_with(version, fields, gpus), manifest, opts, "auto")
     bad = [f.line() for f in findings if not f.ok]
     if problem is None:
@@ -150,16 +152,20 @@ def test_parse_nvidia_smi_query_rows():
         (0, 183359, (10, 0), True, True), (1, 81559, (9, 0), False, True)]
 
 
-@pytest.mark.parametrize("gpu, quant, env_kw, problem", [
-    # Hopper engine: DFlash attention VANILLA imports flash_attn.flash_attn_with_kvcache (dflash_attention.py)
-    ("h100", "fp8", {"flash_attn": None}, "DFlash attention is VANILLA, which imports flash_attn.flash_attn_with_kvcache"),
+@pytest.mark.parametrize("gpu, quant, built_for, env_kw, problem", [
+    # Hopper engine for the first DFlash release: VANILLA imports flash_attn.flash_attn_with_kvcache (dflash_attention.py)
+    ("h100", "fp8", "1.3.0rc16", {"flash_attn": None},
+     "DFlash attention is VANILLA, which imports flash_attn.flash_attn_with_kvcache"),
+    # Hopper engine for the container's release: FA4 imports flash_attn.cute
+    ("h100", "fp8", None, {"flash_attn_cute": False}, "is FA4, which needs flash-attn's CuTe interface"),
     # Blackwell engine: TRTLLM needs FlashInfer ...
-    ("b300", "nvfp4", {"flashinfer": None}, "is TRTLLM, which needs FlashInfer and SM100/SM103 GPUs; flashinfer not installed"),
+    ("b300", "nvfp4", None, {"flashinfer": None},
+     "is TRTLLM, which needs FlashInfer and SM100/SM103 GPUs; flashinfer not installed"),
     # ... and the installed class must take the value the engine writes
-    ("b300", "nvfp4", {"backends": ["VANILLA"]}, "attention_backend TRTLLM in the installed DFlashDecodingConfig"),
+    ("b300", "nvfp4", None, {"backends": ["VANILLA"]}, "attention_backend TRTLLM in the installed DFlashDecodingConfig"),
 ])
-def test_the_attention_backend_the_engines_gpu_uses_is_checked(tmp_path, gpu, quant, env_kw, problem):
-    manifest, opts = load_engine(gpu_engine(tmp_path / "e", gpu=gpu, quant=quant))
+def test_the_attention_backend_the_engines_gpu_uses_is_checked(tmp_path, gpu, quant, built_for, env_kw, problem):
+    manifest, opts = load_engine(gpu_engine(tmp_path / "e", gpu=gpu, quant=quant, tensorrt_llm_release=built_for))
     gpus = [B200 if gpu == "b300" else H100] * 8
     bad = [f.line() for f in engine_findings(env_with("1.3.0rc27", RC27_DFLASH_FIELDS, gpus, **env_kw),
                                              manifest, opts, "auto") if not f.ok]
@@ -168,7 +174,7 @@ def test_the_attention_backend_the_engines_gpu_uses_is_checked(tmp_path, gpu, qu
 
 
 def test_a_vanilla_engine_on_a_blackwell_gpu_is_not_asked_for_flashinfer(tmp_path):
-    manifest, opts = load_engine(gpu_engine(tmp_path / "e", gpu="h100", quant="fp8"))
+    manifest, opts = load_engine(gpu_engine(tmp_path / "e", gpu="h100", quant="fp8", tensorrt_llm_release="1.3.0rc16"))
     findings = engine_findings(env_with("1.3.0rc27", RC27_DFLASH_FIELDS, [H100] * 8, flashinfer=None), manifest, opts,
                                "trtllm")
     assert all(f.ok for f in findings), [f.line() for f in findings if not f.ok]
@@ -178,7 +184,7 @@ def test_the_capability_decides_not_the_version_number(tmp_path):
     """A release numbered below the recorded minimum whose installed DFlashDecodingConfig takes every
     key the engine writes is servable (the first DFlash tag is unknown: tensorrt_llm_node.json)."""
     assert NODE["DFlashDecodingConfig_origin"]["first_tag"] is None
-    manifest, opts = load_engine(gpu_engine(tmp_path / "e", gpu="h100", quant="fp8"))
+    manifest, opts = load_engine(gpu_engine(tmp_path / "e", gpu="h100", quant="fp8", tensorrt_llm_release="1.3.0rc16"))
     findings = engine_findings(env_with("1.3.0rc14", PRE_16914_DFLASH_FIELDS, [H100] * 8), manifest, opts, "auto")
     assert all(f.ok for f in findings), [f.line() for f in findings if not f.ok]
     assert any("capability checked" in f.what for f in findings)

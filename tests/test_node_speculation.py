@@ -103,7 +103,8 @@ def test_a_derived_schedule_that_drafts_k_at_every_batch_is_recorded_not_written
     assert model["acceptance"]["source"].startswith("--acceptance-profile 0.8,0.6")
     assert model["gpu"]["name"] == "h100" and model["gpu"]["peak_tflops"]["bf16"] > 0
     assert m.limits.max_draft_len == K == m.speculation.max_draft_len
-    assert m.min_tensorrt_llm_version == min_version(opts) == DFLASH_FIRST
+    assert m.min_tensorrt_llm_version == min_version(opts)
+    assert "speculative_config.draft_len_schedule" not in requirements(opts)  # the minimum is not raised by it
     assert "num_speculative_tokens_per_batch_size" not in (derived_engine / "launch/vllm.sh").read_text()
     verify_engine(derived_engine)
 
@@ -121,43 +122,53 @@ def test_the_gate_measures_the_acceptance_the_schedule_is_derived_from(tiny_pair
     model = m.speculation.model
     assert model["acceptance"]["source"].startswith("acceptance gate: 2 prompts x 12 tokens")
     assert len(model["acceptance"]["per_position_acceptance"]) <= 7
-    # a random drafter's drafts are (almost) never accepted: drafting cannot pay, K drops to 1
+    # a random drafter's drafts are (almost) never accepted: drafting cannot pay, K drops to 1; the
+    # model would draft 0 above batch 1, TensorRT-LLM's floor drafts 1 there: 1 everywhere, no schedule
     if max(before["per_position_acceptance"]) < 0.05:
-        assert m.speculation.draft_len_schedule == {1: 1} and m.limits.max_draft_len == 1
+        assert m.speculation.draft_len_schedule is None and m.limits.max_draft_len == 1
+        assert m.speculation.floor["before"] == {"1": 1} and m.speculation.floor["zero_batches"] == [[2, 8]]
         assert any("drafting loses to plain decoding" in n for n in m.speculation.notes)
 
 
 def test_off_writes_no_schedule_and_keeps_the_first_dflash_release(tiny_pair_dirs, tmp_path):
     t, d = tiny_pair_dirs
-    engine = _build(tmp_path / "e", t, d, draft_len_schedule="off")
+    engine = _build(tmp_path / "e", t, d, draft_len_schedule="off", tensorrt_llm_release=DFLASH_FIRST)
     opts, m = _yaml(engine), load_manifest(engine)
     assert "draft_len_schedule" not in opts["speculative_config"] and m.speculation.draft_len_schedule is None
     assert opts["speculative_config"]["max_draft_len"] == 7 == m.limits.max_draft_len  # B - 1, untouched
-    assert m.min_tensorrt_llm_version == DFLASH_FIRST
+    assert m.min_tensorrt_llm_version == DFLASH_FIRST == m.tensorrt_llm_release
     assert "num_speculative_tokens_per_batch_size" not in (engine / "launch/vllm.sh").read_text()
 
 
 def test_a_given_schedule_reaches_trtllm_vllm_and_sglang_alike(tiny_pair_dirs, tmp_path):
+    """2:5,4:3 on an engine serving 8: TensorRT-LLM would draft 0 at 5-8, so its schedule is floored
+    at 1 there (PR 16888); vLLM 0.33 keeps DFlash's context at 0 drafts, so its ranges keep the 0."""
     t, d = tiny_pair_dirs
     engine = _build(tmp_path / "e", t, d, draft_len_schedule="2:5,4:3")
     opts, m = _yaml(engine), load_manifest(engine)
     schedule = opts["speculative_config"]["draft_len_schedule"]
-    assert schedule == {2: 5, 4: 3} and all(type(b) is int and type(k) is int for b, k in schedule.items())
-    assert "draft_len_schedule: {2: 5, 4: 3}" in (engine / "llm_api_options.yaml").read_text()  # int keys, unquoted
+    assert schedule == {2: 5, 4: 3, 8: 1} and all(type(b) is int and type(k) is int for b, k in schedule.items())
+    assert "draft_len_schedule: {2: 5, 4: 3, 8: 1}" in (engine / "llm_api_options.yaml").read_text()  # int keys
     assert opts["speculative_config"]["max_draft_len"] == m.limits.max_draft_len == 5  # K follows the smallest key
     assert m.speculation.source == "given" and m.speculation.draft_len_schedule == schedule
+    assert m.speculation.floor["before"] == {"2": 5, "4": 3} and m.speculation.floor["zero_batches"] == [[5, 8]]
     assert m.draft_len_schedule().to_mapping() == schedule
-    assert m.min_tensorrt_llm_version == min_version(opts) == TRT_FIRST_SCHEDULE
+    assert m.min_tensorrt_llm_version == min_version(opts) and "speculative_config.draft_len_schedule" in requirements(opts)
     verify_engine(engine)
-    argv = _argv((engine / "launch/vllm.sh").read_text())
+    max_num_seqs = m.limits.max_batch_size
+    assert [_upstream_lookup(schedule, b) for b in range(1, max_num_seqs + 1)] == [5, 5, 3, 3, 1, 1, 1, 1]
+    vllm = (engine / "launch/vllm.sh").read_text()
+    argv = _argv(vllm)
     cfg = json.loads(argv[argv.index("--speculative-config") + 1])
     assert set(cfg) <= set(LAUNCH_FLAGS["vllm"]["speculative_config_keys"])
-    max_num_seqs = int(argv[argv.index("--max-num-seqs") + 1])
+    assert int(argv[argv.index("--max-num-seqs") + 1]) == max_num_seqs
     dense = _vllm_lookup(cfg["num_speculative_tokens_per_batch_size"], max_num_seqs, cfg["num_speculative_tokens"])
-    # every batch size the engine serves drafts the same on vLLM as on TensorRT-LLM
+    # vLLM drafts the schedule before the floor: 0 at 5-8, where its DFlash context is kept anyway
     assert dense[1:] == [_upstream_lookup({2: 5, 4: 3}, b) for b in range(1, max_num_seqs + 1)]
+    assert PEERS["vllm_0_33"]["zero_range"]["keeps_dflash_context"] is True
+    assert "A 0 range is safe here" in vllm
     sgl = (engine / "launch/sglang.sh").read_text()
-    assert "no per-batch-size draft length for DFLASH" in sgl and "{2: 5, 4: 3}" in sgl
+    assert "no per-batch-size draft length for DFLASH" in sgl and "{2: 5, 4: 3, 8: 1}" in sgl
     assert PEERS["sglang"]["dflash_batch_size_schedule"] is False and LAUNCH_FLAGS["sglang"]["dflash_batch_size_schedule"] is None
     for script in ("launch/vllm.sh", "launch/sglang.sh"):
         subprocess.run(["bash", "-n", str(engine / script)], check=True, timeout=30)
@@ -219,16 +230,21 @@ def test_new_fields_have_a_recorded_first_release_that_lists_them():
 
 # -- what verify checks -------------------------------------------------------------------------
 
-def _opts(**spec_over) -> dict:
+def _opts(max_batch_size: int = 16, **spec_over) -> dict:
     sc = {"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "./draft", **spec_over}
-    return {"speculative_config": sc}
+    return {"max_batch_size": max_batch_size, "speculative_config": sc}
 
 
 @pytest.mark.parametrize("spec_over, match", [
     ({"draft_len_schedule": {"4": 7}}, "must map int batch sizes"),
     ({"draft_len_schedule": {4: 5, 16: 3}}, "must map to max_draft_len=7"),
     ({"draft_len_schedule": {4: 7, 16: 9}}, "exceed max_draft_len=7"),
-    ({"draft_len_schedule": {4: 7}, "max_concurrency": 8}, "mutually exclusive"),
+    ({"max_concurrency": 8}, "max_concurrency must not be written: TensorRT-LLM implements max_concurrency as a "
+                             "draft_len_schedule that drafts 0 above it"),
+    ({"draft_len_schedule": {4: 7, 8: 3}}, r"drafts 0 at batch sizes 9-16 \(max_batch_size 16\).*PR 16888.*"
+                                           r"floors the schedule at 1 up to max_batch_size \(\{4: 7, 8: 3, 16: 1\}\)"),
+    ({"draft_len_schedule": {4: 7, 8: 0, 16: 3}}, "drafts 0 at batch sizes 5-8 "),
+    ({"moe_backend": "CUTLASS"}, "DFlash drafters are dense"),
     ({"acceptance_rate_window_size": 16}, "only one of"),
     ({"acceptance_rate_window_size": 16, "acceptance_rate_threshold": 1.5}, "threshold in \\[0, 1\\]"),
     ({"spec_dec_variant": 3}, "must not be written"),
@@ -390,7 +406,8 @@ def _env(dflash2: bool | None, **over) -> Environment:
     base = dict(python="3.12.3", torch="2.9.0", tensorrt_llm="1.4.0rc1",
                 dflash_fields=TRT["DFlashDecodingConfig_1.3.0rc27"]["fields"],
                 dflash_attention_backends=TRT["DFlashDecodingConfig_1.3.0rc27"]["attention_backend"],
-                llm_args_fields=None, gpus=[H100], flash_attn="2.8.3", flashinfer="0.6.4", dflash2=dflash2)
+                llm_args_fields=None, gpus=[H100], flash_attn="2.8.3", flashinfer="0.6.4", flash_attn_cute=True,
+                dflash2=dflash2)
     return Environment(**{**base, **over})
 
 
@@ -439,11 +456,14 @@ def _stand_in_tensorrt_llm(root: Path, with_dflash2: bool) -> Path:
     (pkg / "_torch" / "models" / "__init__.py").write_text("")
     fields = TRT["DFlashDecodingConfig_1.3.0rc27"]["fields"]
     (pkg / "llmapi" / "__init__.py").write_text("")
+    # PR 16888's floor as its tests show it: a min_runtime_draft_len property of the decoding config
+    floor = TRT["draft_len_schedule_floor"]["capability_probe"]["attribute"]
     (pkg / "llmapi" / "llm_args.py").write_text(
         "import typing\nclass _F:\n    def __init__(self, a=None): self.annotation = a\n"
         f"class DFlashDecodingConfig:\n    model_fields = {{k: _F() for k in {fields!r}}}\n"
         "    model_fields['attention_backend'] = _F(typing.Literal['VANILLA', 'TRTLLM', 'FA4'])\n"
-        "class TorchLlmArgs:\n    model_fields = {'speculative_config': None}\n")
+        + (f"    @property\n    def {floor}(self): return 1\n" if with_dflash2 else "")
+        + "class TorchLlmArgs:\n    model_fields = {'speculative_config': None}\n")
     probe = TRT["DFlash2"]["capability_probe"]
     assert probe["module"] == "tensorrt_llm._torch.models.modeling_dflash"
     (pkg / "_torch" / "models" / "modeling_dflash.py").write_text(
@@ -451,13 +471,18 @@ def _stand_in_tensorrt_llm(root: Path, with_dflash2: bool) -> Path:
     # SpeculativeDecodingMode as recorded: DFLASH in the enum, support_dynamic_draft_len() with or
     # without is_dflash() (tensorrt_llm_speculation.json support_dynamic_draft_len)
     dyn = TRT["support_dynamic_draft_len"]["capability_probe"]
+    overlap = TRT["support_overlap_scheduler"]["capability_probe"]
+    assert (overlap["module"], overlap["enum"], overlap["member"]) == (dyn["module"], dyn["enum"], dyn["member"])
     (pkg / "_torch" / "speculative").mkdir()
     (pkg / "_torch" / "speculative" / "__init__.py").write_text("")
     supports = "self.is_eagle3_one_model() or self.is_dflash()" if with_dflash2 else "self.is_eagle3_one_model()"
     (pkg / "_torch" / "speculative" / f"{dyn['module'].rsplit('.', 1)[1]}.py").write_text(
         f"from enum import IntEnum, auto\nclass {dyn['enum']}(IntEnum):\n    EAGLE3_ONE_MODEL = auto()\n"
         f"    {dyn['member']} = auto()\n    def is_eagle3_one_model(self): return self.name == 'EAGLE3_ONE_MODEL'\n"
-        f"    def is_dflash(self): return self.name == 'DFLASH'\n    def {dyn['method']}(self): return {supports}\n")
+        f"    def is_dflash(self): return self.name == 'DFLASH'\n    def {dyn['method']}(self): return {supports}\n"
+        # support_overlap_scheduler() as recorded: DFLASH is an external (parallel-draft) drafter
+        f"    def is_external_drafter(self): return self.is_dflash()\n"
+        f"    def {overlap['method']}(self): return self.is_eagle3_one_model() or self.is_external_drafter()\n")
     dist = root / "tensorrt_llm-1.4.0rc1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: 1.4.0rc1\n")
@@ -477,6 +502,8 @@ def test_the_dflash2_probe_reads_the_installed_module(tmp_path, monkeypatch, wit
     assert env.tensorrt_llm_error is None, env.tensorrt_llm_error
     assert env.dflash2 is with_dflash2 and "FA4" in env.dflash_attention_backends
     assert env.dflash_dynamic_draft_len is with_dflash2  # the newer release applies schedules to DFlash too
+    assert env.dflash_overlap_scheduler is True  # DFlash overlaps in both
+    assert env.dflash_zero_draft_safe is with_dflash2  # only the stand-in with PR 16888's property floors 0
     assert TRT["DFlash2"]["capability_probe"]["attribute"] in _TRTLLM_PROBE
 
 
@@ -503,3 +530,164 @@ def test_doctor_refuses_a_schedule_the_installed_dflash_would_skip(tiny_pair_dir
     assert all(f.ok for f in engine_findings(_env(True, dflash_dynamic_draft_len=True, tensorrt_llm="1.3.0rc20"), v1,
                                              opts, "trtllm"))
 
+
+
+# -- never a 0 draft length for TensorRT-LLM, the overlap scheduler, the 1.4 fields (issue 58) ----
+
+def _zero_drafting(engine: Path) -> dict:
+    """The engine's options as an older dflash-trt wrote them: a schedule drafting 0 above its largest key."""
+    opts = _yaml(engine)
+    opts["speculative_config"]["draft_len_schedule"] = {2: 5, 4: 3}  # max_batch_size 8: 5-8 draft 0
+    return opts
+
+
+def test_doctor_and_verify_name_an_engine_that_drafts_0_where_it_serves(tiny_pair_dirs, tmp_path):
+    """PR 16888 (open, tensorrt_llm_speculation.json draft_len_schedule_floor): at 0 drafts a one-model
+    DFlash worker stops refreshing its context buffers. Both commands refuse such options in one line
+    with the fix; a release whose DFlashDecodingConfig has min_runtime_draft_len floors it itself."""
+    assert TRT["draft_len_schedule_floor"]["capability_probe"]["attribute"] == "min_runtime_draft_len"
+    assert table()["behaviours"]["dflash_zero_draft_len_safe"]["first_version"] is None  # no release has it
+    t, d = tiny_pair_dirs
+    engine = _build(tmp_path / "e", t, d, draft_len_schedule="2:5,4:3")
+    m, opts = load_manifest(engine), _zero_drafting(engine)
+    v1 = m.model_copy(update={"draft": m.draft.model_copy(update={"family": "dflash"})})
+    env = dict(dflash_dynamic_draft_len=True)
+    bad = [f for f in engine_findings(_env(True, dflash_zero_draft_safe=False, **env), v1, opts, "trtllm") if not f.ok]
+    assert len(bad) == 1 and "drafts 0 at batch sizes 5-8 (max_batch_size 8)" in bad[0].what
+    assert bad[0].fix.startswith("rebuild the engine with this dflash-trt") and "{2: 5, 4: 3, 8: 1}" in bad[0].fix
+    assert all(f.ok for f in engine_findings(_env(True, dflash_zero_draft_safe=True, **env), v1, opts, "trtllm"))
+    # the floored options the build wrote are fine wherever
+    assert all(f.ok for f in engine_findings(_env(True, dflash_zero_draft_safe=False, **env), v1, _yaml(engine),
+                                             "trtllm"))
+    # verify: the same refusal, one line
+    (engine / "llm_api_options.yaml").write_text(yaml.safe_dump(opts))
+    with pytest.raises(DFlashError, match=r"drafts 0 at batch sizes 5-8 .*rebuild the engine") as e:
+        check_llm_api_options(opts)
+    assert "\n" not in str(e.value)
+
+
+def test_max_concurrency_is_read_as_the_schedule_upstream_makes_of_it():
+    """{max_concurrency: max_draft_len} (draft_len_schedule_rules): 0 above it."""
+    from dflash_trt.engine.trtllm_versions import zero_draft_batches
+
+    assert "{max_concurrency: max_draft_len}" in TRT["draft_len_schedule_rules"]["max_concurrency"]
+    opts = {"max_batch_size": 64, "speculative_config": {"max_draft_len": 7, "max_concurrency": 16}}
+    assert zero_draft_batches(opts) == [(17, 64)]
+    assert zero_draft_batches({"speculative_config": {"max_draft_len": 7, "draft_len_schedule": {4: 7}}}) == [
+        (5, 2048)]  # max_batch_size left out: upstream's default
+    assert zero_draft_batches({**opts, "speculative_config": {"max_draft_len": 7, "max_concurrency": 64}}) == []
+
+
+def test_the_overlap_scheduler_is_never_turned_off(tiny_pair_dirs, tmp_path):
+    """TensorRT-LLM: support_overlap_scheduler() covers DFlash (a parallel-draft, external-drafter mode);
+    the file never sets disable_overlap_scheduler, verify refuses it set, doctor warns where the
+    installed release turns it off. vLLM's async scheduling and SGLang's overlap stay at their
+    defaults (peers_speculation.json)."""
+    assert "is_external_drafter()" in TRT["support_overlap_scheduler"]["text"]
+    t, d = tiny_pair_dirs
+    engine = _build(tmp_path / "e", t, d, pp=2, gpus_per_node=2)
+    opts, m = _yaml(engine), load_manifest(engine)
+    assert "disable_overlap_scheduler" not in opts and table()["fields"]["disable_overlap_scheduler"]["default"] is False
+    with pytest.raises(DFlashError, match="disable_overlap_scheduler: true turns off what one-model DFlash runs with"):
+        check_llm_api_options({**opts, "disable_overlap_scheduler": True})
+    check_llm_api_options({**opts, "disable_overlap_scheduler": False})  # upstream's default, harmless
+    off = engine_findings(_env(True, dflash_overlap_scheduler=False, gpus=[H100] * 2), m, opts, "trtllm")
+    warned = [f for f in off if f.warn]
+    assert all(f.ok for f in off) and len(warned) == 1 and warned[0].line().startswith("WARN     ")
+    assert "support_overlap_scheduler() is False" in warned[0].line() and "; fix: " in warned[0].line()
+    assert not any(f.warn for f in engine_findings(_env(True, dflash_overlap_scheduler=True, gpus=[H100] * 2), m, opts,
+                                                   "trtllm"))
+    vllm, sgl = (engine / "launch/vllm.sh").read_text(), (engine / "launch/sglang.sh").read_text()
+    async_flag = PEERS["vllm_0_33"]["async_scheduling"]["flag"]
+    assert async_flag not in _argv(vllm) and "--no-" + async_flag[2:] not in _argv(vllm)
+    assert "Async scheduling" in vllm and "off on Model Runner V1 with pipeline parallel" in vllm  # pp 2
+    assert PEERS["sglang"]["overlap_schedule"]["default_on_for_dflash"] is True
+    assert PEERS["sglang"]["overlap_schedule"]["flag"] not in sgl
+
+
+def _measurement(tmp_path: Path, **over) -> Path:
+    """A context_recompute_tail measurement in the agreed form, written for the test (not a real one)."""
+    data = {"about": "test", "commit": "0000000", "command": "bench ...", "pair": "tiny", "interval_halfwidth": 0.05,
+            "tau_by_tail": {"0": 2.1, "16": 2.6, "64": 2.9, "256": 3.0, "all": 3.0}, "recommended": 64,
+            "why": "64 tokens recover tau within the interval", **over}
+    path = tmp_path / "context_recompute_tail.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_context_recompute_tail_comes_from_the_measurement_on_releases_that_have_it(tmp_path):
+    from dflash_trt.engine.llm_api import llm_api_options, speculative_fields
+    from dflash_trt.engine.recompute_tail import MEASUREMENT_FILE, load_measurement
+
+    tail_first = table()["fields"]["speculative_config.context_recompute_tail"]["first_version"]
+    assert "context_recompute_tail" in TRT["DFlashDecodingConfig_1.4.0rc1"]["adds"] and tail_first == "1.4.0rc1"
+    assert TRT["DFlashDecodingConfig_1.4.0rc1"]["types"]["context_recompute_tail"] == "int | None = 0"
+    measured = load_measurement(_measurement(tmp_path))
+    assert load_measurement(tmp_path / "absent.json") is None
+    assert MEASUREMENT_FILE.name == "context_recompute_tail.json"
+
+    def written(release: str, measurement, **over):
+        spec = resolve_spec(None, {"gpu": "h100", "tensorrt_llm_release": release, **over})
+        fields = speculative_fields(spec, release, head_dim=64, measurement=measurement)
+        opts = llm_api_options(spec, is_moe=False, max_draft_len=7, max_num_tokens=8192, mask_token_id=1,
+                               target_layer_ids=[1], release=release, fields=fields)
+        why = next(f.why for f in fields if f.key == "context_recompute_tail")
+        return opts["speculative_config"].get("context_recompute_tail"), why, min_version(opts)
+
+    value, why, need = written(tail_first, measured)
+    assert value == 64 and "measured on tiny at 0000000" in why and need == tail_first
+    assert written("1.3.0rc27", measured)[:2] == (None, "TensorRT-LLM 1.3.0rc27 has no such field (first: 1.4.0rc1)")
+    assert written(tail_first, None)[1].startswith("not measured")
+    assert written(tail_first, load_measurement(_measurement(tmp_path, recommended=0)))[0] is None
+    # where prefix caching is off there is no cache hit to recompute after
+    from dflash_trt.engine.release_fields import release_fields
+
+    off = release_fields(resolve_spec(None, {"gpu": "h100"}), tail_first, block_reuse=False, measurement=measured)
+    assert next(f for f in off if f.key == "context_recompute_tail").value is None
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"recommended": -1}, "recommended"),
+    ({"tau_by_tail": {"0": 2.0, "16": 2.5}}, "exactly the tails"),
+    ({"extra": 1}, "unknown key 'extra'"),
+])
+def test_a_bad_measurement_file_is_one_line(tmp_path, over, match):
+    from dflash_trt.engine.recompute_tail import load_measurement
+
+    with pytest.raises(DFlashError, match=match) as e:
+        load_measurement(_measurement(tmp_path, **over))
+    assert "\n" not in str(e.value)
+
+
+def test_the_build_records_why_each_field_is_or_is_not_written(tiny_pair_dirs, tmp_path, monkeypatch):
+    """The manifest's speculation.fields: each DFlashDecodingConfig field beyond the drafter's, with its
+    reason; an engine for 1.4.0rc1 carries the measured tail, one for the container's release not."""
+    from dflash_trt.engine import recompute_tail
+
+    t, d = tiny_pair_dirs
+    m = load_manifest(_build(tmp_path / "now", t, d))
+    assert m.tensorrt_llm_release == "1.3.0rc27" and m.speculation.fields["context_recompute_tail"]["written"] is None
+    assert m.speculation.fields["context_recompute_tail"]["why"].startswith("TensorRT-LLM 1.3.0rc27 has no such field")
+    assert m.speculation.fields["attention_backend"]["written"] == "FA4"  # h100, a head_dim FA4 takes
+    monkeypatch.setattr(recompute_tail, "MEASUREMENT_FILE", _measurement(tmp_path))
+    engine = _build(tmp_path / "14", t, d, tensorrt_llm_release="1.4.0rc1")
+    m = load_manifest(engine)
+    assert _yaml(engine)["speculative_config"]["context_recompute_tail"] == 64
+    assert m.speculation.fields["context_recompute_tail"]["written"] == 64 and m.tensorrt_llm_release == "1.4.0rc1"
+    assert m.min_tensorrt_llm_version == "1.4.0rc1"
+    assert {"moe_backend", "skip_ctx_buffer_budget_check", "spec_dec_variant"} <= set(m.speculation.fields)
+    verify_engine(engine)
+
+
+def test_fa4_is_chosen_only_for_a_head_dim_it_takes_on_sm90():
+    from dflash_trt.engine.release_fields import dflash_attention_backend, fa4_takes
+
+    lo, hi = TRT["FA4"]["head_dim_range"]
+    assert [fa4_takes(h) for h in (lo - 8, lo, 100, 128, hi, hi + 8)] == [False, True, False, True, True, False]
+    spec = resolve_spec(None, {"gpu": "h200"})
+    assert dflash_attention_backend(spec, head_dim=128, release="1.3.0rc27") == "FA4"
+    assert dflash_attention_backend(spec, head_dim=100, release="1.3.0rc27") == "VANILLA"
+    assert dflash_attention_backend(spec, head_dim=128, release=DFLASH_FIRST) == "VANILLA"  # no FA4 there
+    with pytest.raises(DFlashError, match="FA4 takes head_dim 8..256") as e:
+        dflash_attention_backend(resolve_spec(None, {"gpu": "h200", "dflash_attention_backend": "FA4"}), head_dim=100)
+    assert "\n" not in str(e.value)

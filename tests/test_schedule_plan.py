@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from dflash_trt.draft_len_schedule import DraftLenSchedule
 from dflash_trt.engine.acceptance_profile import DEFAULT_SOURCE, DEFAULT_TAU, AcceptanceProfile
@@ -21,12 +22,14 @@ from dflash_trt.engine.plan import DraftShape
 from dflash_trt.engine.schedule_plan import TOLERANCE, bucket_sizes, choose_k, compress, decide, derive
 from dflash_trt.engine.spec import resolve_spec
 from dflash_trt.engine.step_cost import ModelDims, step_cost
+from dflash_trt.engine.trtllm_versions import dflash_first_release, table
 from dflash_trt.errors import DFlashError
 
 RULES = json.loads((Path(__file__).parent / "upstream" / "tensorrt_llm_speculation.json").read_text())[
     "draft_len_schedule_rules"]
 GPTOSS = resolve_arch("gpt-oss-120b")[0]
 QWEN = resolve_arch("qwen3-8b")[0]
+DFLASH_FIRST = dflash_first_release()
 
 
 def _gptoss(k_max: int = 15, **over):
@@ -126,19 +129,48 @@ def test_k_left_to_its_default_follows_the_schedule_and_a_given_k_is_kept():
     assert any("drafts the given max_draft_len 15" in n for n in kept.notes)
 
 
-def test_drafting_is_switched_off_where_it_loses():
-    """A weak drafter on a compute-heavy dense target: big batches lose, their buckets draft 0 and
-    leave the schedule (above its largest key TensorRT-LLM drafts none)."""
+def _weak_on_qwen(floor_zero: bool = True):
     target = ModelDims.from_arch(QWEN, "none", None, "none")
     draft = ModelDims.from_draft(DraftShape.estimate(QWEN, 5), QWEN.vocab_size, 16)
     weak = AcceptanceProfile((0.3, 0.1, 0.03), "weak")
-    d = derive("h100", target, draft, 1, 1, 1024, 15, False, weak)
+    return target, draft, weak, derive("h100", target, draft, 1, 1, 1024, 15, False, weak, floor_zero=floor_zero)
+
+
+def test_drafting_is_switched_off_where_it_loses_and_tensorrt_llm_gets_the_floor():
+    """A weak drafter on a compute-heavy dense target: big batches lose and the model switches them
+    off (the peers' schedule leaves them above its largest key), but TensorRT-LLM's schedule drafts
+    1 there up to max_batch_size (PR 16888: 0 drafts starve DFlash's context buffers), and the
+    manifest records what that costs by the same model."""
+    target, draft, weak, d = _weak_on_qwen()
     off = [b for b in d.buckets if b.k == 0]
     assert off and off[-1].batch == 1024 and d.buckets[0].k > 0
-    assert max(b for b, _ in d.schedule.steps) < off[0].batch
-    assert d.schedule.draft_len(1024) == 0
+    peers = d.peers
+    assert max(b for b, _ in peers.steps) < off[0].batch and peers.draft_len(1024) == 0
     for b in off:  # drafting even one token would have lost there
         assert choose_k("h100", target, draft, 1, 1, b.batch, 1, weak).k == 0
+    # TensorRT-LLM's: never 0 up to the served maximum, the model's value wherever it drafts
+    assert min(d.schedule.draft_len(b) for b in range(1, 1025)) == 1
+    assert all(d.schedule.draft_len(b.batch) == max(b.k, 1) for b in d.buckets)
+    _upstream_valid(d.schedule, d.max_draft_len)
+    floor = d.to_record()["floor"]
+    assert DraftLenSchedule.from_mapping(floor["before"]) == peers and floor["zero_batches"] == [[max(peers.to_mapping()) + 1, 1024]]
+    top = next(c for c in floor["cost"] if c["batch"] == 1024)
+    one, none = step_cost("h100", target, 1, 1, 1024, 1, draft), step_cost("h100", target, 1, 1, 1024, 0, draft)
+    assert top["change"] == pytest.approx((1 + 0.3) / one.seconds * none.seconds - 1, abs=1e-4) and top["change"] < 0
+    assert any("floored at 1 up to max_batch_size 1024" in n and f"{top['change']:+.1%}" in n for n in d.notes)
+
+
+def test_the_floor_follows_a_release_recorded_with_the_fix():
+    *_, d = _weak_on_qwen(floor_zero=False)
+    assert d.schedule == d.peers and d.schedule.draft_len(1024) == 0 and d.floor is None
+
+
+def test_a_given_schedule_that_drafts_0_is_floored_too():
+    d = _decide(draft_len_schedule="4:7,16:3", max_batch_size=64)
+    assert d.schedule.to_mapping() == {4: 7, 16: 3, 64: 1} and d.peers.to_mapping() == {4: 7, 16: 3}
+    assert d.floor["zero_batches"] == [[17, 64]] and {c["batch"] for c in d.floor["cost"]} == {17, 64}
+    zero_in_the_middle = _decide(draft_len_schedule="4:7,8:0,16:3", max_batch_size=16)
+    assert zero_in_the_middle.schedule.to_mapping() == {4: 7, 8: 1, 16: 3}
 
 
 def test_a_schedule_that_drafts_k_at_every_served_batch_is_not_written():
@@ -153,8 +185,10 @@ def test_a_schedule_that_drafts_k_at_every_served_batch_is_not_written():
 
 
 def test_a_drafter_that_never_pays_still_meets_upstreams_rule_and_says_so():
+    """K 1 at batch 1 (upstream's rule) and, floored, at every batch: no schedule to write; the peers'
+    switches drafting off above batch 1."""
     d = _gptoss(profile=AcceptanceProfile((0.001,), "useless"))
-    assert d.schedule.to_mapping() == {1: 1} and d.max_draft_len == 1
+    assert d.schedule is None and d.max_draft_len == 1 and d.peers.to_mapping() == {1: 1}
     assert any("drafting loses to plain decoding at every batch size" in n for n in d.notes)
 
 
@@ -180,6 +214,20 @@ def test_off_given_and_cpu_engines():
     cpu = _decide(gpu="cpu")
     assert cpu.schedule is None and cpu.source == "none" and "CPU engine" in cpu.notes[0]
     assert _decide().source == "derived"
+
+
+def test_a_release_without_draft_len_schedule_gets_none():
+    """1.3.0rc16 (the first DFlash release) predates the field (trtllm_fields.json): a derived schedule
+    stays on record for the peers, a given one is refused in one line."""
+    first = table()["fields"]["speculative_config.draft_len_schedule"]["first_version"]
+    old = _decide(tensorrt_llm_release=DFLASH_FIRST, max_batch_size=1024)
+    new = _decide(tensorrt_llm_release=first, max_batch_size=1024)
+    assert Version(DFLASH_FIRST) < Version(first)
+    assert old.schedule is None and new.schedule is not None and old.peers == new.peers
+    assert any(f"TensorRT-LLM {DFLASH_FIRST} has no draft_len_schedule" in n for n in old.notes)
+    with pytest.raises(DFlashError, match=f"TensorRT-LLM {DFLASH_FIRST} has no draft_len_schedule") as e:
+        _decide(tensorrt_llm_release=DFLASH_FIRST, draft_len_schedule="4:7,16:3")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("over, match", [
@@ -229,3 +277,24 @@ def test_plan_shows_the_schedule_for_gpt_oss_on_8_b300s_and_the_flag_overrides_o
     off, err = _plan_cli("--draft-len-schedule", "off", "--max-draft-len", "9")
     assert off["speculation"]["draft_len_schedule"] is None and off["max_draft_len"] == 9
     assert "draft_len_schedule (off): none" in err
+
+
+def test_plan_shows_what_each_release_gets(tmp_path):
+    """gpt-oss-120b tp 8 on b300 serving 2048: every release from DFlash's first gets a file it accepts;
+    the first has no draft_len_schedule (none written), the later ones the floored schedule; a setting
+    a release lacks shows that release's refusal instead of failing the plan."""
+    out, err = _plan_cli("--max-batch-size", "2048")
+    rows = {r["release"]: r for r in out["by_release"]}
+    first, container = DFLASH_FIRST, out["tensorrt_llm_release"]
+    assert list(rows) == sorted(rows, key=Version) and {first, container, "1.4.0rc1"} <= set(rows)
+    assert "container" in rows[container]["roles"] and "first DFlash" in rows[first]["roles"]
+    assert rows[first]["written"] == {} and rows[first]["min_tensorrt_llm_version"] == first
+    later = DraftLenSchedule.from_mapping(rows[container]["written"]["draft_len_schedule"])
+    assert later == DraftLenSchedule.from_mapping(out["speculation"]["draft_len_schedule"])
+    assert later.steps[-1][0] == 2048 and min(k for _, k in later.steps) == 1 and not later.zero_ranges(2048)
+    assert rows[container]["written"]["attention_backend"] == "TRTLLM"
+    assert "What each TensorRT-LLM release gets" in err
+    (tmp_path / "s.yaml").write_text("dflash_attention_backend: TRTLLM\n")
+    refused, _ = _plan_cli("--spec", str(tmp_path / "s.yaml"))
+    row = next(r for r in refused["by_release"] if r["release"] == first)
+    assert row["written"] is None and f"TensorRT-LLM {first} refuses" in row["refusal"]

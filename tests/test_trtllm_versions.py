@@ -15,10 +15,11 @@ from click.testing import CliRunner
 from packaging.version import Version
 
 from dflash_trt.cli import main
-from dflash_trt.engine.llm_api import ENUMS, SECTION_KEYS, TOP_LEVEL_KEYS, llm_api_options
+from dflash_trt.engine.llm_api import ENUMS, SECTION_KEYS, TOP_LEVEL_KEYS, llm_api_options, speculative_fields
+from dflash_trt.engine.recompute_tail import RecomputeTailMeasurement
 from dflash_trt.engine.spec import resolve_spec
-from dflash_trt.engine.trtllm_versions import (min_version, published_versions, requirements, strip_defaults, table,
-                                               unmet)
+from dflash_trt.engine.trtllm_versions import (container_release, min_version, published_versions, requirements,
+                                               strip_defaults, table, unmet)
 from dflash_trt.errors import DFlashError
 
 DFLASH_FIRST = table()["fields"]["speculative_config.decoding_type"]["values"]["DFlash"]
@@ -60,9 +61,51 @@ def _opts(**over):
 
 
 def test_hopper_engine_runs_on_the_first_dflash_release():
-    opts = _opts(gpu="h100", tp=2, quant="fp8")
+    """Built for the first DFlash release, a Hopper engine keeps VANILLA (upstream's default, left
+    out); built for the container's release (the default), it writes FA4, which that release has."""
+    opts = _opts(gpu="h100", tp=2, quant="fp8", tensorrt_llm_release=DFLASH_FIRST)
     assert "attention_backend" not in opts["speculative_config"]  # VANILLA is upstream's default
     assert min_version(opts) == DFLASH_FIRST
+    fa4 = _opts(gpu="h100", tp=2, quant="fp8")
+    assert fa4["speculative_config"]["attention_backend"] == "FA4"
+    assert min_version(fa4) == table()["fields"]["speculative_config.attention_backend"]["values"]["FA4"]
+    assert Version(min_version(fa4)) <= Version(container_release())
+
+
+def test_no_release_is_handed_a_key_it_does_not_have():
+    """The gate: for every published DFlash release, what the writer emits for it needs no later
+    release; a setting that release lacks is refused in one line naming the first that has it."""
+    measured = RecomputeTailMeasurement(about="t", commit="c", command="x", pair="p", interval_halfwidth=0.1,
+                                        tau_by_tail={"0": 2.0, "16": 2.5, "64": 2.8, "256": 2.9, "all": 3.0},
+                                        recommended=64, why="w")
+    releases = [r for r in published_versions() if Version(r) >= Version(DFLASH_FIRST)]
+    written_tail = []
+    for release in releases:
+        for gpu in ("h100", "b300"):
+            spec = resolve_spec(None, {"gpu": gpu, "tensorrt_llm_release": release})
+            fields = speculative_fields(spec, release, head_dim=128, measurement=measured)
+            opts = llm_api_options(spec, is_moe=False, max_draft_len=7, max_num_tokens=8192, mask_token_id=7,
+                                   target_layer_ids=[1], release=release, fields=fields)
+            assert unmet(requirements(opts), release) == {}, (release, gpu)
+            if "context_recompute_tail" in opts["speculative_config"]:
+                written_tail.append(release)
+    tail_first = table()["fields"]["speculative_config.context_recompute_tail"]["first_version"]
+    assert written_tail and min(written_tail, key=Version) == tail_first  # written from its first release on
+    for over, key in [({"gpu": "b200", "dflash_attention_backend": "TRTLLM"}, "speculative_config.attention_backend"),
+                      ({"gpu": "h100", "acceptance_rate_window": 8, "acceptance_rate_threshold": 0.3},
+                       "speculative_config.acceptance_rate_window_size")]:
+        with pytest.raises(DFlashError, match=f"TensorRT-LLM {DFLASH_FIRST} refuses .*{key} \\(first in "
+                                              f"{table()['fields'][key]['first_version']}") as e:
+            _opts(tensorrt_llm_release=DFLASH_FIRST, **over)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("release, match", [("1.2.1", "has DFlash from"), ("1.3.0rc99", "not a published"),
+                                            ("newest", "not a version")])
+def test_a_release_the_build_cannot_write_for_is_one_line(release, match):
+    with pytest.raises(DFlashError, match=match) as e:
+        _opts(gpu="h100", tensorrt_llm_release=release)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("gpu, backend", [("b300", "auto"), ("b200", "TRTLLM")])
@@ -85,7 +128,7 @@ def test_defaults_are_left_out_and_empty_sections_dropped():
 
 def test_a_key_without_a_recorded_version_is_refused():
     with pytest.raises(DFlashError, match="no entry in trtllm_fields.json"):
-        requirements({"speculative_config": {"decoding_type": "DFlash", "spec_dec_variant": 2}})
+        requirements({"speculative_config": {"decoding_type": "DFlash", "dynamic_tree_max_topK": 2}})
 
 
 def test_unmet_names_what_an_installed_release_lacks():

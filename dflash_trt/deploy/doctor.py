@@ -19,7 +19,13 @@ and, for an engine, every reason it cannot be served here, each with the fix:
   hasattr(tensorrt_llm._torch.models.modeling_dflash, "DFlash2CandidateSelector"). An engine with
   a draft_len_schedule needs a DFlash that applies it: the field is DecodingBaseConfig's, older
   than DFlash, and DFlash's first releases skip it silently; the probe is
-  SpeculativeDecodingMode.DFLASH.support_dynamic_draft_len(). As many GPUs on this node as the
+  SpeculativeDecodingMode.DFLASH.support_dynamic_draft_len(). An engine whose options draft 0 at a
+  batch size it serves (a draft_len_schedule below max_batch_size or with a 0, or max_concurrency)
+  needs a release that keeps DFlash's context buffers refreshed at 0 drafts (PR 16888, in no
+  release yet): the probe is hasattr(DFlashDecodingConfig, "min_runtime_draft_len"); the build
+  floors every draft length at 1 instead. The overlap scheduler, asked the same way
+  (SpeculativeDecodingMode.DFLASH.support_overlap_scheduler()), is a warning where off: the engine
+  serves, slower. As many GPUs on this node as the
   engine has ranks per node, FP4 tensor cores for an NVFP4 engine, FP8 for an FP8 one. A CPU engine (float32) is never TensorRT-LLM's.
 - reference backend (the project's PyTorch runtime; CPU engines): torch importable.
 
@@ -90,6 +96,10 @@ class Environment:
     dflash2_error: str | None = None
     # SpeculativeDecodingMode.DFLASH.support_dynamic_draft_len(): DFlash applies draft_len_schedule
     dflash_dynamic_draft_len: bool | None = None
+    # SpeculativeDecodingMode.DFLASH.support_overlap_scheduler(): the overlap scheduler stays on for DFlash
+    dflash_overlap_scheduler: bool | None = None
+    # DFlashDecodingConfig has min_runtime_draft_len (PR 16888): a 0-drafting schedule keeps DFlash's context fresh
+    dflash_zero_draft_safe: bool | None = None
     llm_args_fields: list[str] | None = None  # TorchLlmArgs.model_fields
     tritonserver: str | None = None  # path of the binary `serve` would run
     tritonserver_origin: str = ""  # where it was found (PATH, /opt/tritonserver, dflash-trt's install)
@@ -105,8 +115,11 @@ class Finding:
     ok: bool  # False: this blocks serving the engine (or is missing for any GPU engine)
     what: str
     fix: str = ""
+    warn: bool = False  # ok (does not block) but slower or worse than it should be; printed with its fix
 
     def line(self) -> str:
+        if self.ok and self.warn:
+            return f"WARN     {self.what}" + (f"; fix: {self.fix}" if self.fix else "")
         if self.ok:
             return f"ok       {self.what}"
         return f"MISSING  {self.what}" + (f"; fix: {self.fix}" if self.fix else "")
@@ -198,8 +211,13 @@ if "error" not in out:
         mode = getattr(importlib.import_module("tensorrt_llm._torch.speculative.interface").SpeculativeDecodingMode,
                        "DFLASH", None)
         out["dflash_dynamic_draft_len"] = bool(mode is not None and mode.support_dynamic_draft_len())
+        # the overlap scheduler: py_executor_creator turns it off for modes that do not support it
+        out["dflash_overlap_scheduler"] = bool(mode is not None and mode.support_overlap_scheduler())
     except Exception:
         pass  # unknown: the recorded first version decides
+    # PR 16888: schedule-resolved draft lengths floored at the config's min_runtime_draft_len, so a
+    # 0-drafting schedule no longer starves DFlash's context buffers
+    out["dflash_zero_draft_safe"] = cls is not None and hasattr(cls, "min_runtime_draft_len")
 print("DFLASH_TRT_PROBE " + json.dumps(out))
 """
 
@@ -221,6 +239,8 @@ def _probe_trtllm(env: Environment) -> None:
     env.dflash2 = found.get("dflash2")
     env.dflash2_error = found.get("dflash2_error")
     env.dflash_dynamic_draft_len = found.get("dflash_dynamic_draft_len")
+    env.dflash_overlap_scheduler = found.get("dflash_overlap_scheduler")
+    env.dflash_zero_draft_safe = found.get("dflash_zero_draft_safe")
 
 
 # DFlash's VANILLA attention imports exactly this (tensorrt_llm/_torch/speculative/dflash_attention.py).
@@ -310,6 +330,14 @@ def environment_findings(env: Environment) -> list[Finding]:
                                  + (f"; attention_backend {' | '.join(env.dflash_attention_backends)}"
                                     if env.dflash_attention_backends else "")))
             found.append(_dflash2_finding(env, "DFlash2 drafters"))
+            if env.dflash_overlap_scheduler is not None:
+                found.append(_overlap_finding(env, "DFlash"))
+            if env.dflash_zero_draft_safe is not None:
+                found.append(Finding(True, f"tensorrt_llm {env.tensorrt_llm} "
+                                     + ("floors a schedule's 0 draft length for DFlash (min_runtime_draft_len)"
+                                        if env.dflash_zero_draft_safe else
+                                        "does not floor a schedule's 0 draft length for DFlash (no min_runtime_draft_"
+                                        "len, PR 16888): engines drafting 0 at a served batch size are refused")))
     else:
         found.append(Finding(False, f"tensorrt_llm: {env.tensorrt_llm_error or 'not installed'}"
                              + (f" (version {env.tensorrt_llm} installed)" if env.tensorrt_llm else ""),
@@ -363,6 +391,38 @@ def _schedule_finding(env: Environment, name: str, schedule: Any) -> Finding:
                    "--draft-len-schedule off to draft max_draft_len at every batch size knowingly")
 
 
+def _overlap_finding(env: Environment, name: str) -> Finding:
+    """Whether the installed release keeps the overlap scheduler on for DFlash: a warning where not
+    (the engine serves, with the host's scheduling no longer hidden behind the GPU's step)."""
+    if env.dflash_overlap_scheduler:
+        return Finding(True, f"{name}: tensorrt_llm {env.tensorrt_llm} overlaps scheduling with the GPU step "
+                             "(SpeculativeDecodingMode.DFLASH.support_overlap_scheduler())")
+    return Finding(True, f"{name}: tensorrt_llm {env.tensorrt_llm} turns the overlap scheduler off for DFlash "
+                         "(SpeculativeDecodingMode.DFLASH.support_overlap_scheduler() is False): the host schedules "
+                         "each step after the GPU's", f"use a TensorRT-LLM whose DFlash supports it ({CONTAINER_HINT})",
+                   warn=True)
+
+
+def _zero_draft_finding(env: Environment, name: str, opts: dict[str, Any]) -> Finding | None:
+    """An engine whose options draft 0 at a batch size it serves: refused unless the installed
+    release keeps DFlash's context buffers refreshed at 0 drafts (PR 16888's min_runtime_draft_len)."""
+    from dflash_trt.engine.llm_api import zero_draft_refusal
+    from dflash_trt.engine.trtllm_versions import zero_draft_batches
+
+    if not zero_draft_batches(opts):
+        return None
+    spec = opts.get("speculative_config") or {}
+    what = (f"draft_len_schedule {spec['draft_len_schedule']}" if spec.get("draft_len_schedule") is not None
+            else f"max_concurrency {spec.get('max_concurrency')}")
+    if env.dflash_zero_draft_safe:
+        return Finding(True, f"{name}: its {what} drafts 0 at some served batch sizes, and tensorrt_llm "
+                             f"{env.tensorrt_llm} floors that for DFlash (min_runtime_draft_len)")
+    line = zero_draft_refusal(opts) or f"speculative_config.{what} drafts 0 at a served batch size"
+    why, _, fix = line.partition("; rebuild")
+    return Finding(False, f"{name}: {why}", "rebuild" + fix if fix else
+                   "rebuild the engine with this dflash-trt (it floors the schedule at 1 up to max_batch_size)")
+
+
 def _written_keys(opts: dict[str, Any]) -> tuple[list[str], list[str]]:
     spec = opts.get("speculative_config") or {}
     return [k for k in opts if k != "speculative_config"], list(spec)
@@ -370,6 +430,8 @@ def _written_keys(opts: dict[str, Any]) -> tuple[list[str], list[str]]:
 
 def _confirmed_by_capability(env: Environment, key: str, attention_backend: str) -> bool:
     """Whether the installed classes themselves show that `key` (a requirements() key) is accepted."""
+    if key.startswith("speculative_config drafts 0"):  # trtllm_versions.requirements: PR 16888's floor
+        return env.dflash_zero_draft_safe is True
     name, _, value = key.partition("=")
     section, _, sub = name.partition(".")
     if section == "speculative_config" and env.dflash_fields is not None:
@@ -451,6 +513,16 @@ def engine_findings(env: Environment, manifest: Any, opts: dict[str, Any], backe
             found.append(_dflash2_finding(env, f"{name} has a DFlash2 drafter"))
         if "draft_len_schedule" in spec_opts and env.dflash_dynamic_draft_len is not None:
             found.append(_schedule_finding(env, name, spec_opts["draft_len_schedule"]))
+        zero = _zero_draft_finding(env, name, opts)
+        if zero is not None:
+            found.append(zero)
+        if opts.get("disable_overlap_scheduler") is True:
+            from dflash_trt.engine.llm_api import OVERLAP_WHY
+
+            found.append(Finding(False, f"{name}: disable_overlap_scheduler: true turns off what {OVERLAP_WHY}",
+                                 "rebuild the engine (the build never writes it)"))
+        elif env.dflash_overlap_scheduler is False:
+            found.append(_overlap_finding(env, name))
     gpu_note = f"the {manifest.gpu} engine's DFlash attention"
     if attention == "VANILLA":
         found.append(Finding(env.flash_attn is not None,

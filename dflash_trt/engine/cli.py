@@ -33,7 +33,7 @@ FLAG_TO_KEY = {
     "compute_dtype": "compute_dtype",
     "draft_len_schedule": "draft_len_schedule", "acceptance_profile": "acceptance_profile",
     "rejection_sampling": "rejection_sampling", "acceptance_rate_window": "acceptance_rate_window",
-    "acceptance_rate_threshold": "acceptance_rate_threshold",
+    "acceptance_rate_threshold": "acceptance_rate_threshold", "tensorrt_llm_release": "tensorrt_llm_release",
 }
 
 
@@ -77,6 +77,10 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--acceptance-profile", metavar="P1,P2,...|tau:X",
                      help="Per-position acceptance the schedule is derived from: P(a>=1),P(a>=2),... or tau:X "
                           "(geometric) [default: the acceptance gate's measurement, else a stated default]."),
+        click.option("--tensorrt-llm-release", metavar="VERSION",
+                     help="The TensorRT-LLM release the engine is for (e.g. 1.4.0rc1): llm_api_options.yaml carries "
+                          "only what it accepts and the fields that serve from it [default: the dflash-trt "
+                          "container's, deploy/container/image.json]."),
         click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout."),
     ]
     for opt in reversed(opts):
@@ -122,16 +126,22 @@ def plan(spec_file: str | None, as_json: bool, **flags: Any) -> None:
     """
     from dflash_trt.engine.builder import prepare, print_spec, show_plan
 
+    from dflash_trt.engine.recompute_tail import load_measurement
+    from dflash_trt.engine.release_plan import release_rows, render_rows
+
     spec = _resolve(spec_file, flags)
     console = _console()
     p = prepare(spec, need_checkpoints=False)
     print_spec(spec, console)
     show_plan(p, console)
+    rows = release_rows(p, load_measurement())
+    render_rows(rows, console)
     if as_json:
         schedule = p.schedule.to_record() if p.schedule else None
         click.echo(json.dumps({"arch": p.arch.to_dict(), "plan": p.plan.to_dict(),
                                "max_draft_len": p.schedule.max_draft_len if p.schedule else p.max_draft_len,
-                               "max_num_tokens": p.max_num_tokens, "speculation": schedule}))
+                               "max_num_tokens": p.max_num_tokens, "speculation": schedule,
+                               "tensorrt_llm_release": p.release, "by_release": [r.to_dict() for r in rows]}))
     if not p.plan.fits:
         raise SystemExit(3)
 

@@ -40,7 +40,7 @@ class Gpu:
     fp4: bool  # native NVFP4 tensor cores
     emulated: bool  # True: the reference runtime dequantizes, nothing runs natively
     moe_backend: str | None  # TensorRT-LLM moe_config.backend for this family
-    dflash_attention_backend: str  # DFlashDecodingConfig.attention_backend
+    dflash_attention_backend: str  # DFlashDecodingConfig.attention_backend preferred on this family
     runtime_reserve_bytes: float  # CUDA context, NCCL/cuBLAS workspaces, CUDA graphs
     # Peak dense tensor-core TFLOPS by operand format ("bf16", "fp8", "fp4"; absent: not native).
     peak_tflops: dict[str, float] = field(default_factory=dict, hash=False)
@@ -56,15 +56,17 @@ class Gpu:
 
 # MoE backends (TensorRT-LLM PyTorch backend): Blackwell uses TRTLLM; on Hopper CUTLASS does
 # both TP and EP for the expert weights (TRITON supports EP only, so it is not a safe default).
-# DFlash attention: TRTLLM needs Blackwell SM100/SM103; VANILLA (FlashAttention) elsewhere.
+# DFlash attention, the family's preferred backend (engine/release_fields.py falls back to VANILLA
+# where the release or the drafter does not allow it): TRTLLM on Blackwell SM100/SM103, FA4 on
+# Hopper SM90, VANILLA (FlashAttention) on the CPU reference.
 GPUS: dict[str, Gpu] = {
     "b300": Gpu("b300", "blackwell", 288 * GB, 8.0, True, True, False, "TRTLLM", "TRTLLM", 4 * GIB,
                 {"bf16": 2250.0, "fp8": 4500.0, "fp4": 13000.0}, 1800.0),
     "b200": Gpu("b200", "blackwell", 180 * GB, 8.0, True, True, False, "TRTLLM", "TRTLLM", 4 * GIB,
                 {"bf16": 2250.0, "fp8": 4500.0, "fp4": 9000.0}, 1800.0),
-    "h200": Gpu("h200", "hopper", 141 * GB, 4.8, True, False, False, "CUTLASS", "VANILLA", 4 * GIB,
+    "h200": Gpu("h200", "hopper", 141 * GB, 4.8, True, False, False, "CUTLASS", "FA4", 4 * GIB,
                 {"bf16": 989.4, "fp8": 1978.9}, 900.0),
-    "h100": Gpu("h100", "hopper", 80 * GB, 3.35, True, False, False, "CUTLASS", "VANILLA", 4 * GIB,
+    "h100": Gpu("h100", "hopper", 80 * GB, 3.35, True, False, False, "CUTLASS", "FA4", 4 * GIB,
                 {"bf16": 989.4, "fp8": 1978.9}, 900.0),
     # The CPU "GPU" is the reference runtime: every format is dequantized to float in torch.
     "cpu": Gpu("cpu", "cpu", None, None, True, True, True, None, "VANILLA", 0.0),

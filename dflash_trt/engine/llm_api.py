@@ -7,18 +7,25 @@ line). Those models are pydantic with extra="forbid": one unknown or misplaced k
 
 Which release accepts the file is data: `trtllm_fields.json` (read by `trtllm_versions`) records
 each key's first published TensorRT-LLM version and upstream's default. Keys equal to the default
-are left out, so an engine only needs the release that has every key it actually writes.
+are left out, so an engine only needs the release that has every key it actually writes. The file
+is written for one release (`build --tensorrt-llm-release`, default the container's): the fields
+that serve from it (engine/release_fields.py), never a key it lacks (the gate in
+`llm_api_options`), never a DFlash draft length of 0 (schedule_plan's floor; `verify` refuses one)
+and never the overlap scheduler off.
 
 Paths inside the file are relative to the engine directory; the launch scripts `cd` there first.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from dflash_trt.draft_len_schedule import DraftLenSchedule
 from dflash_trt.engine.hardware import GPUS, moe_backend
-from dflash_trt.engine.trtllm_versions import requirements, strip_defaults
+from dflash_trt.engine.recompute_tail import RecomputeTailMeasurement
+from dflash_trt.engine.release_fields import FieldChoice, release_fields
+from dflash_trt.engine.trtllm_versions import engine_release, requirements, strip_defaults, unmet, upstream_default
 from dflash_trt.errors import DFlashError
 
 # The keys this project writes or accepts, per section (a subset of upstream's fields).
@@ -36,9 +43,9 @@ SECTION_KEYS: dict[str, frozenset[str]] = {
     "cuda_graph_config": frozenset({"batch_sizes", "max_batch_size", "enable_padding"}),
     "moe_config": frozenset({"backend", "max_num_tokens"}),
     "speculative_config": frozenset({"decoding_type", "max_draft_len", "speculative_model", "mask_token_id",
-                                     "target_layer_ids", "attention_backend", "max_concurrency", "draft_len_schedule",
+                                     "target_layer_ids", "attention_backend", "draft_len_schedule",
                                      "acceptance_rate_window_size", "acceptance_rate_threshold",
-                                     "use_rejection_sampling"}),
+                                     "use_rejection_sampling", "context_recompute_tail"}),
 }
 # Keys upstream has that this project must never write, and why (checked before "unknown").
 FORBIDDEN_KEYS: dict[tuple[str, str], str] = {
@@ -46,7 +53,19 @@ FORBIDDEN_KEYS: dict[tuple[str, str], str] = {
         "TensorRT-LLM tells DFlash2 from DFlash by the drafter checkpoint under decoding_type: DFlash "
         "(DFlashForCausalLM: dflash_config conv/selector keys or a DFlash2 architecture); spec_dec_variant "
         "(DecodingBaseConfig, 1.4.0rc1) has no DFlash meaning and older releases refuse it: remove it"),
+    ("speculative_config", "moe_backend"): (
+        "DFlash drafters are dense: DecodingBaseConfig.moe_backend (1.4.0rc1) has nothing to choose, and older "
+        "releases refuse it: remove it"),
+    ("speculative_config", "skip_ctx_buffer_budget_check"): (
+        "it skips a context-buffer budget check TensorRT-LLM does not document (1.4.0rc1; older releases refuse "
+        "it): remove it"),
+    ("speculative_config", "max_concurrency"): (
+        "TensorRT-LLM implements max_concurrency as a draft_len_schedule that drafts 0 above it, and a one-model "
+        "DFlash worker at 0 drafts stops refreshing its context buffers (PR 16888, open): remove it and rebuild "
+        "(the build writes a schedule floored at 1 up to max_batch_size)"),
 }
+OVERLAP_WHY = ("one-model DFlash runs with TensorRT-LLM's overlap scheduler (SpeculativeDecodingMode.DFLASH."
+               "support_overlap_scheduler()): the host schedules step n+1 while the GPU runs step n")
 ENUMS: dict[tuple[str, str], frozenset[str]] = {
     ("speculative_config", "decoding_type"): frozenset({"DFlash"}),
     # DFlashDecodingConfig / DFlashForCausalLM (tests/upstream/tensorrt_llm_node.json): FA4 from 1.3.0rc27
@@ -71,22 +90,43 @@ def tensorrt_llm_refusal(manifest: Any) -> str | None:
             "--gpu h100|h200|b200|b300")
 
 
+def block_reuse(spec: Any) -> bool:
+    """Whether the engine's KV cache reuses prefix blocks (prefix caching): the spec's
+    enable_block_reuse where it has one, else TensorRT-LLM's default (true)."""
+    given = getattr(spec, "enable_block_reuse", None)
+    return bool(upstream_default("kv_cache_config.enable_block_reuse") if given is None else given)
+
+
+def speculative_fields(spec: Any, release: str | None = None, *, non_causal_sliding: bool = False,
+                       head_dim: int | None = None, measurement: RecomputeTailMeasurement | None = None
+                       ) -> list[FieldChoice]:
+    """The DFlashDecodingConfig fields an engine of `spec` writes for `release` (release_fields)."""
+    return release_fields(spec, release or engine_release(spec), non_causal_sliding=non_causal_sliding,
+                          head_dim=head_dim, block_reuse=block_reuse(spec), measurement=measurement)
+
+
 def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_tokens: int, mask_token_id: int,
                     target_layer_ids: list[int], draft_path: str = "./draft", dtype: str | None = None,
                     expert_format: str | None = None, schedule: DraftLenSchedule | None = None,
-                    non_causal_sliding: bool = False) -> dict[str, Any]:
-    """The LLM-API kwargs (minus `model`, given on the command line) for this build.
+                    non_causal_sliding: bool = False, head_dim: int | None = None, release: str | None = None,
+                    fields: Sequence[FieldChoice] | None = None) -> dict[str, Any]:
+    """The LLM-API kwargs (minus `model`, given on the command line) for this build, for TensorRT-LLM
+    `release` (default: the spec's, trtllm_versions.engine_release).
 
     `dtype`: the engine's unquantized dtype, written explicitly (TensorRT-LLM's "auto" would
     follow config.json). `expert_format` (mxfp4 | nvfp4 | fp8 | bf16...): picks the MoE backend
     as TensorRT-LLM's gpt-oss guide does (hardware.moe_backend). `schedule`: the engine's
-    draft_len_schedule (int keys; the smallest maps to `max_draft_len`). `non_causal_sliding`: the
-    drafter has non-causal sliding-window layers (see `dflash_attention_backend`). Keys equal to
-    upstream's default are left out (`strip_defaults`): each written key is one a release may lack,
-    and the manifest's minimum TensorRT-LLM version follows what is written; so rejection sampling
-    and the acceptance-rate floor appear only when asked for. DFlash2 needs no key at all
-    (TensorRT-LLM reads it from the drafter): `spec_dec_variant` is never written.
+    draft_len_schedule as decided for `release` (schedule_plan.decide: int keys, the smallest maps
+    to `max_draft_len`, floored at 1). `fields`: the DFlashDecodingConfig fields beyond the
+    drafter's (release_fields; computed from `non_causal_sliding` / `head_dim` when not given).
+    Keys equal to upstream's default are left out (`strip_defaults`): each written key is one a
+    release may lack, and the manifest's minimum TensorRT-LLM version follows what is written; so
+    rejection sampling and the acceptance-rate floor appear only when asked for. A key `release`
+    does not accept is refused in one line (the gate); `verify`'s check runs on the result.
     """
+    release = release or engine_release(spec)
+    if fields is None:
+        fields = speculative_fields(spec, release, non_causal_sliding=non_causal_sliding, head_dim=head_dim)
     gpu = GPUS[spec.gpu]
     opts: dict[str, Any] = {
         "tensor_parallel_size": spec.tp,
@@ -104,6 +144,7 @@ def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_toke
         "kv_cache_config": {
             "dtype": "fp8" if spec.kv_cache_quant == "fp8" else "auto",
             "free_gpu_memory_fraction": spec.free_gpu_memory_fraction,
+            "enable_block_reuse": block_reuse(spec),
         },
         # Decode-only CUDA graphs up to the batch size; padding rounds odd batches up to a graph.
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": spec.max_batch_size},
@@ -115,6 +156,8 @@ def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_toke
         "enable_attention_dp": spec.enable_attention_dp,
         "stream_interval": spec.stream_interval,
         "num_postprocess_workers": spec.num_postprocess_workers,
+        # never written (upstream's false): DFlash overlaps the host's scheduling with the GPU's step
+        "disable_overlap_scheduler": False,
     })
     opts["speculative_config"] = {
         "decoding_type": "DFlash",
@@ -124,8 +167,10 @@ def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_toke
         # directory states what runs, and a swapped drafter is caught by verify's hashes.
         "mask_token_id": mask_token_id,
         "target_layer_ids": list(target_layer_ids),
-        "attention_backend": dflash_attention_backend(spec, non_causal_sliding),
     }
+    for f in fields:
+        if f.value is not None:
+            opts["speculative_config"][f.key] = f.value
     if schedule is not None:
         schedule.check_against(max_draft_len)
         opts["speculative_config"]["draft_len_schedule"] = schedule.to_mapping()
@@ -133,32 +178,14 @@ def llm_api_options(spec: Any, *, is_moe: bool, max_draft_len: int, max_num_toke
     if spec.acceptance_rate_window is not None:
         opts["speculative_config"]["acceptance_rate_window_size"] = spec.acceptance_rate_window
         opts["speculative_config"]["acceptance_rate_threshold"] = spec.acceptance_rate_threshold
-    return strip_defaults(opts)
-
-
-def dflash_attention_backend(spec: Any, non_causal_sliding: bool = False) -> str:
-    """DFlashDecodingConfig.attention_backend: the spec's choice, or the GPU's default ("auto").
-
-    TRTLLM (TRTLLM-gen FMHA) needs SM100/SM103; FA4 is validated on SM90 only
-    (dflash_attention.validate_dflash_fa4_runtime); a drafter with non-causal sliding-window layers
-    (the released DFlash2 drafters) is refused by TRTLLM (TensorRT-LLM PR 19159), so "auto" picks
-    VANILLA for it on every GPU (FA4 stays a choice on Hopper)."""
-    choice = spec.dflash_attention_backend
-    gpu = GPUS[spec.gpu]
-    if choice == "TRTLLM" and gpu.family != "blackwell":
-        # upstream's TRTLLM path checks is_sm_100f: SM100/SM103 only (dflash_attention.py)
-        raise DFlashError(f"dflash_attention_backend TRTLLM needs a Blackwell GPU (SM100/SM103) and this engine is "
-                          f"for {spec.gpu}; use auto or VANILLA (FlashAttention), or build for --gpu b200/b300")
-    if choice == "FA4" and gpu.family != "hopper":
-        raise DFlashError(f"dflash_attention_backend FA4 runs on SM90 (H100/H200) only in TensorRT-LLM's DFlash and "
-                          f"this engine is for {spec.gpu}; use auto or VANILLA")
-    if non_causal_sliding and choice == "TRTLLM":
-        raise DFlashError("dflash_attention_backend TRTLLM refuses drafters with non-causal sliding-window layers "
-                          "(TensorRT-LLM PR 19159) and this drafter has them; use auto or VANILLA"
-                          + (" (or FA4)" if gpu.family == "hopper" else ""))
-    if choice == "auto":
-        return "VANILLA" if non_causal_sliding else gpu.dflash_attention_backend
-    return choice
+    opts = strip_defaults(opts)
+    too_new = unmet(requirements(opts), release)
+    if too_new:
+        key, first = next(iter(too_new.items()))
+        raise DFlashError(f"TensorRT-LLM {release} refuses speculative options it does not have: {key} (first in "
+                          f"{first}); build for --tensorrt-llm-release {first} or later, or leave that setting out")
+    check_llm_api_options(opts, where=f"llm_api_options for TensorRT-LLM {release}")
+    return opts
 
 
 def render_yaml(opts: dict[str, Any], header: str) -> str:
@@ -197,23 +224,46 @@ def check_llm_api_options(opts: Any, where: str = "llm_api_options.yaml") -> Non
     if not spec or spec.get("decoding_type") != "DFlash" or not spec.get("speculative_model"):
         raise DFlashError(f"{where}: speculative_config needs decoding_type: DFlash and speculative_model; rebuild")
     check_speculation_rules(spec, where)
+    if opts.get("disable_overlap_scheduler") is True:
+        raise DFlashError(f"{where}: disable_overlap_scheduler: true turns off what {OVERLAP_WHY}; remove it")
+    zero_draft_line = zero_draft_refusal(opts)
+    if zero_draft_line:
+        raise DFlashError(f"{where}: {zero_draft_line}")
     requirements(opts)  # every key has a recorded first TensorRT-LLM version
+
+
+def zero_draft_refusal(opts: dict[str, Any]) -> str | None:
+    """Why TensorRT-LLM would draft 0 at a batch size this file serves, with the fix (None: it never
+    does, or the release the file needs floors it itself: trtllm_fields.json behaviours)."""
+    from dflash_trt.engine.trtllm_versions import behaviour_release, zero_draft_batches
+
+    zero = zero_draft_batches(opts)
+    if not zero or behaviour_release("dflash_zero_draft_len_safe") is not None:
+        return None
+    spec = opts.get("speculative_config") or {}
+    served = zero[-1][1]
+    what = (f"draft_len_schedule {spec['draft_len_schedule']}" if spec.get("draft_len_schedule") is not None
+            else f"max_concurrency {spec.get('max_concurrency')}")
+    ranges = ", ".join(f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in zero)
+    floored = (DraftLenSchedule.from_mapping(spec["draft_len_schedule"]).floored(served).to_mapping()
+               if spec.get("draft_len_schedule") is not None else None)
+    return (f"speculative_config.{what} drafts 0 at batch sizes {ranges} (max_batch_size {served}), where a "
+            "one-model DFlash worker stops refreshing its context buffers and acceptance collapses once drafting "
+            "resumes (TensorRT-LLM PR 16888, in no release); rebuild the engine with this dflash-trt, which floors "
+            "the schedule at 1 up to max_batch_size" + (f" ({floored})" if floored else ""))
 
 
 def check_speculation_rules(spec: dict[str, Any], where: str) -> None:
     """DecodingBaseConfig's validators (llm_args.py, tests/upstream/tensorrt_llm_node.json): a schedule
-    with int keys whose smallest maps to max_draft_len and no value above it; never with
-    max_concurrency; the acceptance-rate floor a window >= 1 with a threshold in [0, 1]."""
+    with int keys whose smallest maps to max_draft_len and no value above it (max_concurrency, the
+    other half of upstream's mutually exclusive pair, is never accepted: FORBIDDEN_KEYS); the
+    acceptance-rate floor a window >= 1 with a threshold in [0, 1]."""
     schedule = spec.get("draft_len_schedule")
     if schedule is not None:
         if not isinstance(schedule, dict) or not all(isinstance(b, int) and isinstance(k, int)
                                                      for b, k in schedule.items()):
             raise DFlashError(f"{where}: speculative_config.draft_len_schedule={schedule!r} must map int batch sizes "
                               "to int draft lengths; rebuild the engine")
-        if "max_concurrency" in spec:
-            raise DFlashError(f"{where}: speculative_config has both max_concurrency and draft_len_schedule, which "
-                              "TensorRT-LLM refuses (mutually exclusive); keep the schedule (its largest key is the "
-                              "concurrency above which speculation is off)")
         try:
             DraftLenSchedule.from_mapping(schedule).check_against(int(spec.get("max_draft_len") or 0))
         except DFlashError as e:
@@ -230,14 +280,21 @@ def check_speculation_rules(spec: dict[str, Any], where: str) -> None:
 
 
 def launch_scripts(spec: Any, *, is_moe: bool, max_draft_len: int, block_size: int,
-                   schedule: DraftLenSchedule | None = None, family: str = "dflash") -> dict[str, str]:
+                   schedule: DraftLenSchedule | None = None, family: str = "dflash",
+                   vllm_schedule: DraftLenSchedule | None | str = "same") -> dict[str, str]:
     """The same engine as trtllm-serve, vLLM and SGLang commands (bash, run from anywhere).
 
     Flag names are those of the peers' argument parsers, recorded with their source in
     `launch_flags.json` (tests check every flag emitted here against it). `schedule` (the engine's
-    draft_len_schedule) becomes vLLM's num_speculative_tokens_per_batch_size; SGLang has no
-    equivalent for DFLASH and its script says so. `family` "dflash2": what each peer needs for it.
+    draft_len_schedule) is what SGLang's note names; `vllm_schedule` ("same": `schedule`) becomes
+    vLLM's num_speculative_tokens_per_batch_size: the schedule before TensorRT-LLM's floor, 0 where
+    drafting loses, since vLLM 0.33 keeps DFlash's context at 0 drafts
+    (tests/upstream/peers_speculation.json, vllm zero_range). SGLang has no per-batch-size draft
+    length for DFLASH and its script says so. Neither peer's overlap is turned off: vLLM's async
+    scheduling and SGLang's overlap scheduler stay at their defaults, on for DFlash wherever the
+    installed release allows. `family` "dflash2": what each peer needs for it.
     """
+    vllm_schedule = schedule if isinstance(vllm_schedule, str) else vllm_schedule
     head = "#!/usr/bin/env bash\n# Generated by dflash-trt build. Paths are relative to the engine directory.\nset -euo pipefail\n"
     cd = "cd \"$(dirname \"$0\")/..\"\n"
     multi = spec.tp * spec.pp > spec.gpus_per_node
@@ -252,7 +309,7 @@ def launch_scripts(spec: Any, *, is_moe: bool, max_draft_len: int, block_size: i
     else:
         trt += "exec trtllm-serve ./target --config ./llm_api_options.yaml --host 0.0.0.0 --port \"${PORT:-8000}\" \"$@\"\n"
     return {"launch/trtllm-serve.sh": trt,
-            "launch/vllm.sh": head + cd + _vllm_command(spec, is_moe, max_draft_len, block_size, schedule, family),
+            "launch/vllm.sh": head + cd + _vllm_command(spec, is_moe, max_draft_len, block_size, vllm_schedule, family),
             "launch/sglang.sh": head + _sglang_command(spec, is_moe, max_draft_len, block_size, cd, schedule, family)}
 
 
@@ -285,13 +342,22 @@ def _vllm_command(spec: Any, is_moe: bool, max_draft_len: int, block_size: int, 
                 "explicitly" if ranges[-1][2] == 0 and len(ranges) > len(schedule.steps) else "")
         notes.append(f"# {what} as inclusive (start, end, drafts) batch-size ranges (TensorRT-LLM: smallest key "
                      f">= the batch){tail}.\n")
+        if any(n == 0 for _, _, n in ranges):
+            notes.append("# A 0 range is safe here: vLLM 0.33 keeps DFlash's drafter context at 0 drafts (V1 "
+                         "SpecDecodeBaseProposer.propose runs the context pass and returns no drafts; V2 "
+                         "DFlashSpeculator.propose stores the context K/V and skips the query), so these ranges keep "
+                         "the cost model's 0s, which the TensorRT-LLM schedule floors at 1 (PR 16888).\n")
     if spec.rejection_sampling:
         # TensorRT-LLM's use_rejection_sampling: sampled drafts verified against their probabilities
         # (vLLM's default "greedy" is rejection sampling with a one-hot draft, also lossless).
         speculative["draft_sample_method"] = "probabilistic"
     if spec.acceptance_rate_window is not None:
-        notes.append("# acceptance_rate_window_size / acceptance_rate_threshold: vLLM 0.32 has no such floor; "
+        notes.append("# acceptance_rate_window_size / acceptance_rate_threshold: vLLM 0.33 has no such floor; "
                      "speculation stays on here.\n")
+    notes.append("# Async scheduling (the host schedules step n+1 while the GPU runs step n) is left to vLLM's default, "
+                 "on for DFlash wherever the installed release allows it (0.33 config/vllm.py: unset -> on"
+                 + (", but off on Model Runner V1 with pipeline parallel" if spec.pp > 1 else "")
+                 + "); --async-scheduling would refuse to start where it cannot.\n")
     return ("".join(notes) + f"exec vllm serve ./target --speculative-config '{json.dumps(speculative)}' "
             f"--tensor-parallel-size {spec.tp} --pipeline-parallel-size {spec.pp} "
             f"--max-model-len {spec.max_seq_len} --max-num-seqs {spec.max_batch_size} "
@@ -327,6 +393,8 @@ def _sglang_command(spec: Any, is_moe: bool, max_draft_len: int, block_size: int
     if spec.acceptance_rate_window is not None:
         notes.append("# acceptance_rate_window_size / acceptance_rate_threshold: SGLang has no such floor for "
                      "DFLASH; speculation stays on here.\n")
+    notes.append("# The overlap scheduler is SGLang's default for DFLASH (spec v2, dflash_worker_v2.py: draft and verify "
+                 "preparation on separate streams); it is not turned off here.\n")
     flags = [f"--tp-size {spec.tp}"]
     if is_moe and spec.ep > 1:
         flags.append(f"--ep-size {spec.ep}")

@@ -95,6 +95,12 @@ class SpeculationInfo(Strict):
     acceptance_rate_threshold: float | None = None
     model: dict[str, Any] | None = None  # the step-cost model's inputs (GPU, mapping, dims, acceptance) and buckets
     notes: list[str] = Field(default_factory=list)
+    # what the floor at 1 changed (the schedule before it, the batches it lifted from 0) and its cost
+    # by the model (engine/schedule_plan.py floor_for_trtllm); None: nothing floored
+    floor: dict[str, Any] | None = None
+    # DFlashDecodingConfig fields beyond the drafter's: {"attention_backend": {"written": "FA4", "why": ...},
+    # "context_recompute_tail": {"written": null, "why": "not measured ..."}, ...} (engine/release_fields.py)
+    fields: dict[str, dict[str, Any]] | None = None
 
 
 class TargetInfo(Strict):
@@ -128,6 +134,8 @@ class EngineManifest(Strict):
     # "key" / "key=value" of llm_api_options -> first TensorRT-LLM release with it (why the minimum is what it is)
     tensorrt_llm_requirements: dict[str, str] | None = None
     speculation: SpeculationInfo | None = None  # absent in older manifests
+    # the release llm_api_options.yaml was written for (build --tensorrt-llm-release; absent in older manifests)
+    tensorrt_llm_release: str | None = None
 
     def draft_len_schedule(self) -> "DraftLenSchedule | None":
         """The engine's draft-length schedule (None: none), for a runtime that serves as the node does."""

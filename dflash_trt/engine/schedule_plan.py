@@ -31,13 +31,23 @@ A schedule whose k1 is 0 (drafting loses even at batch 1) still drafts at batch 
 smallest key must map to max_draft_len >= 1): K goes to 1 (or stays at a given K) and the build
 says drafting does not pay on this GPU.
 
-Some TensorRT-LLM builds floor a resolved draft length of 0 at 1 for one-engine modes whose
-drafter cannot stay warm (tests/upstream/tensorrt_llm_node.json, draft_len_schedule_floor):
-there the schedule's 0 buckets verify one draft instead of none.
+Never a draft length of 0 for TensorRT-LLM (the floor). A one-model DFlash worker that drafts 0
+stops refreshing its per-request context buffers, and acceptance collapses once drafting resumes
+(TensorRT-LLM PR 16888, open; trtllm_fields.json behaviours.dflash_zero_draft_len_safe names no
+release with the fix). Upstream drafts 0 at every batch above the schedule's largest key, so the
+written schedule floors every bucket at 1 up to max_batch_size (`DraftLenSchedule.floored`), and
+the manifest records the buckets the model would have switched off and what drafting 1 there
+costs by the same cost model. The schedule before the floor stays on record as the peers' one:
+vLLM 0.33 keeps DFlash's context at 0 drafts (launch/vllm.sh writes it; llm_api._vllm_command).
+For a release recorded with the fix, the floor follows it (`floor_zero=False`).
+
+A release without draft_len_schedule (before its first recorded one) gets none: the derived
+schedule stays on record, every batch drafts max_draft_len there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,6 +57,10 @@ from dflash_trt.engine.hardware import GPUS
 from dflash_trt.engine.step_cost import CostAssumptions, ModelDims, step_cost
 
 TOLERANCE = 0.005  # a smaller k within 0.5% of the best throughput wins the bucket
+FLOOR = 1  # the least draft length written for TensorRT-LLM (PR 16888's min_runtime_draft_len)
+FLOOR_WHY = ("TensorRT-LLM drafts 0 above a schedule's largest key and at an explicit 0; a one-model DFlash worker "
+             "at 0 drafts stops refreshing its per-request context buffers and acceptance collapses once drafting "
+             "resumes (PR 16888, open: no release floors it itself)")
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
@@ -92,12 +106,23 @@ class ScheduleDecision:
     profile: AcceptanceProfile | None = None
     inputs: dict[str, Any] = field(default_factory=dict)  # the cost model's inputs, for the manifest
     notes: tuple[str, ...] = ()
+    # the schedule before TensorRT-LLM's floor (0 where drafting loses): vLLM's (it keeps DFlash's
+    # context at 0 drafts); "same" = `schedule`
+    peer_schedule: DraftLenSchedule | None | str = "same"
+    floor: dict[str, Any] | None = None  # what the floor changed and its cost by the model (None: nothing)
+
+    @property
+    def peers(self) -> DraftLenSchedule | None:
+        """The schedule the vLLM command writes (before TensorRT-LLM's floor)."""
+        return self.schedule if isinstance(self.peer_schedule, str) else self.peer_schedule
 
     def to_record(self) -> dict[str, Any]:
         """The manifest's record (EngineManifest.speculation)."""
         out: dict[str, Any] = {"source": self.source, "max_draft_len": self.max_draft_len,
                                "requested_max_draft_len": self.requested_max_draft_len,
                                "draft_len_schedule": self.schedule.to_mapping() if self.schedule else None}
+        if self.floor is not None:
+            out["floor"] = self.floor
         if self.buckets:
             out["model"] = {**self.inputs, "acceptance": self.profile.to_dict() if self.profile else None,
                             "buckets": [b.to_dict() for b in self.buckets]}
@@ -132,8 +157,9 @@ def compress(keys: list[int], values: list[int]) -> DraftLenSchedule:
 
 def derive(gpu: str, target: ModelDims, draft: ModelDims, tp: int, ep: int, max_batch_size: int,
            max_draft_len: int, k_given: bool, profile: AcceptanceProfile,
-           assumptions: CostAssumptions | None = None) -> ScheduleDecision:
-    """The derived schedule and K for an engine (module docstring: buckets, tolerance, K rule)."""
+           assumptions: CostAssumptions | None = None, floor_zero: bool = True) -> ScheduleDecision:
+    """The derived schedule and K for an engine (module docstring: buckets, tolerance, K rule, and
+    the floor at 1 unless `floor_zero` is False: a release recorded with PR 16888's fix)."""
     a = assumptions or CostAssumptions()
     keys = bucket_sizes(max_batch_size)
     chosen: list[BucketChoice] = []
@@ -163,20 +189,64 @@ def derive(gpu: str, target: ModelDims, draft: ModelDims, tp: int, ep: int, max_
                      "(TensorRT-LLM: the smallest key maps to max_draft_len); pass --max-draft-len "
                      f"{max_draft_len} to keep it")
     values = [K] + [min(c.k, K) for c in chosen[1:]]
-    schedule: DraftLenSchedule | None = compress(keys, values)
-    schedule.check_against(K)
-    if schedule.steps == ((max_batch_size, K),):
-        # K at every batch the engine serves: what no schedule does, and releases before the
-        # field's first one serve it (the manifest's minimum version stays the DFlash one)
-        schedule = None
-        notes.append(f"every batch size up to max_batch_size {max_batch_size} drafts max_draft_len {K}: no "
-                     "draft_len_schedule is written (the same behaviour without one)")
+    best = compress(keys, values)  # the model's: 0 where drafting loses
+    best.check_against(K)
+    schedule, floor = best, None
+    if floor_zero:
+        schedule, floor, floor_notes = floor_for_trtllm(
+            best, max_batch_size, lambda b: (_at_k(gpu, target, draft, tp, ep, b, FLOOR, profile, a).tokens_per_s,
+                                             _at_k(gpu, target, draft, tp, ep, b, 0, profile, a).tokens_per_s))
+        notes += floor_notes
+    written, note = _unless_k_everywhere(schedule, max_batch_size, K)
+    notes += note
+    peers = _unless_k_everywhere(best, max_batch_size, K)[0]
     g = GPUS[gpu]
     inputs = {"gpu": {"name": gpu, "bandwidth_tb_s": g.bandwidth_tb_s, "peak_tflops": dict(g.peak_tflops),
                       "nvlink_gb_s": g.nvlink_gb_s},
               "tp": tp, "ep": ep, "target": _dims(target), "draft": _dims(draft), "assumptions": a.to_dict(),
               "tolerance": TOLERANCE}
-    return ScheduleDecision(schedule, K, "derived", max_draft_len, tuple(chosen), profile, inputs, tuple(notes))
+    return ScheduleDecision(written, K, "derived", max_draft_len, tuple(chosen), profile, inputs, tuple(notes),
+                            peer_schedule=peers, floor=floor)
+
+
+def _unless_k_everywhere(schedule: DraftLenSchedule, max_batch_size: int, K: int
+                         ) -> tuple[DraftLenSchedule | None, list[str]]:
+    """None for {max_batch_size: K}: K at every batch the engine serves is what no schedule does, and
+    releases before the field's first one serve it (the manifest's minimum stays DFlash's own)."""
+    if schedule.steps != ((max_batch_size, K),):
+        return schedule, []
+    return None, [f"every batch size up to max_batch_size {max_batch_size} drafts max_draft_len {K}: no "
+                  "draft_len_schedule is written (the same behaviour without one)"]
+
+
+def floor_for_trtllm(schedule: DraftLenSchedule, max_batch_size: int,
+                     rates: Callable[[int], tuple[float, float]] | None = None
+                     ) -> tuple[DraftLenSchedule, dict[str, Any] | None, list[str]]:
+    """`schedule` floored at FLOOR up to max_batch_size (module docstring), the manifest's record of
+    what changed and the notes. `rates(batch)`: tokens/s at FLOOR drafts and at 0 by the cost model,
+    taken at both ends of each zero range (its largest batch is the costliest, as a bucket's key
+    is); None: no cost model (a CPU engine)."""
+    zero = schedule.zero_ranges(max_batch_size)
+    if not zero:
+        return schedule, None, []
+    floored = schedule.floored(max_batch_size, FLOOR)
+    cost = []
+    for lo, hi in zero:
+        for batch in sorted({lo, hi}) if rates is not None else ():
+            at_floor, plain = rates(batch)
+            cost.append({"batch": batch, "range": [lo, hi], "drafts": FLOOR, "tokens_per_s": round(at_floor, 1),
+                         "plain_tokens_per_s": round(plain, 1), "change": round(at_floor / plain - 1, 4)})
+    ranges = ", ".join(f"{lo}-{hi}" if lo != hi else f"{lo}" for lo, hi in zero)
+    # str keys: the same in memory as after the manifest's JSON round trip
+    record = {"why": FLOOR_WHY, "floor": FLOOR, "before": {str(b): k for b, k in schedule.steps},
+              "zero_batches": [list(r) for r in zero],
+              "cost": cost or None}
+    top = next((c for c in cost if c["batch"] == max_batch_size), cost[-1] if cost else None)
+    priced = (f"; by the cost model {FLOOR} draft at batch {top['batch']} gives {top['tokens_per_s']:,.0f} tok/s "
+              f"against {top['plain_tokens_per_s']:,.0f} without ({top['change']:+.1%})" if top else
+              "; no cost model for this GPU")
+    return floored, record, [f"batches {ranges} would draft 0 ({schedule.to_mapping()}): floored at {FLOOR} up to "
+                             f"max_batch_size {max_batch_size} for TensorRT-LLM (PR 16888){priced}"]
 
 
 def _at_k(gpu: str, target: ModelDims, draft: ModelDims, tp: int, ep: int, batch: int, k: int,
@@ -219,16 +289,23 @@ def render(decision: ScheduleDecision, console: Any) -> None:
 
 def decide(spec: Any, arch: Any, draft_shape: Any, block_size: int | None, max_draft_len: int,
            recipe: Any = None, expert_format: str | None = None,
-           measured: AcceptanceProfile | None = None) -> ScheduleDecision:
-    """The engine's schedule and K from the build spec (engine/spec.py):
+           measured: AcceptanceProfile | None = None, release: str | None = None) -> ScheduleDecision:
+    """The engine's schedule and K from the build spec (engine/spec.py), for TensorRT-LLM `release`
+    (default: the spec's, trtllm_versions.engine_release):
 
     - ``draft_len_schedule: off`` -> none; a given schedule -> that one, K following its smallest
       key unless --max-draft-len fixes K (then upstream's rule must hold, one line if not);
     - ``auto`` -> derived on the spec's GPU from the profile: --acceptance-profile, else `measured`
       (the acceptance gate's), else the stated default; a CPU engine gets none (the model has
-      GPU figures only; the reference runtime's adaptive policy measures its own step costs)."""
+      GPU figures only; the reference runtime's adaptive policy measures its own step costs);
+    - either way floored at 1 up to max_batch_size unless `release` is recorded with PR 16888's
+      fix, and none written for a release without draft_len_schedule (module docstring)."""
+    from dflash_trt.engine.trtllm_versions import accepts, behaves, engine_release
     from dflash_trt.errors import DFlashError
 
+    release = release or engine_release(spec)
+    floor_zero = not behaves(release, "dflash_zero_draft_len_safe")
+    has_field = accepts(release, "speculative_config.draft_len_schedule")
     K, given_k = max_draft_len, spec.max_draft_len is not None
     choice = spec.draft_len_schedule
     if choice == "off":
@@ -241,11 +318,52 @@ def decide(spec: Any, arch: Any, draft_shape: Any, block_size: int | None, max_d
             raise DFlashError(f"--draft-len-schedule {schedule.to_text()}: its smallest batch size drafts {K}, which "
                               f"is max_draft_len and must lie in 1..{limit or 'block_size - 1'}")
         schedule.check_against(K)
-        return ScheduleDecision(schedule, K, "given", max_draft_len)
+        if not has_field:
+            raise DFlashError(f"--draft-len-schedule {schedule.to_text()}: TensorRT-LLM {release} has no "
+                              f"draft_len_schedule (first: {_first_schedule_release()}); build for a later "
+                              "--tensorrt-llm-release, or pass --draft-len-schedule off")
+        written, floor, notes = schedule, None, []
+        if floor_zero:
+            rates = None
+            if spec.gpu != "cpu":
+                target, draft, profile = _model_inputs(spec, arch, draft_shape, block_size, K, recipe, expert_format,
+                                                       measured)
+                rates = lambda b: (_at_k(spec.gpu, target, draft, spec.tp, spec.ep, b, FLOOR, profile,  # noqa: E731
+                                         CostAssumptions()).tokens_per_s,
+                                   _at_k(spec.gpu, target, draft, spec.tp, spec.ep, b, 0, profile,
+                                         CostAssumptions()).tokens_per_s)
+            written, floor, notes = floor_for_trtllm(schedule, spec.max_batch_size, rates)
+        return ScheduleDecision(written, K, "given", max_draft_len, notes=tuple(notes), peer_schedule=schedule,
+                                floor=floor)
     if spec.gpu == "cpu":
         return ScheduleDecision(None, K, "none", K, notes=(
             "no draft_len_schedule for a CPU engine: the step-cost model has GPU figures only (serve's adaptive "
             "policy measures its own step costs)",))
+    target, draft, profile = _model_inputs(spec, arch, draft_shape, block_size, K, recipe, expert_format, measured)
+    decided = derive(spec.gpu, target, draft, spec.tp, spec.ep, spec.max_batch_size, K, given_k, profile,
+                     floor_zero=floor_zero)
+    if not has_field and decided.schedule is not None:
+        decided = replace(decided, schedule=None, notes=decided.notes + (
+            f"TensorRT-LLM {release} has no draft_len_schedule (first: {_first_schedule_release()}): none is "
+            f"written, every batch drafts max_draft_len {decided.max_draft_len} there",))
+    if profile.source == DEFAULT_SOURCE:  # say which schedule is final where a build prints two
+        decided = replace(decided, notes=decided.notes + (
+            "from the default acceptance profile: a build whose acceptance gate runs (--gate, on when quantizing) "
+            "derives it again from the drafter's measured acceptance; or give --acceptance-profile",))
+    return decided
+
+
+def _first_schedule_release() -> str:
+    from dflash_trt.engine.trtllm_versions import table
+
+    return table()["fields"]["speculative_config.draft_len_schedule"]["first_version"]
+
+
+def _model_inputs(spec: Any, arch: Any, draft_shape: Any, block_size: int | None, K: int, recipe: Any,
+                  expert_format: str | None, measured: AcceptanceProfile | None
+                  ) -> tuple[ModelDims, ModelDims, AcceptanceProfile]:
+    """The cost model's target and drafter, and the acceptance profile (--acceptance-profile, else
+    the gate's measurement, else the stated default)."""
     drafts = (block_size - 1) if block_size else K
     if spec.acceptance_profile is not None:
         profile = AcceptanceProfile.parse(spec.acceptance_profile, drafts)
@@ -255,9 +373,4 @@ def decide(spec: Any, arch: Any, draft_shape: Any, block_size: int | None, max_d
     keep = tuple(recipe.keep_modules) if recipe is not None else ()
     target = ModelDims.from_arch(arch, spec.quant, recipe_name, spec.kv_cache_quant, keep, expert_format)
     draft = ModelDims.from_draft(draft_shape, arch.vocab_size, block_size or K + 1)
-    decided = derive(spec.gpu, target, draft, spec.tp, spec.ep, spec.max_batch_size, K, given_k, profile)
-    if profile.source == DEFAULT_SOURCE:  # say which schedule is final where a build prints two
-        decided = replace(decided, notes=decided.notes + (
-            "from the default acceptance profile: a build whose acceptance gate runs (--gate, on when quantizing) "
-            "derives it again from the drafter's measured acceptance; or give --acceptance-profile",))
-    return decided
+    return target, draft, profile

@@ -105,6 +105,10 @@ class BuildSpec(_Strict):
     dflash_attention_backend: Literal["auto", "VANILLA", "TRTLLM", "FA4"] = Field(
         "auto", description="DFlashDecodingConfig.attention_backend (auto: TRTLLM on Blackwell, VANILLA elsewhere and "
         "for drafters with non-causal sliding layers; FA4: Hopper only)")
+    tensorrt_llm_release: str | None = Field(
+        None, description="the TensorRT-LLM release the engine is built for: llm_api_options.yaml carries only the "
+        "keys it accepts, and the fields that serve from it (default: the dflash-trt container's, "
+        "deploy/container/image.json; `dflash-trt plan` shows what each release would get)")
     # Speculation on the node (TensorRT-LLM's DecodingBaseConfig; engine/schedule_plan.py).
     draft_len_schedule: str | dict[int, int] = Field(
         "auto", description="TensorRT-LLM draft_len_schedule: auto (derived for the GPU from the step-cost model and "

@@ -8,7 +8,11 @@ and upstream's default. From it:
 - `strip_defaults` leaves out every key whose value equals upstream's default (it changes
   nothing, and a key that is not written cannot be refused by an older release);
 - `requirements` / `min_version` give the oldest published release that accepts a given file
-  (the build records it in the manifest; `dflash-trt doctor` compares it with what is installed).
+  (the build records it in the manifest; `dflash-trt doctor` compares it with what is installed);
+- `accepts` / `behaves` answer, for the release an engine is built for (`build
+  --tensorrt-llm-release`, default `container_release()`: the dflash-trt container's), whether it
+  has a field (value) and whether it is known to behave some way with DFlash that no field shows
+  (the table's "behaviours": None where no release was verified, so the build assumes the worst).
 """
 
 from __future__ import annotations
@@ -45,6 +49,66 @@ def parse_version(text: str, what: str = "TensorRT-LLM version") -> Version:
 
 def _fields() -> dict[str, dict[str, Any]]:
     return table()["fields"]
+
+
+def container_release() -> str:
+    """The TensorRT-LLM of the dflash-trt container's base image (deploy/container/image.json): the
+    release an engine is built for unless the build names another."""
+    from dflash_trt.resources import resource_dir
+
+    record = json.loads((resource_dir("deploy") / "container" / "image.json").read_text(encoding="utf-8"))
+    return str(record["base"]["tensorrt_llm"])
+
+
+def dflash_first_release() -> str:
+    """The first published release with DFlash (DFlashDecodingConfig)."""
+    return _fields()["speculative_config.decoding_type"]["values"]["DFlash"]
+
+
+def check_release(text: str, what: str = "--tensorrt-llm-release") -> str:
+    """A published release that has DFlash, as written in the table; one line otherwise."""
+    have = parse_version(text, what)
+    published = published_versions()
+    match = next((v for v in published if Version(v) == have), None)
+    if match is None:
+        raise DFlashError(f"{what} {text}: not a published TensorRT-LLM release (recorded: {published[0]} .. "
+                          f"{published[-1]}, {FIELDS_FILE.name}); name one of them")
+    first = dflash_first_release()
+    if Version(match) < Version(first):
+        raise DFlashError(f"{what} {text}: TensorRT-LLM has DFlash from {first}; build for {first} or later")
+    return match
+
+
+def engine_release(spec: Any) -> str:
+    """The release a build spec's engine is for: its tensorrt_llm_release (checked), else the container's."""
+    given = getattr(spec, "tensorrt_llm_release", None)
+    return check_release(given) if given else container_release()
+
+
+def accepts(release: str, dotted: str, value: Any = None) -> bool:
+    """Whether `release` has the LLM-API key `dotted` (and, given, that value of it)."""
+    entry = _fields().get(dotted)
+    if entry is None:
+        return False
+    have = Version(release)
+    if Version(entry["first_version"]) > have:
+        return False
+    by_value = entry.get("values")
+    if value is None or not by_value:
+        return True
+    first = by_value.get(str(value))
+    return first is not None and Version(first) <= have
+
+
+def behaviour_release(name: str) -> str | None:
+    """The first release known to behave as the table's `behaviours[name]` says (None: none verified)."""
+    return table()["behaviours"][name]["first_version"]
+
+
+def behaves(release: str, name: str) -> bool:
+    """Whether `release` is known to behave as `behaviours[name]` says; False where not verified."""
+    first = behaviour_release(name)
+    return first is not None and Version(first) <= Version(release)
 
 
 def upstream_default(dotted: str) -> Any:
@@ -107,7 +171,26 @@ def requirements(opts: dict[str, Any]) -> dict[str, str]:
         by_value = entry.get("values")
         if by_value and not isinstance(value, (dict, list)) and str(value) in by_value:
             needs[f"{dotted}={value}"] = by_value[str(value)]
+    safe = behaviour_release("dflash_zero_draft_len_safe")
+    if safe is not None and zero_draft_batches(opts):  # drafting 0 is safe only where the release floors it
+        needs["speculative_config drafts 0 at a served batch size"] = safe
     return needs
+
+
+def zero_draft_batches(opts: dict[str, Any]) -> list[tuple[int, int]]:
+    """The batch sizes in 1..max_batch_size (as written, else upstream's default) at which
+    TensorRT-LLM drafts 0 by the file's draft_len_schedule or max_concurrency (inclusive ranges)."""
+    from dflash_trt.draft_len_schedule import DraftLenSchedule
+
+    spec = opts.get("speculative_config") or {}
+    served = int(opts.get("max_batch_size") or upstream_default("max_batch_size"))
+    if spec.get("draft_len_schedule") is not None:
+        schedule = DraftLenSchedule.from_mapping(spec["draft_len_schedule"])
+    elif spec.get("max_concurrency") is not None:  # upstream: {max_concurrency: max_draft_len}
+        schedule = DraftLenSchedule(((int(spec["max_concurrency"]), int(spec.get("max_draft_len") or 1)),))
+    else:
+        return []
+    return schedule.zero_ranges(served)
 
 
 def min_version(opts: dict[str, Any]) -> str:
