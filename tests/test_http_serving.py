@@ -1,13 +1,13 @@
-"""`dflash-trt serve --http-port`: the OpenAI-compatible API (the real `openai` package, sync and
-async, streaming and not), Triton's generate / generate_stream extension (httpx, SSE) and KServe v2
-REST (the real `tritonclient.http`), all sharing the one runtime the gRPC side uses.
+"""HTTP beside the real tritonserver: the OpenAI-compatible front (`serve --openai-port`, a
+tritonclient gRPC client of Triton; the real `openai` package, sync and async, streaming and not),
+and Triton's own HTTP endpoints, the generate / generate_stream extension (httpx, SSE) and KServe
+v2 REST (the real `tritonclient.http`), all reaching the one runtime the gRPC side uses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,37 +15,29 @@ import openai
 import pytest
 import tritonclient.http as httpclient
 
-try:
-    from tests.engine_fixtures import reference_answer, shared_tiny_engine
-except ImportError:  # tests/ is not a package
-    from engine_fixtures import reference_answer, shared_tiny_engine
-
 from dflash_trt.serving.client import generate
-from dflash_trt.serving.repository import TritonRepoSettings, generate_repository
-from dflash_trt.serving.server import TritonGrpcServer
+from tests.engine_fixtures import reference_answer, shared_tiny_engine
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(180)
 PROMPT = "The capital of France is"
 MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Path:
+def engine(tmp_path_factory):
     return shared_tiny_engine(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def server(engine, tmp_path_factory):
-    """Not decoupled (the default): unary gRPC and HTTP infer; OpenAI streams regardless."""
-    repo = generate_repository(engine, tmp_path_factory.mktemp("http") / "repo")
-    srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=None, http_port=0).start()
-    yield srv
-    srv.stop(grace=2.0)
+@pytest.fixture
+def base(triton_unary) -> str:
+    """The OpenAI front over the model that is not decoupled (it answers with one unary call)."""
+    return triton_unary.openai_base
 
 
 @pytest.fixture
-def base(server) -> str:
-    return f"http://127.0.0.1:{server.http_port}"
+def streaming_base(triton_streaming) -> str:
+    """The OpenAI front over the decoupled model (it streams as the model decodes)."""
+    return triton_streaming.openai_base
 
 
 def _client(base: str) -> openai.OpenAI:
@@ -63,8 +55,11 @@ def test_openai_models_and_completions_equal_the_reference(base, engine):
     assert 0 <= extra["total_accepted_draft_tokens"] <= extra["total_draft_tokens"] and extra["tau"] >= 1
 
 
-def test_openai_streaming_chat_ends_with_usage_and_equals_unary(base):
-    client = _client(base)
+@pytest.mark.parametrize("which", ["unary", "streaming"])
+def test_openai_streaming_chat_ends_with_usage_and_equals_unary(base, streaming_base, which, engine):
+    """Both kinds of model behind the front: the streamed chat is the unary chat, piece by piece,
+    and both are the reference loop's answer to the same one-turn conversation."""
+    client = _client(base if which == "unary" else streaming_base)
     messages = [{"role": "user", "content": "Name a colour."}]
     # OpenAI's default temperature is 1: greedy is asked for explicitly
     whole = client.chat.completions.create(model="dflash", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
@@ -76,8 +71,12 @@ def test_openai_streaming_chat_ends_with_usage_and_equals_unary(base):
             pieces.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
+    assert whole.choices[0].message.content == reference_answer(engine, "Name a colour.", MAX_TOKENS)
     assert "".join(pieces) == whole.choices[0].message.content
+    if which == "streaming":
+        assert len(pieces) > 1  # it streamed as the model decoded, not one blob at the end
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens > 0
 
 
 def test_openai_async_client_and_errors(base):
@@ -105,99 +104,94 @@ def test_nan_temperature_is_a_400_from_the_one_validator(base):
     assert "temperature" in err["message"] and "finite" in err["message"] and err["type"] == "invalid_request_error"
 
 
-def test_triton_generate_and_generate_stream(base, engine):
+def test_triton_generate_and_generate_stream(triton_unary, triton_streaming, engine):
+    """Triton's own generate extension: text_input raw, as upstream's llmapi clients send it, or
+    one chat turn with text_input_format; generate_stream (SSE) on the decoupled model."""
     with httpx.Client(timeout=60) as http:
         body = {"text_input": PROMPT, "sampling_param_max_tokens": MAX_TOKENS}
-        r = http.post(f"{base}/v2/models/dflash/generate", json=body)
+        r = http.post(f"{triton_unary.http_base}/v2/models/dflash/generate", json=body)
         assert r.status_code == 200, r.text
+        assert r.json()["text_output"] == reference_answer(engine, PROMPT, MAX_TOKENS, raw=True)
+        r = http.post(f"{triton_unary.http_base}/v2/models/dflash/generate", json={**body, "text_input_format": "user"})
         assert r.json()["text_output"] == reference_answer(engine, PROMPT, MAX_TOKENS)
-        with http.stream("POST", f"{base}/v2/models/dflash/generate_stream", json=body) as s:
+        with http.stream("POST", f"{triton_streaming.http_base}/v2/models/dflash/generate_stream",
+                         json={**body, "streaming": True}) as s:
             assert s.headers["content-type"].startswith("text/event-stream")
             events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line.startswith("data: ")]
-        assert events and all("error" not in e for e in events)
+        assert len(events) > 1 and all("error" not in e for e in events)
+        assert events[-1]["text_output"] == reference_answer(engine, PROMPT, MAX_TOKENS, raw=True)
+        assert events[-1]["tau"] >= 1
 
 
-def test_kserve_rest_with_tritonclient_http(server, base, engine):
-    c = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+def test_kserve_rest_with_tritonclient_http(triton_unary, engine):
+    c = httpclient.InferenceServerClient(f"127.0.0.1:{triton_unary.http_port}")
     assert c.is_server_live() and c.is_model_ready("dflash")
     text = httpclient.InferInput("text_input", [1], "BYTES")
     text.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
     max_tokens = httpclient.InferInput("sampling_param_max_tokens", [1], "INT32")
     max_tokens.set_data_from_numpy(np.array([MAX_TOKENS], dtype=np.int32))
     r = c.infer("dflash", [text, max_tokens])
-    assert r.as_numpy("text_output").reshape(-1)[0].decode() == reference_answer(engine, PROMPT, MAX_TOKENS)
+    assert r.as_numpy("text_output").reshape(-1)[0].decode() == reference_answer(engine, PROMPT, MAX_TOKENS, raw=True)
     c.close()
 
 
-def test_grpc_and_http_share_one_runtime(server, base, engine):
-    """The same server answers gRPC and HTTP with the same text."""
-    grpc_text = generate(f"127.0.0.1:{server.grpc_port}", PROMPT, max_tokens=MAX_TOKENS, timeout_s=60).text
-    http_text = _client(base).chat.completions.create(  # gRPC's text_input is one user turn, as chat is
+def test_grpc_and_the_openai_front_reach_one_model(triton_unary, base, engine):
+    """`dflash-trt client`'s gRPC turn (text_input_format user) and the front's one-message chat
+    are the same request to the same model: the same text."""
+    grpc_text = generate(triton_unary.grpc_url, PROMPT, max_tokens=MAX_TOKENS, timeout_s=60).text
+    http_text = _client(base).chat.completions.create(
         model="dflash", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS,
         temperature=0).choices[0].message.content
     assert grpc_text == http_text == reference_answer(engine, PROMPT, MAX_TOKENS)
 
 
-def test_decoupled_model_refuses_http_infer_as_triton_does(engine, tmp_path):
-    repo = generate_repository(engine, tmp_path / "repo", TritonRepoSettings(decoupled=True))
-    srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=None, http_port=0).start()
-    try:
-        body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]}
-        r = httpx.post(f"http://127.0.0.1:{srv.http_port}/v2/models/dflash/infer", json=body, timeout=30)
-        assert r.status_code == 501
-        assert "HTTP end point doesn't support models with decoupled transaction policy" in r.json()["error"]
-    finally:
-        srv.stop(grace=2.0)
+def test_decoupled_model_refuses_http_infer_as_triton_does(triton_streaming):
+    body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]}
+    r = httpx.post(f"{triton_streaming.http_base}/v2/models/dflash/infer", json=body, timeout=30)
+    assert r.status_code >= 400
+    assert "doesn't support models with decoupled transaction policy" in r.json()["error"]
 
 
-def test_idle_streams_past_the_limit_are_refused_and_health_still_answers(engine, tmp_path):
-    """70 idle gRPC streams against --max-streams 64: the 6 past it are refused with
-    RESOURCE_EXHAUSTED, an OpenAI request gets 429, and health and metadata answer within a second
-    while every slot is held; once the streams close, requests are served again."""
-    import queue
+def test_requests_past_the_fronts_limit_get_429_and_are_served_again_after(engine, tmp_path):
+    """--max-streams 2 on the front: while two chats are in flight a third request gets 429
+    (OpenAI's rate_limit_error) at once, without reaching Triton; once they end, requests are
+    served again. Triton is paused (SIGSTOP) so that the two stay in flight as long as the test
+    needs, whatever the machine's speed."""
+    import os
+    import signal
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
-    import tritonclient.grpc as grpcclient
+    from tests.triton_servers import serve_engine
 
-    repo = generate_repository(engine, tmp_path / "repo", TritonRepoSettings(decoupled=True))
-    srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=None, http_port=0, max_streams=64).start()
-    url, base = f"127.0.0.1:{srv.grpc_port}", f"http://127.0.0.1:{srv.http_port}"
-    errors: queue.Queue = queue.Queue()
-    clients = []
+    from dflash_trt.serving.repository import TritonRepoSettings
+
+    served = serve_engine(engine, tmp_path, TritonRepoSettings(decoupled=True), metrics=False, max_streams=2)
+    base, slots, pid = served.openai_base, served.front.front.slots, served.server.process.pid
+    chat = {"model": "dflash", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
+    probe = {"model": "dflash", "prompt": "hi", "max_tokens": 2}
     try:
-        for _ in range(70):
-            c = grpcclient.InferenceServerClient(url)
-            c.start_stream(callback=lambda result, error: errors.put(error) if error is not None else None)
-            clients.append(c)
-        refused = []
-        deadline = time.time() + 30
-        while len(refused) < 6 and time.time() < deadline:
-            try:
-                refused.append(errors.get(timeout=1))
-            except queue.Empty:
-                pass
-        assert len(refused) == 6 and all("RESOURCE_EXHAUSTED" in str(e.status()) for e in refused)
-        with grpcclient.InferenceServerClient(url) as c:
-            t0 = time.perf_counter()
-            assert c.is_server_live() and c.is_model_ready("dflash") and c.get_model_metadata("dflash").name
-            assert time.perf_counter() - t0 < 1.0
-        r = httpx.post(f"{base}/v1/completions", json={"model": "dflash", "prompt": "hi", "max_tokens": 4}, timeout=30)
-        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert httpx.post(f"{base}/v1/completions", json=probe, timeout=30).status_code == 200  # model info cached
+        os.killpg(pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                held = [pool.submit(httpx.post, f"{base}/v1/chat/completions", json=chat, timeout=60) for _ in range(2)]
+                deadline = time.time() + 30
+                while slots.used < 2:
+                    assert time.time() < deadline, "the two chats never reached the front"
+                    time.sleep(0.01)
+                t0 = time.perf_counter()
+                r = httpx.post(f"{base}/v1/completions", json=probe, timeout=30)
+                assert time.perf_counter() - t0 < 1.0  # refused by the front, Triton (paused) never asked
+                assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+                os.killpg(pid, signal.SIGCONT)
+                assert [f.result(timeout=60).status_code for f in held] == [200, 200]
+        finally:
+            os.killpg(pid, signal.SIGCONT)
+        assert slots.used == 0
+        assert httpx.post(f"{base}/v1/completions", json=probe, timeout=30).status_code == 200
     finally:
-        for c in clients:
-            c.stop_stream(cancel_requests=True)
-            c.close()
-    try:
-        deadline = time.time() + 30
-        while True:  # the slots come back as the server sees the streams end
-            r = httpx.post(f"{base}/v1/completions", json={"model": "dflash", "prompt": "hi", "max_tokens": 4},
-                           timeout=30)
-            if r.status_code == 200 or time.time() > deadline:
-                break
-            time.sleep(0.2)
-        assert r.status_code == 200, r.text
-    finally:
-        srv.stop(grace=2.0)
+        served.stop()
 
 
 def test_dflash_trt_client_speaks_openai_to_an_http_url(base, engine):
@@ -214,6 +208,8 @@ def test_dflash_trt_client_speaks_openai_to_an_http_url(base, engine):
         outs.append(json.loads(r.stdout))
     assert outs[0]["text"] == outs[1]["text"] == reference_answer(engine, PROMPT, MAX_TOKENS)
     assert all(o["tau"] >= 1 and o["total_accepted_draft_tokens"] <= o["total_draft_tokens"] for o in outs)
+    r = CliRunner().invoke(main, ["client", PROMPT, "--url", base, "--max-tokens", str(MAX_TOKENS), "--raw", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["text"] == reference_answer(engine, PROMPT, MAX_TOKENS, raw=True)
     r = CliRunner().invoke(main, ["client", "hi", "--url", "http://127.0.0.1:9", "--timeout", "5"])
     assert r.exit_code != 0 and "cannot reach an OpenAI-compatible server" in r.output and "Traceback" not in r.output
 

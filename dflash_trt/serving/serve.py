@@ -48,6 +48,7 @@ class OpenAIThread:
     def __init__(self, front: OpenAIFront, address: str, port: int) -> None:
         import uvicorn
 
+        self.front = front
         self.sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
