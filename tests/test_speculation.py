@@ -31,10 +31,10 @@ from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import DEFAULT_DRAFT_METHOD, SpeculationSettings
 
 try:
-    from tests.engine_fixtures import make_tiny_engine
+    from tests.engine_fixtures import make_tiny_engine, shared_tiny_engine
     from tests.test_batched_runtime import BatchedOracle
 except ImportError:  # tests/ is not a package
-    from engine_fixtures import make_tiny_engine
+    from engine_fixtures import make_tiny_engine, shared_tiny_engine
     from test_batched_runtime import BatchedOracle
 
 PROMPTS = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9, 8]]
@@ -253,17 +253,24 @@ def test_policy_schedule_on_generate_serve_and_deploy(tiny_pair_dirs, tmp_path):
     assert res.exit_code == 2 and "none is given" in res.output and not (tmp_path / "r2").exists()
 
 
-def test_an_engines_recorded_schedule_is_what_policy_schedule_follows():
-    """The node's manifest records the schedule its build derived (EngineManifest.draft_len_schedule(),
-    branch schedule-node): policy schedule follows it unless --draft-len-schedule replaces it, and a
-    lowered K caps it. A stand-in manifest with that one method, until both branches are on main."""
-    from types import SimpleNamespace
+def test_an_engines_recorded_schedule_is_what_policy_schedule_follows(tmp_path_factory, tmp_path):
+    """The node's manifest records the schedule its build derived (EngineManifest.draft_len_schedule()):
+    policy schedule follows it unless --draft-len-schedule replaces it, and a lowered K caps it. The
+    tiny engine's real manifest with a derived schedule in it, written and read back as a build's is
+    (JSON: the schedule's batch sizes come back as ints)."""
+    import json
 
     from dflash_trt.draft_len_schedule import DraftLenSchedule
+    from dflash_trt.engine.manifest import MANIFEST_NAME, SpeculationInfo, load_manifest
 
+    base = load_manifest(shared_tiny_engine(tmp_path_factory))
+    assert (base.limits.max_draft_len, base.draft.block_size) == (7, 8)
+    info = SpeculationInfo(source="derived", max_draft_len=7, requested_max_draft_len=7,
+                           draft_len_schedule={4: 7, 16: 3, 64: 1})
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(base.model_copy(update={"speculation": info}).model_dump()))
+    manifest = load_manifest(tmp_path)
     recorded = DraftLenSchedule(((4, 7), (16, 3), (64, 1)))
-    manifest = SimpleNamespace(limits=SimpleNamespace(max_draft_len=7), draft=SimpleNamespace(block_size=8),
-                               draft_len_schedule=lambda: recorded)
+    assert manifest.draft_len_schedule() == recorded
     assert SpeculationSettings.from_manifest(manifest, policy="schedule").schedule == recorded
     assert SpeculationSettings.from_manifest(manifest, 5, "schedule").schedule.steps == ((4, 5), (16, 3), (64, 1))
     given = SpeculationSettings.from_manifest(manifest, policy="schedule", draft_len_schedule="8:7")
@@ -271,3 +278,5 @@ def test_an_engines_recorded_schedule_is_what_policy_schedule_follows():
     assert SpeculationSettings.from_manifest(manifest, policy="adaptive").schedule is None  # only schedule reads it
     with pytest.raises(DFlashError, match="none is given"):
         SpeculationSettings.from_manifest(manifest, policy="schedule", draft_len_schedule="off")
+    with pytest.raises(DFlashError, match="none is given"):  # an engine whose build recorded none
+        SpeculationSettings.from_manifest(base, policy="schedule")
