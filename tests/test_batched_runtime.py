@@ -31,16 +31,34 @@ def _pair(arch: str, block: int = 4, seed: int = 1):
     return target, draft
 
 
+def _accepting_pair(arch: str, kind: str, block: int = 4):
+    """A pair whose drafts are accepted, and the prompts in its vocabulary. "rigged": long accepted
+    runs (tests/test_zlab_oracle.rig; its drafter reads only its anchor); "vocab16": a random pair
+    over 16 tokens, whose drafts, which depend on the target's features and the drafter's context,
+    are accepted now and then. (Over 128 tokens a random drafter's acceptance lengths are all 1, so
+    equal per-step statistics would say nothing.)"""
+    if kind == "rigged":
+        target = tiny_target(arch, seed=1).double()
+        draft = random_draft(target.config, block_size=block, seed=1, num_key_value_heads=4).double()
+        rig(target, draft)
+        return target, draft, PROMPTS
+    target = tiny_target(arch, seed=9, vocab_size=16).double()
+    draft = random_draft(target.config, block_size=block, seed=9, mask_token_id=15).double()
+    return target, draft, [[t % 15 for t in p] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kind", ["rigged", "vocab16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_batched_greedy_equals_reference_with_joins_stops_and_queueing(arch):
-    target, draft = _pair(arch)
+def test_batched_greedy_equals_reference_with_joins_stops_and_queueing(arch, kind):
+    target, draft, prompts = _accepting_pair(arch, kind)
     # a stop token that some sequences hit mid-way (taken from one reference output)
-    plain = dflash_generate(draft, target, PROMPTS[2], SamplingParams(max_tokens=BUDGETS[2])).output_ids
+    plain = dflash_generate(draft, target, prompts[2], SamplingParams(max_tokens=BUDGETS[2])).output_ids
     stop = [plain[6]]
-    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m, stop_token_ids=stop)) for p, m in zip(PROMPTS, BUDGETS)]
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m, stop_token_ids=stop)) for p, m in zip(prompts, BUDGETS)]
     assert any(r.stats.finish_reason == "stop" for r in ref) and any(r.stats.finish_reason == "length" for r in ref)
+    assert sum(a > 1 for r in ref for a in r.stats.acceptance_lengths) >= 3  # drafts were accepted
     # max_batch 3 < 6 sequences: later ones wait for a slot; arrivals spread joins over steps
-    results = batched_generate(draft, target, PROMPTS, [SamplingParams(max_tokens=m, stop_token_ids=stop) for m in BUDGETS],
+    results = batched_generate(draft, target, prompts, [SamplingParams(max_tokens=m, stop_token_ids=stop) for m in BUDGETS],
                                policy=FixedPolicy(draft.block_size - 1), max_batch=3, arrivals=[0, 2, 1, 5, 0, 3])
     for got, want in zip(results, ref):
         assert got.output_ids == want.output_ids
