@@ -113,8 +113,10 @@ class _Exclusive:
 def test_threads_share_one_codec(codec):
     """HF fast tokenizers raise "Already borrowed" when two threads use one at once; the codec
     serialises encode and decode (a server encodes while its runtime decodes). Checked as that
-    invariant, deterministically: while each of the codec's three calls into the tokenizer is inside
-    it, another thread's call to the codec waits outside."""
+    invariant: while each of the codec's three calls into the tokenizer is inside it, another
+    thread's call to the codec is made, and must wait outside. With the lock it waits every time
+    (the check cannot fail on a sound codec); without it the other call gets in within its 0.5 s
+    window (the old test, 4 threads hoping to collide, passed without the lock 3 times in 3)."""
     ids = codec.encode("The capital of France is")
     shared = TextCodec(codec.tokenizer, codec.vocab_size, codec.stop_token_ids)
     probe = _Exclusive(shared)
