@@ -49,8 +49,31 @@ def save_tiny_pair(root: Path, arch: str = "llama", block_size: int = 8, draft_l
 
 @pytest.fixture(scope="session")
 def tiny_pair_dirs(tmp_path_factory) -> tuple[Path, Path]:
-    """(target_dir, draft_dir) of a tiny Llama target and a random 1-layer drafter, block 8."""
+    """(target_dir, draft_dir) of a tiny Llama target and a random 1-layer drafter, block 8. Its
+    drafts are (almost) never accepted: where a test claims acceptance, use rigged_pair_dirs."""
     return save_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+def save_rigged_pair(root: Path, arch: str = "llama", block_size: int = 8, **target_kw) -> tuple[Path, Path]:
+    """save_tiny_pair's layout (float32), the pair rigged as tests/test_zlab_oracle.rig rigs it: the
+    drafter proposes its anchor token and the target repeats tokens often, so long accepted runs
+    happen beside rejections."""
+    from dflash_trt.runtime.tiny import random_draft, tiny_target
+    from tests.test_zlab_oracle import rig
+
+    target = tiny_target(arch, seed=1, **target_kw)
+    draft = random_draft(target.config, block_size=block_size, seed=3, num_key_value_heads=4)
+    rig(target, draft)
+    tdir, ddir = root / "target", root / "draft"
+    target.save_pretrained(tdir)
+    draft.save_pretrained(ddir)
+    return tdir, ddir
+
+
+@pytest.fixture(scope="session")
+def rigged_pair_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """(target_dir, draft_dir) of a tiny Llama pair whose drafts are accepted (save_rigged_pair), block 8."""
+    return save_rigged_pair(tmp_path_factory.mktemp("rigged_pair"))
 
 
 # -- the real Triton servers most serving tests share (tests/triton_servers.py) -----------------------

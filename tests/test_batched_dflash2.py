@@ -67,10 +67,13 @@ def greedy_case(request):
 @pytest.mark.parametrize("concurrency", [1, 4, 16])
 def test_greedy_steps_equal_the_reference_loops(greedy_case, concurrency, static):
     target, draft, ref = greedy_case
-    results = batched_generate(draft, target, PROMPTS, [SamplingParams(max_tokens=m) for m in BUDGETS],
-                               max_batch=concurrency, cuda_graphs=static)
+    need = max(len(p) + m for p, m in zip(PROMPTS, BUDGETS))
+    rt = BatchedRuntime(target, draft, RuntimeOptions(max_batch=concurrency, max_seq_len=need, cuda_graphs=static)).start()
+    results = batched_generate(draft, target, PROMPTS, [SamplingParams(max_tokens=m) for m in BUDGETS], runtime=rt)
     assert [r.output_ids for r in results] == [r.output_ids for r in ref]
     assert [r.stats.acceptance_lengths for r in results] == [r.stats.acceptance_lengths for r in ref]
+    graphs = rt.graph_stats()  # the static leg replayed its static passes (on a CPU, eagerly), the eager one has none
+    assert (graphs is not None and graphs["replays"] > 0 and graphs["misses"] == 0) if static else graphs is None
 
 
 def test_the_proposer_is_the_drafter_familys():

@@ -19,6 +19,8 @@ from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import SpeculationSettings
 
+from tests.test_zlab_oracle import rig
+
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8, 9, 10, 11], [3, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52], [9]]
 BUDGETS = [12, 5, 20, 1, 9, 16]
 
@@ -29,16 +31,34 @@ def _pair(arch: str, block: int = 4, seed: int = 1):
     return target, draft
 
 
+def _accepting_pair(arch: str, kind: str, block: int = 4):
+    """A pair whose drafts are accepted, and the prompts in its vocabulary. "rigged": long accepted
+    runs (tests/test_zlab_oracle.rig; its drafter reads only its anchor); "vocab16": a random pair
+    over 16 tokens, whose drafts, which depend on the target's features and the drafter's context,
+    are accepted now and then. (Over 128 tokens a random drafter's acceptance lengths are all 1, so
+    equal per-step statistics would say nothing.)"""
+    if kind == "rigged":
+        target = tiny_target(arch, seed=1).double()
+        draft = random_draft(target.config, block_size=block, seed=1, num_key_value_heads=4).double()
+        rig(target, draft)
+        return target, draft, PROMPTS
+    target = tiny_target(arch, seed=9, vocab_size=16).double()
+    draft = random_draft(target.config, block_size=block, seed=9, mask_token_id=15).double()
+    return target, draft, [[t % 15 for t in p] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kind", ["rigged", "vocab16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_batched_greedy_equals_reference_with_joins_stops_and_queueing(arch):
-    target, draft = _pair(arch)
+def test_batched_greedy_equals_reference_with_joins_stops_and_queueing(arch, kind):
+    target, draft, prompts = _accepting_pair(arch, kind)
     # a stop token that some sequences hit mid-way (taken from one reference output)
-    plain = dflash_generate(draft, target, PROMPTS[2], SamplingParams(max_tokens=BUDGETS[2])).output_ids
+    plain = dflash_generate(draft, target, prompts[2], SamplingParams(max_tokens=BUDGETS[2])).output_ids
     stop = [plain[6]]
-    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m, stop_token_ids=stop)) for p, m in zip(PROMPTS, BUDGETS)]
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m, stop_token_ids=stop)) for p, m in zip(prompts, BUDGETS)]
     assert any(r.stats.finish_reason == "stop" for r in ref) and any(r.stats.finish_reason == "length" for r in ref)
+    assert sum(a > 1 for r in ref for a in r.stats.acceptance_lengths) >= 3  # drafts were accepted
     # max_batch 3 < 6 sequences: later ones wait for a slot; arrivals spread joins over steps
-    results = batched_generate(draft, target, PROMPTS, [SamplingParams(max_tokens=m, stop_token_ids=stop) for m in BUDGETS],
+    results = batched_generate(draft, target, prompts, [SamplingParams(max_tokens=m, stop_token_ids=stop) for m in BUDGETS],
                                policy=FixedPolicy(draft.block_size - 1), max_batch=3, arrivals=[0, 2, 1, 5, 0, 3])
     for got, want in zip(results, ref):
         assert got.output_ids == want.output_ids
@@ -279,8 +299,12 @@ def test_newcomers_of_mixed_lengths_prefill_in_runs_and_decode_as_alone():
 def test_verification_in_chunks_commits_what_one_pass_commits(chunk):
     """verify_chunk: a row verifies its drafts a chunk at a time and stops at its first rejection.
     Outputs and every per-step count (drafted, accepted) equal the reference loop's, for chunks
-    smaller than, dividing, and larger than K + 1; rows join, stop and queue meanwhile."""
-    target, draft = _pair("qwen3", block=6, seed=5)
+    smaller than, dividing, and larger than K + 1; rows join, stop and queue meanwhile. The pair is
+    rigged to be accepted (tests/test_zlab_oracle.rig), so rows pass their first chunk and meet a
+    rejection in a later one (a random drafter's rows all stop in their first)."""
+    target = tiny_target("qwen3", seed=5).double()
+    draft = random_draft(target.config, block_size=6, seed=5, num_key_value_heads=4).double()
+    rig(target, draft)
     plain = dflash_generate(draft, target, PROMPTS[2], SamplingParams(max_tokens=BUDGETS[2])).output_ids
     stop = [plain[4]]
     params = [SamplingParams(max_tokens=m, stop_token_ids=stop) for m in BUDGETS]
@@ -292,6 +316,11 @@ def test_verification_in_chunks_commits_what_one_pass_commits(chunk):
         assert got.output_ids == want.output_ids
         assert got.stats.acceptance_lengths == want.stats.acceptance_lengths
         assert got.stats.total_draft_tokens == want.stats.total_draft_tokens
+    K = draft.block_size - 1
+    accepted = [a - 1 for r in ref for a in r.stats.acceptance_lengths]  # drafts accepted per step
+    if chunk <= K:  # a row passed its first chunk and its next slot, then a draft was rejected
+        assert any(chunk <= a < K for a in accepted), (chunk, accepted)
+    assert K in accepted and min(accepted) < K  # whole blocks accepted, and rejections
 
 
 def test_perfect_drafter_verified_in_chunks_goes_through_every_chunk():

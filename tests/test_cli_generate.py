@@ -14,8 +14,10 @@ from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import DEFAULT_DRAFT_METHOD, DRAFT_METHODS
 
 
-def test_generate_json_fields_match_plain_greedy(tiny_pair_dirs):
-    tdir, ddir = tiny_pair_dirs
+def test_generate_json_fields_match_plain_greedy(rigged_pair_dirs):
+    """A pair rigged to be accepted (tests/conftest.py): with a random drafter nothing is accepted and
+    tau = 1 + accepted / steps would read 1 == 1."""
+    tdir, ddir = rigged_pair_dirs
     res = CliRunner().invoke(main, ["generate", "--target", str(tdir), "--draft", str(ddir), "--json",
                                     "--max-new-tokens", "12", "hello"])
     assert res.exit_code == 0, res.output
@@ -25,6 +27,7 @@ def test_generate_json_fields_match_plain_greedy(tiny_pair_dirs):
         assert key in out
     plain = autoregressive_generate(load_target(tdir), out["prompt_ids"], SamplingParams(max_tokens=12))
     assert out["output_ids"] == plain.output_ids
+    assert out["total_accepted_draft_tokens"] > 0 and out["tau"] > 2
     assert abs(out["tau"] - (1 + out["total_accepted_draft_tokens"] / len(out["acceptance_lengths"]))) < 1e-9
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_trt.pairs import PairSource, load_pair
 from dflash_trt.runtime import autoregressive_generate, dflash_generate
@@ -24,6 +25,24 @@ from dflash_trt.sampling_params import SamplingParams
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
 
+class _Ops(TorchDispatchMode):
+    """The names of the ops a call dispatches: which kernel a linear layer ran, where the packed and
+    the dense path give the same bits (the tiny target's logits do) and outputs cannot tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def _packed_kernels(names: set[str]) -> set[str]:
+    """The packed kernels among `names`: the panel GEMM's ops (dflash_<variant>::) and oneDNN's."""
+    return {n for n in names if n.startswith(("dflash_", "mkldnn::")) or n == "aten::mkldnn_linear"}
+
+
 def test_packed_layers_give_the_same_logits_and_keep_weights_shared(tiny_pair_dirs):
     model = load_target(tiny_pair_dirs[0])
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
@@ -41,11 +60,15 @@ def test_packed_layers_give_the_same_logits_and_keep_weights_shared(tiny_pair_di
     assert (packed_head.weight is model.get_input_embeddings().weight) == tied
     assert set(model.state_dict()) == keys  # nothing extra saved
     with torch.inference_mode():
-        got = model(ids).logits
+        with _Ops() as packed_run:
+            got = model(ids).logits
         set_packed(model, False)
-        stock_path = model(ids).logits
+        with _Ops() as stock_run:
+            stock_path = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert _packed_kernels(packed_run.names) and "aten::linear" not in packed_run.names  # the packed kernels ran
     assert torch.equal(stock_path, want)  # switched off: exactly the dense path
+    assert not _packed_kernels(stock_run.names) and "aten::linear" in stock_run.names  # and it did switch off
 
 
 def test_packed_layer_with_bias_matches_nn_linear():
@@ -95,12 +118,21 @@ def test_onednn_kernel_and_its_fallback_without_the_pointwise_op_compute_the_sam
     with torch.inference_mode():
         for rows in (1, 5):
             x = torch.randn(rows, 24)
-            fast = PackedCPULinear(lin, kernel="onednn")(x)
+            layer = PackedCPULinear(lin, kernel="onednn")
+            with _Ops() as fast_run:
+                fast = layer(x)
             torch.testing.assert_close(fast, lin(x), rtol=1e-5, atol=1e-5)
             monkeypatch.setattr(cp, "_LINEAR_POINTWISE", None)
-            slow = PackedCPULinear(lin, kernel="onednn")(x)
+            layer = PackedCPULinear(lin, kernel="onednn")
+            with _Ops() as slow_run:
+                slow = layer(x)
             monkeypatch.undo()
             torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-5)
+            # each leg ran its kernel (one row: MKL's GEMV on the dense weight in both)
+            want_fast, want_slow = ({"aten::linear"}, {"aten::linear"}) if rows == 1 else (
+                {"mkldnn::_linear_pointwise"}, {"aten::mkldnn_linear"})
+            assert _packed_kernels(fast_run.names) | ({"aten::linear"} & fast_run.names) == want_fast
+            assert _packed_kernels(slow_run.names) | ({"aten::linear"} & slow_run.names) == want_slow
 
 
 def test_a_pair_for_another_device_is_loaded_there_unpacked(tiny_pair_dirs):

@@ -58,3 +58,15 @@ def test_pytests_outcome_is_the_verdict(status, output, verdict, detail):
     m = mutation_check.Mutant("m", "x.py", "a", "b", ("tests/test_x.py",), "w")
     got = mutation_check.judge(m, status, output, 1.0)
     assert got.verdict == verdict and detail in got.detail
+
+
+def test_a_mutant_whose_tests_all_skip_fails_the_check_unless_allowed():
+    """Skipped tests check nothing: such a guard goes unchecked on this machine. The check fails
+    on it (naming it) unless --allow-skipped says that is accepted; survivors and errors fail either way."""
+    def outcome(name: str, verdict: str):
+        return mutation_check.Outcome(mutation_check.Mutant(name, "x.py", "a", "b", ("t",), "w"), verdict, "")
+
+    outcomes = [outcome("k", "KILLED"), outcome("s", "SKIPPED"), outcome("v", "SURVIVED"), outcome("e", "ERROR")]
+    assert [o.mutant.name for o in mutation_check.failures(outcomes)] == ["s", "v", "e"]
+    assert [o.mutant.name for o in mutation_check.failures(outcomes, allow_skipped=True)] == ["v", "e"]
+    assert mutation_check.failures([outcome("k", "KILLED")]) == []

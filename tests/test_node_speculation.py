@@ -112,8 +112,12 @@ def test_a_derived_schedule_that_drafts_k_at_every_batch_is_recorded_not_written
 TRT_FIRST_SCHEDULE = table()["fields"]["speculative_config.draft_len_schedule"]["first_version"]
 
 
-def test_the_gate_measures_the_acceptance_the_schedule_is_derived_from(tiny_pair_dirs, tmp_path):
-    t, d = tiny_pair_dirs
+@pytest.mark.parametrize("pair", ["random", "rigged"])
+def test_the_gate_measures_the_acceptance_the_schedule_is_derived_from(pair, request, tmp_path):
+    """The derived schedule reads the gate's per-position acceptance: a random drafter's drafts are
+    (almost) never accepted, drafting cannot pay and K drops to 1; a pair rigged to be accepted
+    (tests/conftest.py save_rigged_pair) drafts K at every batch size (no schedule written)."""
+    t, d = request.getfixturevalue("tiny_pair_dirs" if pair == "random" else "rigged_pair_dirs")
     engine = _build(tmp_path / "e", t, d, **{"gate.enabled": True, "gate.num_prompts": 2, "gate.max_new_tokens": 12,
                                              "gate.min_tau": 1.0})
     m = load_manifest(engine)
@@ -121,13 +125,20 @@ def test_the_gate_measures_the_acceptance_the_schedule_is_derived_from(tiny_pair
     assert len(before["per_position_acceptance"]) == len(before["position_drafted"]) == 7
     model = m.speculation.model
     assert model["acceptance"]["source"].startswith("acceptance gate: 2 prompts x 12 tokens")
-    assert len(model["acceptance"]["per_position_acceptance"]) <= 7
-    # a random drafter's drafts are (almost) never accepted: drafting cannot pay, K drops to 1; the
-    # model would draft 0 above batch 1, TensorRT-LLM's floor drafts 1 there: 1 everywhere, no schedule
-    if max(before["per_position_acceptance"]) < 0.05:
+    measured = model["acceptance"]["per_position_acceptance"]
+    assert 0 < len(measured) <= 7 and measured == before["per_position_acceptance"][: len(measured)]
+    if pair == "random":
+        # a random drafter's drafts are (almost) never accepted: drafting cannot pay, K drops to 1; the
+        # model would draft 0 above batch 1, TensorRT-LLM's floor drafts 1 there: 1 everywhere, no schedule
+        assert max(before["per_position_acceptance"]) < 0.05
         assert m.speculation.draft_len_schedule is None and m.limits.max_draft_len == 1
         assert m.speculation.floor["before"] == {"1": 1} and m.speculation.floor["zero_batches"] == [[2, 8]]
         assert any("drafting loses to plain decoding" in n for n in m.speculation.notes)
+    else:
+        assert min(before["per_position_acceptance"]) > 0.5
+        assert [b["k"] for b in model["buckets"]] == [7] * len(model["buckets"])
+        assert m.speculation.draft_len_schedule is None and m.limits.max_draft_len == 7
+        assert any("no draft_len_schedule is written" in n for n in m.speculation.notes)
 
 
 def test_off_writes_no_schedule_and_keeps_the_first_dflash_release(tiny_pair_dirs, tmp_path):

@@ -31,10 +31,10 @@ from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import DEFAULT_DRAFT_METHOD, SpeculationSettings
 
 try:
-    from tests.engine_fixtures import make_tiny_engine
+    from tests.engine_fixtures import make_tiny_engine, shared_tiny_engine
     from tests.test_batched_runtime import BatchedOracle
 except ImportError:  # tests/ is not a package
-    from engine_fixtures import make_tiny_engine
+    from engine_fixtures import make_tiny_engine, shared_tiny_engine
     from test_batched_runtime import BatchedOracle
 
 PROMPTS = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9, 8]]
@@ -111,10 +111,12 @@ def test_the_budgets_tail_drafts_the_full_block_batched_runtime():
 
 def test_repeated_target_layer_ids_are_accepted_as_the_reference_accepts_them():
     """z-lab's build_target_layer_ids gives [1, 1] for a 4-layer target and 2 draft layers; the
-    drafter's fc then reads layer 1's features twice. Decoding stays lossless, batched == reference."""
+    drafter's fc then reads layer 1's features twice. Decoding stays lossless, batched == reference,
+    step for step: over 16 tokens the random drafter's drafts, which read those features, are
+    accepted now and then (over 128, never: equal acceptance lengths would all be 1)."""
     assert build_target_layer_ids(4, 2) == [1, 1]
-    target = tiny_target("llama", seed=2, num_layers=4).double()
-    draft = random_draft(target.config, num_layers=2, block_size=4, seed=2).double()
+    target = tiny_target("llama", seed=2, num_layers=4, vocab_size=16).double()
+    draft = random_draft(target.config, num_layers=2, block_size=4, seed=2, mask_token_id=15).double()
     assert draft.target_layer_ids == [1, 1] and draft.fc.in_features == 2 * target.config.hidden_size
     assert validate_pair(draft.to_config_dict(), target.config).target_layer_ids == (1, 1)
     ids = torch.tensor([[5, 6, 7, 8]])
@@ -128,6 +130,7 @@ def test_repeated_target_layer_ids_are_accepted_as_the_reference_accepts_them():
     got = batched_generate(draft, target, PROMPTS, params)
     assert [g.output_ids for g in got] == [r.output_ids for r in ref]
     assert [g.stats.acceptance_lengths for g in got] == [r.stats.acceptance_lengths for r in ref]
+    assert sum(a > 1 for r in ref for a in r.stats.acceptance_lengths) >= 3  # the comparison means something
 
 
 def test_settings_are_checked_where_they_are_chosen():
@@ -253,17 +256,24 @@ def test_policy_schedule_on_generate_serve_and_deploy(tiny_pair_dirs, tmp_path):
     assert res.exit_code == 2 and "none is given" in res.output and not (tmp_path / "r2").exists()
 
 
-def test_an_engines_recorded_schedule_is_what_policy_schedule_follows():
-    """The node's manifest records the schedule its build derived (EngineManifest.draft_len_schedule(),
-    branch schedule-node): policy schedule follows it unless --draft-len-schedule replaces it, and a
-    lowered K caps it. A stand-in manifest with that one method, until both branches are on main."""
-    from types import SimpleNamespace
+def test_an_engines_recorded_schedule_is_what_policy_schedule_follows(tmp_path_factory, tmp_path):
+    """The node's manifest records the schedule its build derived (EngineManifest.draft_len_schedule()):
+    policy schedule follows it unless --draft-len-schedule replaces it, and a lowered K caps it. The
+    tiny engine's real manifest with a derived schedule in it, written and read back as a build's is
+    (JSON: the schedule's batch sizes come back as ints)."""
+    import json
 
     from dflash_trt.draft_len_schedule import DraftLenSchedule
+    from dflash_trt.engine.manifest import MANIFEST_NAME, SpeculationInfo, load_manifest
 
+    base = load_manifest(shared_tiny_engine(tmp_path_factory))
+    assert (base.limits.max_draft_len, base.draft.block_size) == (7, 8)
+    info = SpeculationInfo(source="derived", max_draft_len=7, requested_max_draft_len=7,
+                           draft_len_schedule={4: 7, 16: 3, 64: 1})
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(base.model_copy(update={"speculation": info}).model_dump()))
+    manifest = load_manifest(tmp_path)
     recorded = DraftLenSchedule(((4, 7), (16, 3), (64, 1)))
-    manifest = SimpleNamespace(limits=SimpleNamespace(max_draft_len=7), draft=SimpleNamespace(block_size=8),
-                               draft_len_schedule=lambda: recorded)
+    assert manifest.draft_len_schedule() == recorded
     assert SpeculationSettings.from_manifest(manifest, policy="schedule").schedule == recorded
     assert SpeculationSettings.from_manifest(manifest, 5, "schedule").schedule.steps == ((4, 5), (16, 3), (64, 1))
     given = SpeculationSettings.from_manifest(manifest, policy="schedule", draft_len_schedule="8:7")
@@ -271,3 +281,5 @@ def test_an_engines_recorded_schedule_is_what_policy_schedule_follows():
     assert SpeculationSettings.from_manifest(manifest, policy="adaptive").schedule is None  # only schedule reads it
     with pytest.raises(DFlashError, match="none is given"):
         SpeculationSettings.from_manifest(manifest, policy="schedule", draft_len_schedule="off")
+    with pytest.raises(DFlashError, match="none is given"):  # an engine whose build recorded none
+        SpeculationSettings.from_manifest(base, policy="schedule")

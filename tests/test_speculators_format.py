@@ -23,6 +23,8 @@ from dflash_trt.runtime.speculators_format import convert_drafter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.sampling_params import SamplingParams
 
+from tests.test_zlab_oracle import rig
+
 DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "input_embedding_scale", "output_multiplier",
                "final_logit_softcapping", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
@@ -68,11 +70,15 @@ VARIANTS = {
 }
 
 
-def save_variant(root, name: str):
+def save_variant(root, name: str, rigged: bool = False):
+    """The variant's random drafter for a tiny target (`rigged`: the pair rigged to be accepted as
+    tests/test_zlab_oracle.rig rigs it), saved in z-lab's format -> (target, its directory)."""
     v = dict(VARIANTS[name])
     target = tiny_target("qwen3", seed=1)
     extra, save_dtype = v.pop("extra", {}), v.pop("save_dtype", None)
-    draft = random_draft(target.config, seed=2, **v)
+    draft = random_draft(target.config, seed=2, **v, **({"num_key_value_heads": 4} if rigged else {}))
+    if rigged:
+        rig(target, draft)
     draft.raw_config.update(extra)
     out = root / name
     draft.save_pretrained(out, dtype=save_dtype)
@@ -100,7 +106,9 @@ def test_round_trips_are_bit_exact(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["dflash", "dflash2"])
 def test_a_speculators_drafter_runs_as_its_zlab_twin(tmp_path, name):
-    target, zdir = save_variant(tmp_path, name)
+    """The same steps, on a pair rigged to be accepted: a random drafter's acceptance lengths are all
+    1, whatever each twin drafts."""
+    target, zdir = save_variant(tmp_path, name, rigged=True)
     convert_drafter(zdir, tmp_path / "s", "speculators")
     ours, theirs = load_drafter(zdir, torch.float64), load_drafter(tmp_path / "s", torch.float64)
     assert type(ours) is type(theirs) and ours.target_layer_ids == theirs.target_layer_ids
@@ -109,8 +117,9 @@ def test_a_speculators_drafter_runs_as_its_zlab_twin(tmp_path, name):
     assert type(pair.draft) is type(ours)
     params = SamplingParams(max_tokens=24)
     target = target.double()
-    assert dflash_generate(ours, target, [1, 2, 3], params).stats.acceptance_lengths == \
-        dflash_generate(theirs, target, [1, 2, 3], params).stats.acceptance_lengths
+    steps = dflash_generate(ours, target, [1, 2, 3], params).stats.acceptance_lengths
+    assert steps == dflash_generate(theirs, target, [1, 2, 3], params).stats.acceptance_lengths
+    assert max(steps) > 4 and min(steps) < max(steps), steps  # long accepted runs, and rejections
 
 
 def _speculators_dir(tmp_path, edit=None, tensors=None):

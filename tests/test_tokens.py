@@ -70,26 +70,67 @@ def test_no_tokenizer_folds_bytes_into_the_vocabulary():
     assert c.decode([1, 2]) == "1 2"
 
 
-def test_threads_share_one_codec(codec):
-    """HF fast tokenizers raise "Already borrowed" when two threads use one at once; the codec's
-    lock serialises encode and decode (a server encodes while its runtime decodes)."""
-    want = codec.encode("The capital of France is")
-    errors, results = [], []
+class _Exclusive:
+    """The codec's tokenizer, seen from inside: while one call is in it, another thread's call to the
+    same codec is started, and given `wait` seconds to get in. A lock makes it wait outside, so
+    each check costs `wait`; without one the other call gets in (microseconds) and is recorded."""
 
-    def work() -> None:
+    def __init__(self, codec: TextCodec, wait: float = 0.5) -> None:
+        self.tokenizer, self.codec, self.wait = codec.tokenizer, codec, wait
+        self.inside = 0
+        self.overlaps: list[str] = []
+        self.other: tuple[str, tuple] | None = None  # the call another thread makes from inside
+        self.thread: threading.Thread | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)  # chat_template, convert_tokens_to_ids, ...
+
+    def _enter(self, name: str, fn, *args, **kwargs):
+        self.inside += 1
         try:
-            for _ in range(50):
-                results.append(codec.encode("The capital of France is"))
-                codec.decode(want)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+            if self.inside > 1:
+                self.overlaps.append(name)
+            elif self.other is not None:
+                method, margs = self.other
+                self.other = None
+                self.thread = threading.Thread(target=getattr(self.codec, method), args=margs)
+                self.thread.start()
+                self.thread.join(timeout=self.wait)  # returns early only if it got in and out
+            return fn(*args, **kwargs)
+        finally:
+            self.inside -= 1
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors and all(r == want for r in results)
+    def __call__(self, *args, **kwargs):
+        return self._enter("encode", self.tokenizer, *args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self._enter("apply_chat_template", self.tokenizer.apply_chat_template, *args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self._enter("decode", self.tokenizer.decode, *args, **kwargs)
+
+
+def test_threads_share_one_codec(codec):
+    """HF fast tokenizers raise "Already borrowed" when two threads use one at once; the codec
+    serialises encode and decode (a server encodes while its runtime decodes). Checked as that
+    invariant: while each of the codec's three calls into the tokenizer is inside it, another
+    thread's call to the codec is made, and must wait outside. With the lock it waits every time
+    (the check cannot fail on a sound codec); without it the other call gets in within its 0.5 s
+    window (the old test, 4 threads hoping to collide, passed without the lock 3 times in 3)."""
+    ids = codec.encode("The capital of France is")
+    shared = TextCodec(codec.tokenizer, codec.vocab_size, codec.stop_token_ids)
+    probe = _Exclusive(shared)
+    shared.tokenizer = probe
+    calls = [("encode", ("Hi there", True)), ("encode_messages", ([{"role": "user", "content": "Hi"}],)),
+             ("decode", (ids,))]
+    for (method, args), (other, other_args) in zip(calls, calls[1:] + calls[:1]):
+        probe.other = (other, other_args)
+        getattr(shared, method)(*args)
+        assert probe.other is None and probe.thread is not None  # the other call was made from inside
+        probe.thread.join(timeout=30)  # it ran once the first call was out
+        assert not probe.thread.is_alive()
+    assert probe.overlaps == []
+    assert shared.encode("The capital of France is") == ids  # and the probe changed nothing
 
 
 def _imports(path: Path) -> set[str]:
