@@ -14,10 +14,7 @@ from pathlib import Path
 
 from dflash_trt.sampling_params import SamplingParams
 
-try:
-    from tests.conftest import save_tiny_pair
-except ImportError:  # tests/ is not a package
-    from conftest import save_tiny_pair
+from tests.conftest import save_rigged_pair, save_tiny_pair
 
 VOCAB_SIZE = 320  # 256 byte symbols + 3 specials + a few merges
 EOS = "<|im_end|>"  # id 2 == LlamaConfig's default eos_token_id
@@ -52,9 +49,11 @@ def save_tiny_tokenizer(directory: Path) -> None:
 
 
 def make_tiny_engine(root: Path, max_seq_len: int = 256, block_size: int = 8, seed: int = 0,
-                     max_draft_len: int | None = None, arch: str = "llama") -> Path:
+                     max_draft_len: int | None = None, arch: str = "llama", rigged: bool = False) -> Path:
     """Write `root/engine` (target + tokenizer, draft, llm_api_options.yaml, dflash_trt.json).
-    `max_draft_len`: K recorded in the manifest and the YAML (default block_size - 1)."""
+    `max_draft_len`: K recorded in the manifest and the YAML (default block_size - 1); `rigged`:
+    the pair of tests/conftest.save_rigged_pair, whose drafts are accepted (a random drafter's
+    almost never are, so counts of accepted drafts would all read 0)."""
     import json
 
     import yaml
@@ -67,7 +66,10 @@ def make_tiny_engine(root: Path, max_seq_len: int = 256, block_size: int = 8, se
     engine = root / "engine"
     engine.mkdir(parents=True)
     K = block_size - 1 if max_draft_len is None else max_draft_len
-    tdir, ddir = save_tiny_pair(engine, arch=arch, block_size=block_size, seed=seed, vocab_size=VOCAB_SIZE)
+    if rigged:
+        tdir, ddir = save_rigged_pair(engine, arch=arch, block_size=block_size, vocab_size=VOCAB_SIZE)
+    else:
+        tdir, ddir = save_tiny_pair(engine, arch=arch, block_size=block_size, seed=seed, vocab_size=VOCAB_SIZE)
     save_tiny_tokenizer(tdir)
     tcfg = read_json(tdir / "config.json", what="target config")
     dcfg = read_json(ddir / "config.json", what="drafter config")
@@ -116,6 +118,13 @@ def shared_tiny_engine(tmp_path_factory) -> Path:
     if "tiny" not in _ENGINES:
         _ENGINES["tiny"] = make_tiny_engine(tmp_path_factory.mktemp("tiny_engine"))
     return _ENGINES["tiny"]
+
+
+def shared_rigged_engine(tmp_path_factory) -> Path:
+    """One tiny engine whose drafts are accepted (make_tiny_engine rigged) per test session."""
+    if "rigged" not in _ENGINES:
+        _ENGINES["rigged"] = make_tiny_engine(tmp_path_factory.mktemp("rigged_engine"), rigged=True)
+    return _ENGINES["rigged"]
 
 
 def shared_gpu_tiny_engine(tmp_path_factory, gpu: str = "h100", dtype: str = "bfloat16") -> Path:

@@ -1,8 +1,10 @@
-"""`dflash-trt bench --url` against the project's own Triton gRPC server (real tritonclient over
-loopback): the same prompts give the same tau, token counts and acceptance as the in-process run,
-since tau does not depend on the transport, and each request's latency splits into the server's
-queue, its decoding and the rest (server overhead). The server hosts the tiny engine on ephemeral
-ports."""
+"""`dflash-trt bench --url` against the real tritonserver serving the project's repository (real
+tritonclient over loopback) and the OpenAI front beside it: the same prompts give the same tau,
+token counts and acceptance as the in-process run, since tau does not depend on the transport, and
+each request's latency splits into the server's queue, its decoding and the rest (server
+overhead). The session's decoupled server (tests/conftest.py `triton_streaming`) is pinned to the
+reference loop's schedule (policy fixed: K drafts every step); the serving default, adaptive, picks
+k from MEASURED step times, so its tau would depend on machine load."""
 
 from __future__ import annotations
 
@@ -12,16 +14,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-try:
-    from tests.engine_fixtures import shared_tiny_engine
-except ImportError:  # tests/ is not a package
-    from engine_fixtures import shared_tiny_engine
-
 from dflash_trt.cli import main
-from dflash_trt.serving.repository import TritonRepoSettings, generate_repository
-from dflash_trt.serving.server import TritonGrpcServer
+from tests.engine_fixtures import shared_tiny_engine
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(240)
 
 ARGS = ["--num-prompts", "4", "--max-new-tokens", "24", "--no-plots"]
 
@@ -32,20 +28,13 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(engine, tmp_path_factory):
-    """A server pinned to the reference loop's schedule (policy fixed: K drafts every step). The
-    serving default, adaptive, picks k from MEASURED step times, so its tau depends on machine load.
-    gRPC and the OpenAI endpoint on one runtime."""
-    settings = TritonRepoSettings(policy="fixed")
-    repo = generate_repository(engine, tmp_path_factory.mktemp("bench_serve") / "repo", settings)
-    srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=None, http_port=0).start()
-    yield srv
-    srv.stop(grace=2.0)
+def server(triton_streaming):
+    return triton_streaming
 
 
 @pytest.fixture(scope="module")
 def url(server):
-    return f"127.0.0.1:{server.grpc_port}"
+    return server.grpc_url
 
 
 def _bench(tmp_path, name, *args) -> dict:
@@ -89,13 +78,27 @@ def test_endpoint_tau_equals_in_process(engine, url, tmp_path):
     assert remote["ceiling"]["measured_speedup"] is None
 
 
-def test_endpoint_rejects_multi_turn_prompts(url, tmp_path):
+def test_a_multi_turn_prompt_travels_as_messages_and_matches_in_process(engine, url, tmp_path):
+    """A conversation goes to the model as text_input_format "messages" (its chat template applied
+    there, as in process): the same prompt tokens, output tokens and tau as the in-process run."""
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": "Hi"}]}) + "\n")
-    res = CliRunner().invoke(main, ["bench", "--url", url, "--prompts", str(f), "--max-new-tokens", "4", "--no-plots"])
-    assert res.exit_code != 0
-    assert "several chat turns" in res.output and "Traceback" not in res.output
+    args = ["--prompts", str(f), "--max-new-tokens", "12", "--no-plots"]
+    remote = json.loads(_run(tmp_path, "remote", "--url", url, *args))
+    local = json.loads(_run(tmp_path, "local", "--engine", str(engine), *args))
+    (r,) = [x for x in remote["requests"] if x["mode"] == "dflash"]
+    (mine,) = [x for x in local["requests"] if x["mode"] == "dflash"]
+    assert not r.get("error")
+    for key in ("num_prompt_tokens", "num_output_tokens", "num_steps", "total_accepted_draft_tokens"):
+        assert r[key] == mine[key], key
+
+
+def _run(tmp_path, name, *args) -> str:
+    out = tmp_path / name
+    res = CliRunner().invoke(main, ["bench", *args, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return (out / "bench.json").read_text()
 
 
 @pytest.mark.parametrize("protocol", ["triton", "openai"])
@@ -104,7 +107,7 @@ def test_frontier_against_a_server_with_a_plain_url(server, engine, protocol, tm
     server: what it runs does not matter to the maths), --engine the GPU count (the tiny engine's
     tp x pp = 1), --gpus overrides it; each point divides the run's throughput by it, and
     --interactivity reads both modes at an X inside the measured range and one above it."""
-    url = f"127.0.0.1:{server.grpc_port}" if protocol == "triton" else f"http://127.0.0.1:{server.http_port}"
+    url = server.grpc_url if protocol == "triton" else server.openai_base
     args = ["--url", url, "--plain-url", url, "--concurrency", "1,2"]
     first = _bench(tmp_path, "engine", *args, "--engine", str(engine))
     front = first["frontier"]

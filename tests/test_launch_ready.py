@@ -1,15 +1,12 @@
-"""`dflash-trt deploy wait-ready`, the readiness wait of the serve job, against real servers:
-a grpcio server implementing KServe v2 ServerReady (tritonclient's own protos) and an HTTP server
-(trtllm-serve's /health)."""
+"""`dflash-trt deploy wait-ready`, the readiness wait of the serve job, against the real
+tritonserver: its gRPC ServerReady (through tritonclient) while it loads a model and after, and
+its HTTP /v2/health/ready."""
 
 from __future__ import annotations
 
-import http.server
 import subprocess
 import sys
-import threading
 import time
-from concurrent import futures
 
 import pytest
 from click.testing import CliRunner
@@ -19,61 +16,43 @@ from dflash_trt.deploy.ready import probe, wait_ready
 from dflash_trt.errors import DFlashError
 
 
-@pytest.fixture
-def kserve_server():
-    """A gRPC server whose ServerReady answers `state['ready']`; yields (address, state)."""
-    import grpc
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
+@pytest.fixture(scope="module")
+def starting_server(tmp_path_factory):
+    """tritonserver started over the tiny engine's repository WITHOUT waiting for it: yields
+    (process, grpc address, http base) while it is still loading its model."""
+    from dflash_trt.serving.repository import generate_repository
+    from dflash_trt.serving.tritonserver import (ServerPorts, TritonServerProcess, require_tritonserver,
+                                                 resolve_ports, server_environment)
+    from tests.engine_fixtures import shared_tiny_engine
 
-    state = {"ready": False, "calls": 0}
-
-    class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-        def ServerReady(self, request, context):  # noqa: N802 - the protocol's name
-            state["calls"] += 1
-            return service_pb2.ServerReadyResponse(ready=state["ready"])
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    root = tmp_path_factory.mktemp("ready")
+    repo = generate_repository(shared_tiny_engine(tmp_path_factory), root / "repo")
+    install = require_tritonserver()
+    ports = ServerPorts(grpc=0, http=0, metrics=None)
+    resolve_ports(ports)
+    server = TritonServerProcess(repo, ports, install=install, exit_timeout_s=2)
+    with open(root / "tritonserver.log", "w") as log:
+        proc = subprocess.Popen(server.command(), stdout=log, stderr=subprocess.STDOUT,
+                                env=server_environment(install), start_new_session=True)
     try:
-        yield f"127.0.0.1:{port}", state
+        yield proc, server.grpc_url, server.http_url
     finally:
-        server.stop(0)
+        proc.kill()
+        proc.wait(30)
 
 
-@pytest.fixture
-def http_server():
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            self.send_response(200 if self.path == "/health" else 503)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+def test_grpc_server_ready_is_honoured(starting_server):
+    proc, address, _ = starting_server
+    assert probe(address) is False  # still loading its model: Triton's gRPC is not up yet
+    waited = wait_ready([f"grpc://{address}"], timeout_s=120, pid=proc.pid, interval_s=0.1)
+    assert 0 < waited < 120 and probe(address) is True
 
 
-def test_grpc_server_ready_is_honoured(kserve_server):
-    address, state = kserve_server
-    assert probe(address) is False and state["calls"] == 1  # up but not ready
-    threading.Timer(0.5, lambda: state.update(ready=True)).start()
-    waited = wait_ready([f"grpc://{address}"], timeout_s=10, interval_s=0.1)
-    assert 0.3 < waited < 10 and probe(address) is True
-
-
-def test_http_health(http_server):
-    assert wait_ready([f"{http_server}/health"], timeout_s=5, interval_s=0.1) < 5
+def test_http_health(starting_server):
+    proc, _, http = starting_server
+    assert wait_ready([f"{http}/v2/health/ready"], timeout_s=120, pid=proc.pid, interval_s=0.1) < 120
     with pytest.raises(DFlashError, match="not ready after 1s"):
-        wait_ready([f"{http_server}/v2/health/ready"], timeout_s=1, interval_s=0.1)
+        wait_ready([f"{http}/v2/models/nope/ready"], timeout_s=1, interval_s=0.1)
 
 
 def test_dead_server_process_fails_at_once(tmp_path):

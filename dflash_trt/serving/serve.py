@@ -13,8 +13,9 @@ stops both:
 - SIGTERM / SIGINT: the front stops taking requests; tritonserver gets SIGTERM and lets in-flight
   requests finish for ``--exit-timeout-secs``; then everything still alive in its process group
   (the stubs) is killed. A second signal stops at once.
-- tritonserver exiting on its own (a crash): the front stops too and `serve` exits non-zero with
-  the reason in one line.
+- tritonserver exiting on its own: after a signal of its own (Slurm's scancel signals every
+  process of a step) it exits 0, and `serve` stops cleanly too; a crash stops the front and `serve`
+  exits non-zero with the reason in one line.
 - `serve` killed with SIGKILL: tritonserver dies with it (PR_SET_PDEATHSIG) and its stubs follow
   their parent, so no server is left holding the ports.
 """
@@ -96,7 +97,7 @@ def run_serve(repository: str | Path, ports: ServerPorts, openai_port: int | Non
     elif openai_port == 0:
         openai_port = free_port(ports.address)
     server = TritonServerProcess(Path(repository), ports, models=models, exit_timeout_s=exit_timeout_s)
-    stop_requested = threading.Event()
+    stop_requested, started = threading.Event(), threading.Event()
     front: OpenAIThread | None = None
 
     def on_signal(signum: int, frame: Any) -> None:  # noqa: ARG001
@@ -105,7 +106,7 @@ def run_serve(repository: str | Path, ports: ServerPorts, openai_port: int | Non
             server.kill()
             return
         stop_requested.set()
-        if not server.running:  # still starting: unwind now (start() kills what it started)
+        if not started.is_set():  # still starting: unwind now (start() kills what it started)
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = {}
@@ -115,9 +116,15 @@ def run_serve(repository: str | Path, ports: ServerPorts, openai_port: int | Non
     try:
         try:
             server.start(ready_timeout_s)
+            started.set()
         except KeyboardInterrupt:
             log.info("stopped while tritonserver was starting")
             return 0
+        except DFlashError:
+            if stop_requested.is_set():  # it exited because the same signal reached it first
+                log.info("stopped while tritonserver was starting")
+                return 0
+            raise
         if openai_port is not None:
             front = OpenAIThread(OpenAIFront(server.grpc_url, max_streams=max_streams), ports.address,
                                  openai_port).start()
@@ -128,8 +135,11 @@ def run_serve(repository: str | Path, ports: ServerPorts, openai_port: int | Non
             write_text_atomic(ready_file, ready_line(server, front.port if front else None))
         while not stop_requested.wait(0.5):
             if not server.running:
-                raise DFlashError(f"tritonserver exited on its own (code {server.process.returncode}): "  # type: ignore[union-attr]
-                                  f"{_last_error(server)}")
+                code = server.process.returncode  # type: ignore[union-attr]
+                if code == 0:  # it was told to stop (Slurm signals every process of a step): so do we
+                    log.info("tritonserver stopped (it was signalled); stopping")
+                    break
+                raise DFlashError(f"tritonserver exited on its own (code {code}): {_last_error(server)}")
         log.info("stopping: in-flight requests get up to %.0f s", exit_timeout_s)
         return 0
     finally:

@@ -117,15 +117,34 @@ def _stub_python(stub: Path) -> str | None:
     return found.group(1).decode() if found else None
 
 
-def stub_problems(install: TritonInstall | None) -> list[str]:
+@dataclass(frozen=True)
+class StubFacts:
+    """What the stub needs of this Python environment, as read off it (:meth:`here`)."""
+
+    python: str  # major.minor of the interpreter
+    libdir: Path | None  # where its shared libpython is (None: built static, or the library is missing)
+    numpy: str | None  # numpy's version in this environment (None: not installed)
+    prefix: str = ""  # the environment, for messages
+
+    @classmethod
+    def here(cls) -> "StubFacts":
+        try:
+            numpy_version = importlib.metadata.version("numpy")
+        except importlib.metadata.PackageNotFoundError:
+            numpy_version = None
+        return cls(f"{sys.version_info.major}.{sys.version_info.minor}", python_libdir(), numpy_version, sys.prefix)
+
+
+def stub_problems(install: TritonInstall | None, facts: StubFacts | None = None) -> list[str]:
     """What keeps tritonserver's Python backend from running our model here, one line each."""
     if install is None:
         return [f"no tritonserver found (not ${ENV_BINARY}, not on PATH, not in {CONTAINER_BINARY.parent.parent}, "
                 f"not installed by dflash-trt); {SETUP_HINT}, or run in NVIDIA's Triton container"]
+    facts = facts or StubFacts.here()
+    here = facts.python
     problems = []
     if not install.binary.is_file() or not os.access(install.binary, os.X_OK):
         problems.append(f"{install.binary} ({install.origin}) is not an executable file; {SETUP_HINT}")
-    here = f"{sys.version_info.major}.{sys.version_info.minor}"
     if not install.stub.is_file():
         problems.append(f"no Python backend stub in {install.stub.parent} for Python {here}; {SETUP_HINT}, or copy "
                         f"python_backend_stubs/{here}/{STUB} there")
@@ -135,18 +154,14 @@ def stub_problems(install: TritonInstall | None) -> list[str]:
             problems.append(f"the Python backend stub {install.stub} is built for Python {built_for}, this "
                             f"environment runs {here}; serve from a Python {built_for} virtualenv, or install a stub "
                             f"for {here} ({SETUP_HINT})")
-    if python_libdir() is None:
-        problems.append(f"this Python ({sys.executable}) has no shared libpython{here}.so, which the stub links; "
-                        f"use a Python built with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)")
-    try:
-        numpy_version = importlib.metadata.version("numpy")
-    except importlib.metadata.PackageNotFoundError:
-        numpy_version = None
-    if numpy_version is None:
-        problems.append(f"numpy is not installed in {sys.prefix}; the Python backend needs it (`pip install "
+    if facts.libdir is None:
+        problems.append(f"this Python ({here}) has no shared libpython{here}.so, which the stub links; use a Python "
+                        f"built with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)")
+    if facts.numpy is None:
+        problems.append(f"numpy is not installed in {facts.prefix}; the Python backend needs it (`pip install "
                         f"'numpy<2'`)")
-    elif int(numpy_version.split(".")[0]) >= 2:
-        problems.append(f"numpy {numpy_version} in {sys.prefix}: Triton's Python backend stub garbles every text "
+    elif int(facts.numpy.split(".")[0]) >= 2:
+        problems.append(f"numpy {facts.numpy} in {facts.prefix}: Triton's Python backend stub garbles every text "
                         f"(BYTES) tensor with numpy 2; `pip install 'numpy<2'` ({SETUP_HINT} pins it)")
     return problems
 
