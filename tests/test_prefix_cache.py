@@ -276,3 +276,19 @@ def test_a_prefill_after_a_cached_prefix_leaves_the_same_bits_on_the_panel_kerne
         assert torch.equal(warm.cache.kv.values[layer][hot.slot, :, :P], plain.cache.kv.values[layer][cold.slot, :, :P])
     assert torch.equal(warm.features[hot.slot, BT * 2: P], plain.features[cold.slot, BT * 2: P])
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_a_request_that_never_drafted_still_leaves_its_blocks_with_the_drafters_context():
+    """max_tokens = 1 ends at the prefill: the drafter catches up on the row before it leaves, so the
+    next request hits, and its drafter holds the same context K/V as a run without the cache."""
+    target = tiny_target("qwen3", seed=2).double()
+    draft = random_draft(target.config, block_size=8, seed=5).double()
+    prompt = SYSTEM + [40, 41, 42]
+    _, k_ref, v_ref = _after_first_draft(runtime(target, draft), prompt)
+    warm = runtime(target, draft)
+    one_after_another(warm, [SYSTEM + [7]], [SamplingParams(max_tokens=1)])
+    assert len(warm.prefix_cache) == 2
+    h, k, v = _after_first_draft(warm, prompt)
+    assert h.stats.num_cached_tokens == 2 * BT
+    torch.testing.assert_close(k, k_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(v, v_ref, rtol=0, atol=1e-12)

@@ -614,6 +614,9 @@ class BatchedRuntime:
             return
         prompt = seq.request.prompt_ids
         tokens = list(prompt) + seq.out[:-1]
+        if (not prompt_only and self.proposer is not None and seq.draft_len < min(seq.start, len(tokens))
+                and min(seq.start, len(tokens)) // pc.block_tokens > seq.published):
+            self._drafter_catch_up(seq)  # it ends before its drafter consumed its blocks
         final = min(seq.start, len(tokens), seq.draft_len if self.proposer is not None else seq.start)
         if prompt_only:
             if final < len(prompt):
@@ -628,6 +631,19 @@ class BatchedRuntime:
                                    first=len(hashes))
         pc.insert(hashes[:n], seq.slot, self._caches())
         seq.published = n
+
+    def _drafter_catch_up(self, seq: BatchedSequence) -> None:
+        """The drafter consumes `seq`'s backlog now (one eager pass of its row, as a shadow draft runs):
+        a sequence that ends after a plain streak, or right after its first token, would otherwise
+        leave blocks without drafter context, which the cache never takes. The context K/V are what a
+        drafting step would write; the block's K/V past `start` are never read."""
+        assert self.proposer is not None
+        table = self.transfers.upload(row_table([seq], 1))  # [1, 5]
+        self.proposer.propose(table, self.passes.features, 1, seq.backlog, self.shapes.draft_width(seq.start),
+                              first_slot=seq.slot)
+        seq.draft_len = seq.start
+        if self.graphs is not None:
+            self.eager_passes["prefix-cache catch-up"] += 1
 
     # -- finishing -------------------------------------------------------------------------------
     def _fail(self, seq: BatchedSequence, finished: list[BatchedSequence]) -> None:
