@@ -202,16 +202,51 @@ def test_a_hit_leaves_the_drafter_the_context_k_v_of_every_prompt_position():
     plain.run()
 
 
-def test_a_blind_drafter_is_a_measurement_only_and_masks_the_cached_context():
-    """context_recompute_tail = 0: the drafter attends only to positions after the hit; the tokens
-    stay the target's (greedy), the drafts may differ."""
+def test_a_blind_drafter_attends_to_nothing_before_its_floor_and_changes_no_token():
+    """context_recompute_tail = N (the measurement of scripts/context_recompute_tail.py): after a hit
+    of c tokens the drafter's pass ignores whatever its cache holds before c - N (garbage there
+    changes nothing), while with its floor at 0 it reads it; the tokens stay the target's."""
+    from dflash_trt.runtime.scheduling import row_table
+
     target = tiny_target("qwen3", seed=2).double()
     draft = random_draft(target.config, block_size=8, seed=5).double()
     prompt = SYSTEM + [40, 41, 42]
     ref = dflash_generate(draft, target, prompt, SamplingParams(max_tokens=20))
-    rt = runtime(target, draft, extras=RuntimeExtras(context_recompute_tail=0))
-    got = one_after_another(rt, [SYSTEM + [7], prompt], [SamplingParams(max_tokens=3), SamplingParams(max_tokens=20)])
-    assert got[1].output_ids == ref.output_ids and got[1].stats.num_cached_tokens == 2 * BT
+    rt = runtime(target, draft, extras=RuntimeExtras(context_recompute_tail=16))
+    one_after_another(rt, [SYSTEM + [7]], [SamplingParams(max_tokens=3)])
+    h = rt.add(SequenceRequest(prompt, SamplingParams(max_tokens=20)))
+    rt.step()  # its prefill, after the hit
+    floor = 2 * BT - 16
+    assert (h.cached, h.context_floor) == (2 * BT, floor)
+
+    @torch.inference_mode()
+    def hidden(at_floor: int) -> torch.Tensor:
+        h.context_floor = at_floor
+        table = rt.transfers.upload(row_table([h], 1))
+        return rt.proposer.hidden(table, rt.features, 3, h.backlog, rt.shapes.draft_width(h.start), first_slot=h.slot)
+
+    blind, seeing = hidden(floor), hidden(0)
+    kv = rt.draft_cache.kv
+    with torch.inference_mode():
+        for t in (*kv.keys, *kv.values):
+            t[h.slot, :, :floor] = torch.randn_like(t[h.slot, :, :floor])
+    assert torch.equal(hidden(floor), blind)  # nothing before the floor reaches it
+    assert not torch.allclose(hidden(0), seeing)  # without a floor the same garbage does
+    h.context_floor = floor
+    rt.run()
+    assert h.result.output_ids == ref.output_ids
+
+
+def test_a_hash_that_ignored_the_prefix_would_serve_another_offsets_k_v():
+    """B's first block has the tokens of A's second: a block named by its tokens alone would hand B
+    the K/V A computed at positions 32..63 after A's first block."""
+    target, draft = rigged_pair("v1+fields")
+    x, y = SYSTEM[:BT], SYSTEM[BT: 2 * BT]
+    a, b = x + y + [3, 4], y + [5, 6, 7]
+    ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=12)) for p in (a, b)]
+    got = one_after_another(runtime(target, draft), [a, b], [SamplingParams(max_tokens=12)] * 2)
+    assert [g.output_ids for g in got] == [r.output_ids for r in ref]
+    assert got[1].stats.num_cached_tokens == 0
 
 
 # -- 4. failures leave the cache as it was -------------------------------------------------------
