@@ -186,14 +186,24 @@ def _after_first_draft(rt: BatchedRuntime, prompt: list[int]):
     return h, kv.keys[0][h.slot, :, : len(prompt)].clone(), kv.values[-1][h.slot, :, : len(prompt)].clone()
 
 
+OTHER = [(5 * i) % 80 + 9 for i in range(2 * BT + 6)]  # shares nothing with SYSTEM
+
+
+def warmed(target, draft, max_tokens: int = 3) -> BatchedRuntime:
+    """A runtime whose cache holds SYSTEM's two blocks, and whose slots were overwritten since by
+    another prompt (a hit must copy everything it needs: the slot's leftovers are another request's)."""
+    rt = runtime(target, draft)
+    one_after_another(rt, [SYSTEM + [7], OTHER], [SamplingParams(max_tokens=max_tokens), SamplingParams(max_tokens=3)])
+    return rt
+
+
 def test_a_hit_leaves_the_drafter_the_context_k_v_of_every_prompt_position():
     target = tiny_target("qwen3", seed=2).double()
     draft = random_draft(target.config, block_size=8, seed=5).double()
     prompt = SYSTEM + [40, 41, 42]
     plain = runtime(target, draft, mib=8.0)
     _, k_ref, v_ref = _after_first_draft(plain, prompt)
-    warm = runtime(target, draft)
-    one_after_another(warm, [SYSTEM + [7]], [SamplingParams(max_tokens=3)])
+    warm = warmed(target, draft)
     h, k, v = _after_first_draft(warm, prompt)
     assert h.stats.num_cached_tokens == 2 * BT
     torch.testing.assert_close(k, k_ref, rtol=0, atol=1e-12)
@@ -301,8 +311,7 @@ def test_a_prefill_after_a_cached_prefix_leaves_the_same_bits_on_the_panel_kerne
     prompt = SYSTEM + [40, 41, 42]
     plain = runtime(target, draft)
     cold, k_ref, v_ref = _after_first_draft(plain, prompt)
-    warm = runtime(target, draft)
-    one_after_another(warm, [SYSTEM + [7]], [SamplingParams(max_tokens=3)])
+    warm = warmed(target, draft)
     hot, k, v = _after_first_draft(warm, prompt)
     assert hot.stats.num_cached_tokens == 2 * BT
     P = len(prompt)
@@ -320,9 +329,8 @@ def test_a_request_that_never_drafted_still_leaves_its_blocks_with_the_drafters_
     draft = random_draft(target.config, block_size=8, seed=5).double()
     prompt = SYSTEM + [40, 41, 42]
     _, k_ref, v_ref = _after_first_draft(runtime(target, draft), prompt)
-    warm = runtime(target, draft)
-    one_after_another(warm, [SYSTEM + [7]], [SamplingParams(max_tokens=1)])
-    assert len(warm.prefix_cache) == 2
+    warm = warmed(target, draft, max_tokens=1)
+    assert len(warm.prefix_cache) == 4  # SYSTEM's two blocks and OTHER's
     h, k, v = _after_first_draft(warm, prompt)
     assert h.stats.num_cached_tokens == 2 * BT
     torch.testing.assert_close(k, k_ref, rtol=0, atol=1e-12)
