@@ -28,26 +28,12 @@ half its width. ``recommended``: the smallest N whose tau lies within that inter
 from __future__ import annotations
 
 import argparse
-import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 TAILS: tuple[int | None, ...] = (0, 16, 64, 256, None)  # None: all of it
-
-
-def pooled_tau(steps_by_conv: list[list[int]]) -> float:
-    steps = [a for conv in steps_by_conv for a in conv]
-    return sum(steps) / len(steps) if steps else 0.0
-
-
-def bootstrap_halfwidth(steps_by_conv: list[list[int]], resamples: int = 2000, seed: int = 0) -> float:
-    """Half the width of the 95% percentile bootstrap interval of the pooled tau, conversations resampled."""
-    rng = random.Random(seed)
-    n = len(steps_by_conv)
-    taus = sorted(pooled_tau([steps_by_conv[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
-    return (taus[int(0.975 * (resamples - 1))] - taus[int(0.025 * (resamples - 1))]) / 2
 
 
 def main() -> int:
@@ -64,7 +50,7 @@ def main() -> int:
 
     import torch
 
-    from dflash_trt.bench.multiturn import conversations, run_conversations, system_prompt
+    from dflash_trt.bench.multiturn import conversations, pooled_tau, run_conversations, system_prompt, tau_halfwidth
     from dflash_trt.embedded import pair_dirs_or_default
     from dflash_trt.fsutil import write_json_atomic
     from dflash_trt.pairs import PairSource, load_pair
@@ -110,7 +96,7 @@ def main() -> int:
         print("error: the outputs differ between tails: the blind drafter changed tokens (not lossless)", file=sys.stderr)
         return 1
 
-    half = bootstrap_halfwidth(results["all"]["steps_by_conv"])
+    half = tau_halfwidth(results["all"]["steps_by_conv"])
     tau_all = results["all"]["tau"]
     # within all's interval -- or above it: a blind drafter that accepts more than the whole context
     # loses nothing (a drafter trained on short contexts can, see the "why")

@@ -45,9 +45,11 @@ def test_hits_decode_as_the_reference_loop_with_the_same_acceptance():
     shared = next(i for i, (a, b) in enumerate(zip(first, other)) if a != b)  # the system prompt's ids and more
     assert shared > 3 * BT and shared % BT, "the test wants a shared prefix ending mid-block"
     boundary = shared // BT * BT
+    aside = codec.encode("Now for something else entirely: list three rivers of Europe.", raw=True)
+    assert aside[0] != first[boundary]
     prompts = [first,
-               first[:boundary] + other[boundary:],  # shares exactly `boundary` tokens: ends on a block edge
-               other]  # shares `shared` tokens: ends mid-block, its last partial block recomputed
+               first[:boundary] + aside,  # shares exactly `boundary` tokens with the first: ends on a block edge
+               other]  # shares `shared` tokens with the first: ends mid-block, its last partial block recomputed
     ref = [dflash_generate(pair.draft, pair.target, p, params, pair.speculation) for p in prompts]
     second = first + ref[0].output_ids[:-1] + codec.encode_messages(
         [system, {"role": "user", "content": questions[2]}])[shared:]  # the next turn resends the answer

@@ -115,6 +115,30 @@ def run_conversations(rt: Any, codec: Any, system: str, convs: Sequence[Sequence
     return sorted(records, key=lambda r: (r.conversation, r.turn)), time.perf_counter() - t0
 
 
+def pooled_tau(steps_by_conversation: Sequence[Sequence[int]]) -> float:
+    """Tau pooled over every step of the conversations given (tokens committed / steps)."""
+    steps = [a for conv in steps_by_conversation for a in conv]
+    return sum(steps) / len(steps) if steps else 0.0
+
+
+def tau_halfwidth(steps_by_conversation: Sequence[Sequence[int]], resamples: int = 2000, seed: int = 0) -> float:
+    """Half the width of the 95% percentile bootstrap interval of the pooled tau, conversations
+    resampled whole (their turns and steps with them: turns of one conversation are not independent)."""
+    import random
+
+    rng = random.Random(seed)
+    n = len(steps_by_conversation)
+    if n == 0:
+        return 0.0
+    taus = sorted(pooled_tau([steps_by_conversation[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    return (taus[int(0.975 * (resamples - 1))] - taus[int(0.025 * (resamples - 1))]) / 2
+
+
+def steps_by_conversation(records: Sequence[TurnRecord]) -> list[list[int]]:
+    convs = sorted({r.conversation for r in records})
+    return [[a for r in records if r.conversation == c for a in r.acceptance_lengths] for c in convs]
+
+
 def summary(records: Sequence[TurnRecord], wall_s: float) -> dict[str, Any]:
     """One side's figures over its turns (tau pooled over every step, as metrics.merge_stats)."""
     steps = [a for r in records for a in r.acceptance_lengths]
@@ -126,6 +150,7 @@ def summary(records: Sequence[TurnRecord], wall_s: float) -> dict[str, Any]:
             "ttft_s": summarize([r.ttft_s for r in records]),
             "tpot_s": summarize([r.tpot_s for r in records if r.num_output_tokens > 1]),
             "tau": sum(steps) / len(steps) if steps else 0.0, "steps": len(steps),
+            "tau_interval_halfwidth": tau_halfwidth(steps_by_conversation(records)),
             "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
             "reused_blocks": sum(r.num_reused_blocks for r in records),
             "missed_blocks": sum(r.num_missed_blocks for r in records)}
@@ -219,6 +244,10 @@ def run_multiturn(cfg: Any, say: Callable[[str], None]) -> dict[str, Any]:
         rt.run()  # lazy initialisation out of the figures
         if hasattr(rt.policy, "reset_acceptance"):
             rt.policy.reset_acceptance()
+            if cfg.calibrate:  # adaptive: each candidate k's step cost at every level, as bench's batched side
+                from dflash_trt.runtime.policy_calibration import calibrate
+
+                calibrate(rt, sorted(set(cfg.concurrency)))
         rt.reset_prefix_cache()
         return rt
 
@@ -249,18 +278,23 @@ def run_multiturn(cfg: Any, say: Callable[[str], None]) -> dict[str, Any]:
                        "identical": [r.output_ids for r in got["on"][0]] == [r.output_ids for r in got["off"][0]],
                        "steps_identical": ([r.acceptance_lengths for r in got["on"][0]]
                                            == [r.acceptance_lengths for r in got["off"][0]]),
+                       # tau unchanged: on's within off's 95% interval (bootstrap over conversations)
+                       "tau_within_interval": abs(on["tau"] - off["tau"]) <= off["tau_interval_halfwidth"],
                        "throughput_ratio": on["tokens_per_s"] / off["tokens_per_s"] if off["tokens_per_s"] else 0.0,
                        "ttft_ratio": on["ttft_s"]["mean"] / off["ttft_s"]["mean"] if off["ttft_s"]["mean"] else 0.0})
     say(f"TTFT probe: {len(probe)} tokens, the first {cfg.probe_cached_tokens} cached, {cfg.probe_reps} times each way")
     probe_out = ttft_probe(sides["on"], sides["off"], probe, cfg.probe_cached_tokens, cfg.probe_reps,
                            SamplingParams(max_tokens=1))
     budget = int(cfg.prefix_cache_mib * 2**20)
+    peak = max((lv["on"]["prefix_cache"] or {}).get("peak_blocks", 0) for lv in levels)
     return {"workload": "multi-turn", "config": cfg.model_dump(), "environment": environment(cfg),
             "source": {"target": cfg.target, "draft": cfg.draft, "engine": cfg.engine,
                        "speculation": spec.to_dict()},
             "system_prompt_tokens": len(codec.encode_messages([{"role": "system", "content": system}])),
             "conversations": len(convs), "turns": cfg.turns, "levels": levels, "ttft_probe": probe_out,
-            "memory": {"budget_bytes": budget, "prefix_cache": sides["on"].prefix_cache.stats(),
+            "memory": {"budget_bytes": budget, "allocated_bytes": sides["on"].prefix_cache.allocated_bytes,
+                       "block_bytes": sides["on"].prefix_cache.block_bytes, "peak_blocks": peak,
+                       "evicted_blocks": sum((lv["on"]["prefix_cache"] or {}).get("evicted_blocks", 0) for lv in levels),
                        "within_budget": sides["on"].prefix_cache.allocated_bytes <= budget,
                        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
             "records": records}
@@ -278,13 +312,14 @@ def print_multiturn(result: dict[str, Any], echo: Callable[[str], None]) -> None
             echo(f"{lv['concurrency']:>3} {name:>5} {s['tokens_per_s']:>8.2f} {s['ttft_s']['mean']:>9.3f}s "
                  f"{s['ttft_s']['p50']:>8.3f}s {s['tpot_s']['mean'] * 1e3:>8.1f}ms {s['tau']:>6.3f} "
                  f"{s['hit_rate']:>8.1%}  {lv['identical'] if name == 'on' else ''}")
-        echo(f"    on/off: throughput {lv['throughput_ratio']:.2f}x, TTFT {lv['ttft_ratio']:.3f}x, "
-             f"per-step acceptance identical: {lv['steps_identical']}")
+        echo(f"    on/off: throughput {lv['throughput_ratio']:.2f}x, TTFT {lv['ttft_ratio']:.3f}x, tau {lv['on']['tau']:.3f} "
+             f"vs {lv['off']['tau']:.3f} +- {lv['off']['tau_interval_halfwidth']:.3f} (within: "
+             f"{lv['tau_within_interval']}), per-step acceptance identical: {lv['steps_identical']}")
     p = result["ttft_probe"]
     echo(f"TTFT probe ({p['prompt_tokens']} tokens, {p['cached_tokens']} cached): median {p['median_on_s'] * 1e3:.0f} ms "
          f"cached vs {p['median_off_s'] * 1e3:.0f} ms uncached = {p['ratio']:.3f}x")
     m = result["memory"]
-    pc = m["prefix_cache"]
-    echo(f"prefix cache memory: {pc['allocated_bytes'] / 2**20:.0f} MiB allocated (peak {pc['peak_blocks']} blocks = "
-         f"{pc['peak_blocks'] * pc['block_bytes'] / 2**20:.0f} MiB used) of a {m['budget_bytes'] / 2**20:.0f} MiB budget: "
-         f"within budget {m['within_budget']}")
+    echo(f"prefix cache memory: {m['allocated_bytes'] / 2**20:.0f} MiB allocated (peak {m['peak_blocks']} blocks = "
+         f"{m['peak_blocks'] * m['block_bytes'] / 2**20:.0f} MiB used, {m['evicted_blocks']} evicted) of a "
+         f"{m['budget_bytes'] / 2**20:.0f} MiB budget: within budget {m['within_budget']}; process peak RSS "
+         f"{m['max_rss_bytes'] / 2**30:.2f} GiB")

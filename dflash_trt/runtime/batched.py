@@ -156,7 +156,7 @@ class RuntimeExtras:
     graph_batch_sizes: tuple[int, ...] | None = None
     # a MEASUREMENT of what a drafter blind to the cached prefix loses (scripts/context_recompute_tail.py):
     # on a prefix-cache hit of c tokens the drafter attends only to context positions >= c - N, as
-    # TensorRT-LLM's DFlash does with context_recompute_tail = N (its cache keeps no drafter context).
+    # TensorRT-LLM's DFlash does with context_recompute_tail = N (its drafter sees no more of a cached prefix).
     # None: the drafter keeps every position (lossless and no loss of acceptance: what serves)
     context_recompute_tail: int | None = None
 

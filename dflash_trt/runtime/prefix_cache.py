@@ -10,8 +10,9 @@ cached block holds, for its positions,
 - the drafter's context K/V of every draft layer: the target's features at the tapped layers,
   fused (``hidden_norm(fc(...))``) and projected by each draft layer's k_proj/v_proj, normed and
   roped -- all the drafter keeps of a context position. A hit therefore leaves the drafter exactly
-  the context it would have had (TensorRT-LLM's ``context_recompute_tail`` exists because its
-  cache keeps the target's K/V only; see docs/runtime.md "Prefix caching").
+  the context it would have had (TensorRT-LLM's DFlash instead re-runs ``context_recompute_tail``
+  prompt tokens for its drafter on a hit; docs/runtime.md "Prefix caching" measures what a drafter
+  blind beyond such a tail accepts, and what vLLM and SGLang keep).
 
 On admission (:meth:`PrefixCache.lookup`, read-only) a prompt of P tokens takes its longest run of
 cached blocks, at most ``(P - 1) // BLOCK_TOKENS`` of them: the last prompt token is always
