@@ -82,6 +82,7 @@ from dflash_trt.runtime.sampling import StepSampling
 from dflash_trt.runtime.scheduling import (
     CPU_PREFILL_PAD_LIMIT,
     PENDING,
+    START,
     BatchedSequence,
     Scheduler,
     SequenceRequest,
@@ -614,9 +615,10 @@ class BatchedRuntime:
             return
         prompt = seq.request.prompt_ids
         tokens = list(prompt) + seq.out[:-1]
-        if (not prompt_only and self.proposer is not None and seq.draft_len < min(seq.start, len(tokens))
-                and min(seq.start, len(tokens)) // pc.block_tokens > seq.published):
-            self._drafter_catch_up(seq)  # it ends before its drafter consumed its blocks
+        known = min(seq.start, len(tokens))  # positions final in the target's cache, their tokens known
+        if (not prompt_only and self.proposer is not None and seq.draft_len < known
+                and known // pc.block_tokens > seq.published):
+            self._drafter_catch_up(seq, known)  # it ends before its drafter consumed its blocks
         final = min(seq.start, len(tokens), seq.draft_len if self.proposer is not None else seq.start)
         if prompt_only:
             if final < len(prompt):
@@ -632,16 +634,20 @@ class BatchedRuntime:
         pc.insert(hashes[:n], seq.slot, self._caches())
         seq.published = n
 
-    def _drafter_catch_up(self, seq: BatchedSequence) -> None:
-        """The drafter consumes `seq`'s backlog now (one eager pass of its row, as a shadow draft runs):
-        a sequence that ends after a plain streak, or right after its first token, would otherwise
-        leave blocks without drafter context, which the cache never takes. The context K/V are what a
-        drafting step would write; the block's K/V past `start` are never read."""
+    def _drafter_catch_up(self, seq: BatchedSequence, upto: int) -> None:
+        """The drafter consumes `seq`'s context up to position `upto` now (one eager pass of its row, as
+        a shadow draft runs): a sequence that ends after a plain streak, or right after its first token,
+        would otherwise leave blocks without drafter context, which the cache never takes. The context
+        K/V are what a drafting step would write; the pass's block goes at `upto` (< max_seq_len, where
+        a finished row's start may not be: a last commit capped at the budget advanced it further) and
+        its K/V are never read."""
         assert self.proposer is not None
-        table = self.transfers.upload(row_table([seq], 1))  # [1, 5]
-        self.proposer.propose(table, self.passes.features, 1, seq.backlog, self.shapes.draft_width(seq.start),
+        rows = row_table([seq], 1)
+        rows[0][START] = upto
+        table = self.transfers.upload(rows)  # [1, 5]
+        self.proposer.propose(table, self.passes.features, 1, upto - seq.draft_len, self.shapes.draft_width(upto),
                               first_slot=seq.slot)
-        seq.draft_len = seq.start
+        seq.draft_len = upto
         if self.graphs is not None:
             self.eager_passes["prefix-cache catch-up"] += 1
 
