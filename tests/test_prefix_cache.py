@@ -331,6 +331,7 @@ def test_a_request_that_never_drafted_still_leaves_its_blocks_with_the_drafters_
     _, k_ref, v_ref = _after_first_draft(runtime(target, draft), prompt)
     warm = warmed(target, draft, max_tokens=1)
     assert len(warm.prefix_cache) == 4  # SYSTEM's two blocks and OTHER's
+    assert warm.prefix_cache.counters.drafter_catch_ups == 1  # the first request's; OTHER drafted
     h, k, v = _after_first_draft(warm, prompt)
     assert h.stats.num_cached_tokens == 2 * BT
     torch.testing.assert_close(k, k_ref, rtol=0, atol=1e-12)

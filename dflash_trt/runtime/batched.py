@@ -648,8 +648,10 @@ class BatchedRuntime:
         self.proposer.propose(table, self.passes.features, 1, upto - seq.draft_len, self.shapes.draft_width(upto),
                               first_slot=seq.slot)
         seq.draft_len = upto
-        if self.graphs is not None:
-            self.eager_passes["prefix-cache catch-up"] += 1
+        # counted with the cache, not as an eager pass of the step: it runs after the step's cost was
+        # taken (a policy's sample never includes it)
+        assert self.prefix_cache is not None
+        self.prefix_cache.counters.drafter_catch_ups += 1
 
     # -- finishing -------------------------------------------------------------------------------
     def _fail(self, seq: BatchedSequence, finished: list[BatchedSequence]) -> None:

@@ -105,6 +105,7 @@ class PrefixCacheCounters:
     hits: int = 0  # of those, tokens served from the cache
     inserted_blocks: int = 0
     evicted_blocks: int = 0
+    drafter_catch_ups: int = 0  # finished rows whose drafter consumed their context only for the cache
 
 
 class PrefixCache:
@@ -256,4 +257,5 @@ class PrefixCache:
                 "peak_blocks": self.peak_blocks, "block_bytes": self.block_bytes, "budget_bytes": self.budget_bytes,
                 "allocated_bytes": self.allocated_bytes, "requests": c.requests, "queries": c.queries,
                 "hits": c.hits, "hit_rate": c.hits / c.queries if c.queries else 0.0,
-                "inserted_blocks": c.inserted_blocks, "evicted_blocks": c.evicted_blocks}
+                "inserted_blocks": c.inserted_blocks, "evicted_blocks": c.evicted_blocks,
+                "drafter_catch_ups": c.drafter_catch_ups}
