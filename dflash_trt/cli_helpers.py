@@ -91,6 +91,20 @@ def draft_len_schedule_option(help: str = DRAFT_LEN_SCHEDULE_HELP) -> Callable[[
     return click.option(FLAG, "draft_len_schedule", callback=_schedule_text, default=None, help=help)
 
 
+def prefix_cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--prefix-cache/--no-prefix-cache and --prefix-cache-mib: RuntimeChoices' prefix_cache and
+    prefix_cache_mib (None when not given: the config file's or the default)."""
+    from dflash_trt.runtime_options import DEFAULT_PREFIX_CACHE_MIB
+
+    fn = click.option("--prefix-cache-mib", type=click.FloatRange(min=0, min_open=True), default=None,
+                      help="Batched runtime: the prefix cache's memory budget in MiB; least recently used blocks are "
+                           f"evicted beyond it [default: {DEFAULT_PREFIX_CACHE_MIB:g}].")(fn)
+    return click.option("--prefix-cache/--no-prefix-cache", default=None,
+                        help="Batched runtime: reuse the target's K/V and the drafter's context K/V of a prompt prefix "
+                             "an earlier request computed, in blocks of 32 tokens (runtime/prefix_cache.py); outputs "
+                             "and acceptance are the same either way [default: on].")(fn)
+
+
 def _number_list(kind: type, what: str, example: str) -> Callable[[click.Context, click.Parameter, str | None], Any]:
     def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list[Any] | None:
         if value is None:

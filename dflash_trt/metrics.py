@@ -41,6 +41,14 @@ Across many requests (``dflash-trt bench``):
 - ``speedup``: plain decoding's mean ``tpot_s`` / DFlash's mean ``tpot_s``, same target, same
   prompts, same run. With free drafting and a verify step as cheap as a plain step it is at most
   ``tau`` (the Leviathan bound), so the gap to ``tau`` is the cost of drafting and verifying.
+- ``num_cached_tokens`` of a request: prompt tokens whose K/V (the drafter's context K/V with them)
+  came from the batched runtime's prefix cache instead of its prefill (vLLM's per-request
+  ``num_cached_tokens``, OpenAI's ``usage.prompt_tokens_details.cached_tokens``);
+  ``num_reused_blocks`` / ``num_missed_blocks``: the prompt's blocks (runtime/prefix_cache.py's
+  BLOCK_TOKENS each, the partial last one a miss) served from the cache / computed (TensorRT-LLM's
+  ``reused_blocks`` / ``missed_blocks``); ``kv_cache_hit_rate`` = reused / (reused + missed).
+  Runtime-wide, ``prefix_cache_queries`` and ``prefix_cache_hits`` count TOKENS (prompt tokens
+  looked up, tokens served), as vLLM's ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``.
 - distributions (ttft_s, tpot_s, tokens_per_s) are summarised as mean, p50, p90, p99 over requests
   (:func:`summarize`); tau and acceptance_rate are pooled over all steps (:func:`merge_stats`).
 """
@@ -84,6 +92,10 @@ class GenerationStats:
     ttft_s: float = 0.0
     total_time_s: float = 0.0
     finish_reason: str = "length"  # "stop" (stop token) or "length" (max_new_tokens)
+    # prefix caching: prompt tokens served from the cache, and the prompt's blocks reused / computed
+    num_cached_tokens: int = 0
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
 
     # -- recording -------------------------------------------------------------------------
     def record_step(self, drafted: int, accepted: int) -> None:
@@ -132,6 +144,12 @@ class GenerationStats:
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
     @property
+    def kv_cache_hit_rate(self) -> float:
+        """The prompt's blocks served from the prefix cache / all its blocks (0 without blocks)."""
+        blocks = self.num_reused_blocks + self.num_missed_blocks
+        return self.num_reused_blocks / blocks if blocks else 0.0
+
+    @property
     def tpot_s(self) -> float:
         return time_per_output_token(self.total_time_s - self.ttft_s, self.num_output_tokens)
 
@@ -149,6 +167,7 @@ class GenerationStats:
             per_position_acceptance=self.per_position_acceptance,
             tpot_s=self.tpot_s,
             tokens_per_s=self.tokens_per_s,
+            kv_cache_hit_rate=self.kv_cache_hit_rate,
         )
         return d
 
@@ -175,6 +194,9 @@ def merge_stats(stats: "list[GenerationStats]") -> GenerationStats:
             out.position_accepted[j] += a
         out.ttft_s += s.ttft_s
         out.total_time_s += s.total_time_s
+        out.num_cached_tokens += s.num_cached_tokens
+        out.num_reused_blocks += s.num_reused_blocks
+        out.num_missed_blocks += s.num_missed_blocks
     return out
 
 

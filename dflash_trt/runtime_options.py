@@ -24,6 +24,11 @@ a greedy answer's tokens; speculation says WHAT a step drafts and how it is veri
   stopping at its first rejection (the acceptance gate's CPU case); None: one pass.
 - **max_batch**, **max_seq_len**: rows decoded together and positions per row (prompt + output);
   an engine's ``limits`` set them when it is served.
+- **prefix_cache** (``--prefix-cache/--no-prefix-cache``): the batched runtime reuses the target's
+  K/V and the drafter's context K/V of a prompt prefix an earlier request of the same runtime
+  computed (runtime/prefix_cache.py); on by default. Outputs and acceptance are the same either way.
+- **prefix_cache_mib** (``--prefix-cache-mib``): its memory budget; least recently used blocks are
+  evicted beyond it. A budget below one block is refused at start-up.
 
 `serve`/`deploy triton` (serving.backends.BackendSettings) and `bench` (bench.config.BenchConfig)
 take the user's part of these as their own keys by inheriting :class:`RuntimeChoices`, so the
@@ -50,6 +55,9 @@ DtypeName = Literal["float32", "bfloat16", "float16"]
 DTYPE_NAMES: tuple[str, ...] = typing.get_args(DtypeName)
 DtypeChoice = Literal["auto", DtypeName]  # "auto": resolved for the device (auto_dtype)
 DTYPE_CHOICES: tuple[str, ...] = typing.get_args(DtypeChoice)
+# The prefix cache's default budget: ~21K positions of the embedded pair (48 KiB a position), ~7K
+# of an 8B target's bf16 K/V
+DEFAULT_PREFIX_CACHE_MIB = 1024.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,12 +189,17 @@ class RuntimeChoices(BaseModel):
     # both models' decoder layers through torch.compile, compiled at start-up (runtime/compiled_layers.py)
     torch_compile: bool = False
     pack: bool = True  # oneDNN-packed linear layers for float32 on a CPU (runtime/cpu_packing.py)
+    # the batched runtime's prefix cache (runtime/prefix_cache.py): a prompt's cached prefix, the
+    # drafter's context included, is copied in instead of prefilled; its budget in MiB (LRU beyond it)
+    prefix_cache: bool = True
+    prefix_cache_mib: float = Field(DEFAULT_PREFIX_CACHE_MIB, gt=0)
 
 
 # The flag that sets each option, for the one-line error of a bad value built in code.
 FLAGS = {"device": "--device", "dtype": "--dtype", "compute_dtype": "--compute-dtype", "cuda_graphs": "--cuda-graphs",
          "torch_compile": "--torch-compile", "pack": "--pack", "verify_chunk": "verify_chunk (positions a chunk verifies)",
-         "max_batch": "--max-batch-size", "max_seq_len": "--max-seq-len"}
+         "max_batch": "--max-batch-size", "max_seq_len": "--max-seq-len",
+         "prefix_cache": "--prefix-cache", "prefix_cache_mib": "--prefix-cache-mib"}
 
 
 class RuntimeOptions(RuntimeChoices):

@@ -12,7 +12,7 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 # Test tiers (markers in pyproject.toml). `make test-fast` runs what none of these mark.
 # embedded: loads the 135M embedded target (its conversion cache, seconds per load).
-EMBEDDED_MODULES = {"test_embedded_target", "test_embedded_drafter", "test_embedded_batched"}
+EMBEDDED_MODULES = {"test_embedded_target", "test_embedded_drafter", "test_embedded_batched", "test_embedded_prefix_cache"}
 # integration: real servers and subprocesses (gRPC, HTTP, the CLI in a child process), ModelOpt
 # quantization and export, drafter training runs.
 INTEGRATION_MODULES = {

@@ -166,6 +166,23 @@ def test_the_batched_runtime_drafts_and_verifies_on_the_models_device(static):
         assert counters.captured > 0 and counters.replays >= 2 * 4 and counters.misses == 0
 
 
+def test_prefix_cache_hits_copy_on_the_models_device_and_read_nothing_back():
+    """The prefix cache on meta: a request caches its blocks (the pool allocated on the caches'
+    device), the next one hits and copies them into its slot; every tensor stays on meta and each
+    step's one host read is still the download."""
+    target, draft = _pair("meta")
+    prompt = [1 + i % 50 for i in range(40)]  # one full block of 32
+    with strict_devices(), HostReads() as reads:
+        runtime = BatchedRuntime(target, draft, RuntimeOptions(max_batch=2, max_seq_len=64)).start()
+        runtime.add(SequenceRequest(prompt, SamplingParams(max_tokens=3)))
+        runtime.run()
+        second = runtime.add(SequenceRequest(prompt[:36] + [7, 8], SamplingParams(max_tokens=3)))
+        runtime.run()
+    assert second.result.stats.num_cached_tokens == 32
+    assert runtime.prefix_cache.pools[0][0][0].device.type == "meta"
+    assert reads.where() == ["host_transfers.HostTransfers.download"] * runtime.steps
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_target_adapter_keeps_logits_and_features_on_the_home_device(device):
     target, _ = _pair(device)

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from dflash_trt.cli_helpers import (DRAFT_METHOD_HELP, draft_len_schedule_option, draft_method_option, float_list,
-                                    friendly_errors, int_list, max_draft_len_option, str_list)
+                                    friendly_errors, int_list, max_draft_len_option, prefix_cache_options, str_list)
 from dflash_trt.runtime_options import DTYPE_NAMES
 from dflash_trt.speculation import DEFAULT_DRAFT_METHOD
 
@@ -68,6 +68,14 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--max-new-tokens", type=int, help="Tokens to generate per request [default: 128].")
 @click.option("--temperature", type=float, help="Sampling temperature; 0 = greedy [default: 0].")
 @click.option("--seed", type=int, help="Seed of the first request; request i uses seed + i [default: 0].")
+@click.option("--workload", type=click.Choice(["single-turn", "multi-turn"]),
+              help="single-turn: the prompt sets, one request each [default]; multi-turn: conversations over a shared "
+                   "~1,000-token system prompt (--turns, --conversations, --system-prompt-tokens) on the batched "
+                   "runtime, prefix cache on and off in one run: TTFT, TPOT, throughput, hit rate, a TTFT probe of a "
+                   "prompt whose first 1,024 tokens are cached (bench/multiturn.py).")
+@click.option("--turns", type=int, help="Multi-turn: user turns per conversation [default: 4].")
+@click.option("--conversations", type=int, help="Multi-turn: conversations per run [default: 2 x the highest C].")
+@click.option("--system-prompt-tokens", type=int, help="Multi-turn: the shared system prompt's tokens [default: 1000].")
 @click.option("--tau-only", is_flag=True, default=None,
               help="DFlash only: acceptance figures (deterministic at temperature 0) in half the time; no plain "
                    "decoding, no speed ratios, no identity check. For comparing drafters.")
@@ -90,6 +98,7 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), help="In process weights [default: float32].")
 @click.option("--pack/--no-pack", default=None,
               help="In process, float32 on CPU: oneDNN-packed linear layers (runtime/cpu_packing.py) [default: pack].")
+@prefix_cache_options
 @click.option("--gpu", help="GPU of the run for the bandwidth ceiling (b300, b200, h200, h100) [default: detected].")
 @click.option("--threads", type=int, help="torch CPU threads in process [default: torch's].")
 @click.option("--timeout", "timeout_s", type=float, help="Seconds per endpoint request [default: 600].")
@@ -127,6 +136,9 @@ def bench(ctx: click.Context, config_file: str | None, no_progress: bool, **flag
     cfg = resolve_config(config_file, flags)
     console = Console(stderr=True)
     console.print(config_line("bench", cfg), markup=False, highlight=False, soft_wrap=True)
+    if cfg.workload == "multi-turn":
+        _multiturn(cfg, console)
+        return
     result, records = _run_with_progress(cfg, console, no_progress)
     result["command"] = "dflash-trt bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
 
@@ -153,6 +165,22 @@ def bench(ctx: click.Context, config_file: str | None, no_progress: bool, **flag
 
         first = next(r["error"] for r in result["requests"] if r.get("error"))
         raise DFlashError(f"{errors} requests failed (the errors column counts them); the first: {first}")
+
+
+def _multiturn(cfg, console) -> None:
+    """`--workload multi-turn`: the run, its table on stdout, bench.json in --out."""
+    from dflash_trt.bench.multiturn import print_multiturn, run_multiturn
+
+    result = run_multiturn(cfg, lambda line: console.print(f"[bench] {line}", markup=False, highlight=False))
+    result["command"] = "dflash-trt bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
+    print_multiturn(result, click.echo)
+    if cfg.out:
+        from dflash_trt.fsutil import write_json_atomic
+
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / "bench.json", result)
+        console.print(f"[bench] wrote {out / 'bench.json'}", highlight=False)
 
 
 def _run_with_progress(cfg, console, no_progress: bool):

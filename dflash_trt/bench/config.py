@@ -97,6 +97,14 @@ class BenchConfig(RuntimeChoices):
     timeout_s: float = Field(600.0, gt=0)  # per endpoint request
     out: str | None = None
     plots: bool = True
+    # the workload: single-turn requests of the prompt sets, or multi-turn conversations over a shared
+    # system prompt (bench/multiturn.py: the batched runtime with its prefix cache on and off, one run)
+    workload: Literal["single-turn", "multi-turn"] = "single-turn"
+    turns: int = Field(4, ge=1)  # multi-turn: user turns per conversation
+    conversations: int | None = Field(None, ge=1)  # multi-turn: how many [2 x the highest C]
+    system_prompt_tokens: int = Field(1000, ge=1)  # multi-turn: the shared system prompt's length
+    probe_cached_tokens: int = Field(1024, ge=32)  # multi-turn: the TTFT probe's cached prefix
+    probe_reps: int = Field(3, ge=1)  # multi-turn: TTFT probe requests each way
     # the interactivity / throughput frontier (bench/frontier.py): GPUs behind the server (in process: 1)
     # and the interactivities (tokens/s per user = 1 / TPOT) to read each mode's best throughput at
     gpus: int | None = Field(None, ge=1)
@@ -176,6 +184,13 @@ class BenchConfig(RuntimeChoices):
         if self.peer and self.engine:
             raise ValueError("--peer vllm loads checkpoints, not an engine's dequantized weights; use --target/--draft "
                              "(or the embedded default)")
+        if self.workload == "multi-turn":
+            if self.url or self.peer or (self.runtime and self.runtime != ["batched"]):
+                raise ValueError("--workload multi-turn runs the batched runtime in process (its prefix cache on and "
+                                 "off); drop --url, --peer and --runtime reference")
+            if not self.prefix_cache:
+                raise ValueError("--workload multi-turn measures the prefix cache on against off; drop --no-prefix-cache")
+            self.runtime = ["batched"]
         self._defaults()
         return self
 

@@ -236,6 +236,9 @@ class BatchedSide:
         from dflash_trt.runtime.batched import SequenceRequest
 
         rt = self.runtime(mode)
+        # every run starts with an empty prefix cache: its figures never depend on the runs before it
+        # (the same prompts come back at every level and repeat); within a run requests hit as a server's
+        rt.reset_prefix_cache()
         pair = self.inputs.pair
         timer = timer_for(pair.target, pair.draft if mode == "dflash" else None,
                           rt.draft_head if mode == "dflash" else None)
@@ -302,6 +305,8 @@ class BatchedSide:
                                 "prefill_steps_s": round(prefill_s, 4)}
         if graphs_before is not None:
             info["graphs_in_run"] = graphs_in_run(graphs_before, rt.graph_stats())
+        if rt.prefix_cache is not None:
+            info["prefix_cache"] = rt.prefix_cache.stats()
         if steps:
             info["step_timing"] = summarize_steps(steps)
         if mode == "dflash":

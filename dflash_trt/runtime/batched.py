@@ -2,8 +2,9 @@
 
 One step over the n running rows (slots 0..n-1 of preallocated caches, see batched_cache.py):
 
-    admit   waiting requests into free slots (scheduling.py); prefill them in left-padded target
-            passes (one per run of similar prompt lengths on a CPU)           target_passes.py
+    admit   waiting requests into free slots (scheduling.py); copy in each prompt's longest cached
+            prefix (prefix_cache.py); prefill the rest in left-padded target passes (one per run of
+            similar lengths on a CPU)                                          target_passes.py
     k       = policy.choose(n, K)                      0 = plain decoding (no draft pass; now and
             then one greedy row drafts unverified, graded by the next commits)  shadow_drafts.py
     table   ONE host-to-device copy: each row's start, drafter position, pending token
@@ -76,10 +77,12 @@ from dflash_trt.runtime.generate import GenerationResult, finish
 from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
 from dflash_trt.runtime.host_transfers import HostTransfers
 from dflash_trt.runtime.policy import Decision, FixedPolicy, SpeculationPolicy, make_policy
+from dflash_trt.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes, position_bytes
 from dflash_trt.runtime.sampling import StepSampling
 from dflash_trt.runtime.scheduling import (
     CPU_PREFILL_PAD_LIMIT,
     PENDING,
+    START,
     BatchedSequence,
     Scheduler,
     SequenceRequest,
@@ -152,6 +155,11 @@ class RuntimeExtras:
     capture_layer_ids: tuple[int, ...] | None = None
     # static shapes: these row buckets instead of the default ones (max_batch is always one)
     graph_batch_sizes: tuple[int, ...] | None = None
+    # a MEASUREMENT of what a drafter blind to the cached prefix loses (scripts/context_recompute_tail.py):
+    # on a prefix-cache hit of c tokens the drafter attends only to context positions >= c - N, as
+    # TensorRT-LLM's DFlash does with context_recompute_tail = N (its drafter sees no more of a cached prefix).
+    # None: the drafter keeps every position (lossless and no loss of acceptance: what serves)
+    context_recompute_tail: int | None = None
 
 
 class BatchedRuntime:
@@ -241,6 +249,13 @@ class BatchedRuntime:
             self.graphed = GraphedPasses(self.graphs, self.shapes, self.passes, self.proposer, self.transfers.upload)
         # start-up has work to do: a step before start() would run uncaptured shapes and compile inside requests
         self.started = not (self.static_shapes or self.torch_compile)
+        # the prefix cache (runtime/prefix_cache.py); not beside capture_layer_ids, whose finished
+        # sequences keep the features of every position (a hit would leave its cached part out)
+        self.context_tail = extras.context_recompute_tail
+        self.prefix_cache: PrefixCache | None = None
+        if options.prefix_cache and not self.keep_features:
+            self.prefix_cache = PrefixCache(int(options.prefix_cache_mib * 2**20),
+                                            BLOCK_TOKENS * self._position_bytes())
 
     def start(self) -> "BatchedRuntime":
         """Start-up, before any request (idempotent; returns the runtime): with torch_compile the
@@ -281,11 +296,28 @@ class BatchedRuntime:
                 self.run()
         finally:
             self.policy = policy
+        self.reset_prefix_cache()
         self.steps, self.last_decision, self.last_step_timed = 0, None, False
         self.eager_passes.clear()
         self.transfers.uploads = self.transfers.syncs = 0
         if self.graphs is not None:
             self.graphs.counters.replays = self.graphs.counters.misses = 0
+
+    def _position_bytes(self) -> int:
+        """Bytes one position takes in the target's and the drafter's caches, from their configs."""
+        def layout(cfg: Any, layers: int) -> tuple[int, int, int]:
+            heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            return layers, heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+        caches = [layout(self.target.config, self.target.num_layers)]
+        if self.draft is not None:
+            caches.append(layout(self.draft.config, len(self.draft.layers)))
+        return position_bytes(caches, self.target.dtype.itemsize)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block and the counters (after dummy requests: a warm-up, a calibration)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     # -- the pieces, by their old names (tests and tools read them) -------------------------------
     @property
@@ -353,7 +385,9 @@ class BatchedRuntime:
                                "layers); runtime.opener.open_runtime starts the runtimes it opens")
         t_step = time.perf_counter()
         n_old = len(self.rows)
-        new = self.scheduler.admit()
+        new = self.scheduler.admit(self._lookup if self.prefix_cache is not None else None)
+        for seq in new:
+            self._restore(seq)
         first, first_bad = self.passes.prefill(new, self.prefill_pad_limit) if new else (None, None)  # [m]
         if new and self.static_shapes:
             self.eager_passes["prefill"] += 1
@@ -416,9 +450,16 @@ class BatchedRuntime:
                 continue
             seq.stats.ttft_s = now - seq.t0
             seq.start = len(seq.request.prompt_ids)
+            if seq.prefix is not None:  # its prefill succeeded: the hit counts and its blocks are refreshed
+                assert self.prefix_cache is not None
+                self.prefix_cache.commit(seq.prefix)
             if commit(seq, [tok]):
                 finished.append(seq)
         self._retire(finished)
+        if self.prefix_cache is not None:
+            for seq in self.rows:
+                if not seq.prompt_offered:  # the prompt's blocks, once its drafter consumed them
+                    self._publish(seq, prompt_only=True)
         if self.shadows is not None and self.shadows.pending:
             self.shadows.grade(self.policy.observe_acceptance)
         self.steps += 1
@@ -465,7 +506,7 @@ class BatchedRuntime:
         misses = self.graphs.counters.misses if self.graphs is not None else 0
         N = self.shapes.rows(n) if static else n  # rows n..N-1: padding on free slots (static shapes)
         longest = max(s.start for s in seqs)
-        table = self.transfers.upload(row_table(seqs, N))  # [N, 4]: the step's one upload
+        table = self.transfers.upload(row_table(seqs, N))  # [N, 5]: the step's one upload
         proposal: Proposal | None = None
         # a cost sample: with static shapes, every pass replayed a captured shape; eagerly, no catch-up
         steady = static if self.graphs is not None else not catching_up
@@ -520,7 +561,7 @@ class BatchedRuntime:
         seq = self.shadows.row(seqs)
         if seq is None:
             return None
-        table = self.transfers.upload(row_table([seq], 1))  # [1, 4]
+        table = self.transfers.upload(row_table([seq], 1))  # [1, 5]
         drafts = self.proposer.propose(table, self.passes.features, k, seq.backlog,
                                        self.shapes.draft_width(seq.start), first_slot=seq.slot)  # [1, k]
         seq.draft_len = seq.start
@@ -538,6 +579,80 @@ class BatchedRuntime:
         K = self.max_draft_len
         return set(lengths(K)) if lengths is not None else set(range(K + 1))
 
+    # -- prefix caching ----------------------------------------------------------------------------
+    def _caches(self) -> list[Any]:
+        """The slot caches a cached block holds positions of: the target's, then the drafter's."""
+        return [self.cache.kv] + ([self.draft_cache.kv] if self.draft_cache is not None else [])
+
+    def _lookup(self, seq: BatchedSequence) -> int:
+        """Admission's prefill length of `seq`: its prompt after the longest cached prefix (read-only)."""
+        assert self.prefix_cache is not None
+        seq.prefix = self.prefix_cache.lookup(seq.request.prompt_ids)
+        return len(seq.request.prompt_ids) - seq.cached
+
+    def _restore(self, seq: BatchedSequence) -> None:
+        """Copy a newcomer's cached prefix into its slot: the target's K/V and the drafter's context
+        K/V of positions 0..cached-1, so the drafter has consumed them (draft_len) and the prefill
+        computes the rest. With context_recompute_tail N the drafter attends from cached - N on."""
+        hit = seq.prefix
+        if hit is None:
+            return
+        assert self.prefix_cache is not None
+        seq.stats.num_cached_tokens = hit.tokens
+        seq.stats.num_reused_blocks, seq.stats.num_missed_blocks = len(hit.blocks), hit.missed_blocks
+        self.prefix_cache.restore(hit, seq.slot, self._caches())
+        seq.draft_len = hit.tokens
+        if self.context_tail is not None:
+            seq.context_floor = max(0, hit.tokens - self.context_tail)
+
+    def _publish(self, seq: BatchedSequence, prompt_only: bool = False) -> None:
+        """Offer `seq`'s full blocks whose positions are final in its slot: the target's K/V (start),
+        the drafter's context K/V (draft_len) and the tokens known on the host (prompt + output but
+        the pending one; a commit capped at the budget or cut at a stop token advanced start past
+        them). `prompt_only`: the prompt's blocks, and only once every one of them is final."""
+        pc = self.prefix_cache
+        if pc is None or seq.prefix is None or seq.slot < 0 or seq.error is not None or not seq.out:
+            return
+        prompt = seq.request.prompt_ids
+        tokens = list(prompt) + seq.out[:-1]
+        known = min(seq.start, len(tokens))  # positions final in the target's cache, their tokens known
+        if (not prompt_only and self.proposer is not None and seq.draft_len < known
+                and known // pc.block_tokens > seq.published):
+            self._drafter_catch_up(seq, known)  # it ends before its drafter consumed its blocks
+        final = min(seq.start, len(tokens), seq.draft_len if self.proposer is not None else seq.start)
+        if prompt_only:
+            if final < len(prompt):
+                return
+            final, seq.prompt_offered = len(prompt), True
+        n = final // pc.block_tokens
+        if n <= seq.published:
+            return
+        hashes = seq.prefix.hashes
+        if n > len(hashes):  # blocks past the prompt's full ones: hashed on from the last of them
+            hashes += block_hashes(tokens[: n * pc.block_tokens], pc.block_tokens, hashes[-1] if hashes else b"",
+                                   first=len(hashes))
+        pc.insert(hashes[:n], seq.slot, self._caches())
+        seq.published = n
+
+    def _drafter_catch_up(self, seq: BatchedSequence, upto: int) -> None:
+        """The drafter consumes `seq`'s context up to position `upto` now (one eager pass of its row, as
+        a shadow draft runs): a sequence that ends after a plain streak, or right after its first token,
+        would otherwise leave blocks without drafter context, which the cache never takes. The context
+        K/V are what a drafting step would write; the pass's block goes at `upto` (< max_seq_len, where
+        a finished row's start may not be: a last commit capped at the budget advanced it further) and
+        its K/V are never read."""
+        assert self.proposer is not None
+        rows = row_table([seq], 1)
+        rows[0][START] = upto
+        table = self.transfers.upload(rows)  # [1, 5]
+        self.proposer.propose(table, self.passes.features, 1, upto - seq.draft_len, self.shapes.draft_width(upto),
+                              first_slot=seq.slot)
+        seq.draft_len = upto
+        # counted with the cache, not as an eager pass of the step: it runs after the step's cost was
+        # taken (a policy's sample never includes it)
+        assert self.prefix_cache is not None
+        self.prefix_cache.counters.drafter_catch_ups += 1
+
     # -- finishing -------------------------------------------------------------------------------
     def _fail(self, seq: BatchedSequence, finished: list[BatchedSequence]) -> None:
         """`seq`'s sampling had no distribution this step: it ends alone, nothing committed."""
@@ -545,8 +660,10 @@ class BatchedRuntime:
         finished.append(seq)
 
     def _retire(self, finished: list[BatchedSequence]) -> None:
-        """Finish sequences and compact: the last row moves into each freed slot."""
+        """Finish sequences and compact: the last row moves into each freed slot (after each finished
+        sequence offered its blocks to the prefix cache)."""
         for s in finished:
+            self._publish(s)
             if not s.out:  # cancelled before its first token
                 s.result = GenerationResult(list(s.request.prompt_ids), [], s.stats)
             else:
@@ -584,6 +701,7 @@ class BatchedRuntime:
         graphs = self.graph_stats()
         if graphs is not None:
             out["graphs"] = graphs
+        out["prefix_cache"] = self.prefix_cache.stats() if self.prefix_cache is not None else None
         return out
 
 

@@ -45,7 +45,7 @@ from dflash_trt.runtime.batched_cache import BatchedDraftCache, additive_mask
 from dflash_trt.runtime.draft_model import DFlashDraftModel
 from dflash_trt.runtime.draft_vocab import DraftVocabHead
 from dflash_trt.runtime.sampling import StepSampling, checked_probs, draw, greedy
-from dflash_trt.runtime.scheduling import DRAFTED, LIVE, PENDING, START
+from dflash_trt.runtime.scheduling import DRAFTED, FLOOR, LIVE, PENDING, START
 from dflash_trt.runtime.target import TargetAdapter
 
 # drafts of slots lo+1..hi of some rows (indices into the pass's rows) -> [m, hi - lo]
@@ -82,7 +82,7 @@ class DFlashProposer:
     # -- what the runtime asks for ---------------------------------------------------------------
     def propose(self, table: torch.Tensor, features: torch.Tensor, k: int, context: int, width: int,
                 first_slot: int = 0) -> torch.Tensor:
-        """Greedy drafts [N, k] for the N rows of the step's row table [N, 4] (slots first_slot..
+        """Greedy drafts [N, k] for the N rows of the step's row table [N, 5] (slots first_slot..
         first_slot+N-1: a shadow draft runs one row of the batch), reading their context from
         `features` [slots, capacity, n*H] in `context` columns (>= every row's backlog), with a mask
         `width` keys wide (>= every row's start + B)."""
@@ -158,7 +158,8 @@ class DFlashProposer:
         draft_pos = torch.cat([ctx_pos, block_pos], dim=1)  # [N, C+B]
         write = torch.cat([torch.where(ctx_ok, ctx_pos, self.dump), block_write], dim=1)
         keys = torch.arange(width, device=dev)
-        visible = (keys[None, :] < (start + B)[:, None])[:, None, None, :]  # [N, 1, 1, W]: context and own block
+        # [N, 1, 1, W]: context (from the row's floor on: 0 but for a measured blind drafter) and own block
+        visible = ((keys[None, :] < (start + B)[:, None]) & (keys[None, :] >= table[:, FLOOR, None]))[:, None, None, :]
         mask = additive_mask(visible, self.target.dtype)
         self.cache.kv.prepare(slice(first_slot, first_slot + N), write, width)
         rows = (first_slot + torch.arange(N, device=dev))[:, None].expand_as(ctx_pos)  # slots [N, C]

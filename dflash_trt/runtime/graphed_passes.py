@@ -29,11 +29,11 @@ class GraphedPasses:
         self.graphs, self.shapes, self.passes, self.proposer, self.upload = graphs, shapes, passes, proposer, upload
 
     def draft(self, table: torch.Tensor, k: int, width: int) -> torch.Tensor:
-        """Drafts [N, k] of a steady drafting step (every row's backlog <= k + 1) over table [N, 4]."""
+        """Drafts [N, k] of a steady drafting step (every row's backlog <= k + 1) over table [N, 5]."""
         return self.graphs((DRAFT, table.shape[0], k, width), self._draft_fn(k, width), table)[0]
 
     def verify(self, table: torch.Tensor, drafts: torch.Tensor | None, k: int, width: int) -> torch.Tensor:
-        """Greedy verification [N, k+2] of table [N, 4] and drafts [N, k] (None: k = 0)."""
+        """Greedy verification [N, k+2] of table [N, 5] and drafts [N, k] (None: k = 0)."""
         inputs = (table,) if drafts is None else (table, drafts)
         return self.graphs((VERIFY, table.shape[0], k, width), self._verify_fn(width), *inputs)[0]
 

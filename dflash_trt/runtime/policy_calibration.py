@@ -91,3 +91,4 @@ def calibrate(runtime: "BatchedRuntime", batch_sizes: Sequence[int], prompt_len:
         runtime.policy = policy
         for s in list(runtime.rows):
             runtime.cancel(s)
+        runtime.reset_prefix_cache()  # its dummy prompts' blocks: no request shares them

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,14 @@ class BatchedSequence:
     error: str | None = None  # why this sequence failed alone (its batch went on); set when it finished
     # with capture_layer_ids: the target's features [fed positions, n*H] (bfloat16), set at finish
     features: torch.Tensor | None = None
+    # prefix caching (runtime/prefix_cache.py): what the lookup at admission found (None: the runtime
+    # has no prefix cache), and the blocks of this sequence already offered to the cache
+    prefix: Any = None  # PrefixHit
+    published: int = 0
+    prompt_offered: bool = False  # its prompt's blocks went to the cache (once its drafter consumed them)
+    # the drafter attends to context positions >= this (0: all of them; a TensorRT-LLM-like drafter
+    # blind to a cached prefix, measured by scripts/context_recompute_tail.py, starts it later)
+    context_floor: int = 0
 
     @property
     def done(self) -> bool:
@@ -62,6 +71,11 @@ class BatchedSequence:
     @property
     def remaining(self) -> int:
         return self.budget - len(self.out)
+
+    @property
+    def cached(self) -> int:
+        """Prompt positions copied from the prefix cache at admission (0: none, or no cache)."""
+        return self.prefix.tokens if self.prefix is not None else 0
 
     @property
     def backlog(self) -> int:
@@ -109,14 +123,16 @@ def prefill_runs(lengths: Sequence[int], pad_limit: float) -> list[int]:
 # The row table a decoding step sends to the device: one int64 row per pass row, these columns.
 # Padding rows (static shapes: rows beyond the running ones) are all zeros: not live, so their
 # passes write only to the dump index.
-START, DRAFTED, PENDING, LIVE = range(4)
+START, DRAFTED, PENDING, LIVE, FLOOR = range(5)
+TABLE_COLUMNS = 5
 
 
 def row_table(seqs: Sequence[BatchedSequence], rows: int) -> list[list[int]]:
-    """[rows, 4]: each running row's start, drafter position (draft_len) and pending token (its last
-    output, not yet in the target's cache), live = 1; then padding rows up to `rows`."""
-    table = [[s.start, s.draft_len, s.out[-1], 1] for s in seqs]
-    return table + [[0, 0, 0, 0]] * (rows - len(seqs))
+    """[rows, 5]: each running row's start, drafter position (draft_len) and pending token (its last
+    output, not yet in the target's cache), live = 1, and the first context position its drafter
+    attends to (context_floor, 0 but when measuring a blind drafter); then padding rows up to `rows`."""
+    table = [[s.start, s.draft_len, s.out[-1], 1, s.context_floor] for s in seqs]
+    return table + [[0] * TABLE_COLUMNS] * (rows - len(seqs))
 
 
 class Scheduler:
@@ -137,12 +153,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.rows or self.waiting)
 
-    def admit(self) -> list[BatchedSequence]:
-        """Move waiting sequences into free slots (shortest prompt first); returns the newcomers."""
+    def admit(self, prefill_len: Callable[[BatchedSequence], int] | None = None) -> list[BatchedSequence]:
+        """Move waiting sequences into free slots (shortest prefill first); returns the newcomers.
+        `prefill_len(seq)`: the prompt tokens its prefill computes (default: all of them; with a
+        prefix cache, those after its cached prefix)."""
         new: list[BatchedSequence] = []
         while self.waiting and len(self.rows) + len(new) < self.max_batch:
             new.append(self.waiting.popleft())
-        new.sort(key=lambda s: len(s.request.prompt_ids))  # slots by length: prefill runs are contiguous
+        length = prefill_len or (lambda s: len(s.request.prompt_ids))
+        new.sort(key=length)  # slots by prefill length: prefill runs are contiguous
         for seq in new:
             params = seq.request.params
             seq.slot, seq.t0 = len(self.rows), time.perf_counter()

@@ -76,11 +76,11 @@ class TargetPasses:
 
     # -- prefill --------------------------------------------------------------------------------
     def prefill(self, new: list[BatchedSequence], pad_limit: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The newcomers' prompts (contiguous slots, ascending length) in one left-padded pass per
-        run of similar lengths -> first tokens [m] and which rows had no distribution to sample
+        """The newcomers' prompts (contiguous slots, ascending length to compute: after a cached
+        prefix, the rest) in one left-padded pass per run of similar lengths -> first tokens [m] and which rows had no distribution to sample
         from ([m], None when all are greedy)."""
         tokens, bads, i = [], [], 0
-        for n in prefill_runs([len(s.request.prompt_ids) for s in new], pad_limit):
+        for n in prefill_runs([len(s.request.prompt_ids) - s.cached for s in new], pad_limit):
             t, b = self._prefill_pass(new[i : i + n])
             tokens.append(t)
             bads.append(b if b is not None else torch.zeros(n, dtype=torch.bool, device=t.device))
@@ -89,17 +89,22 @@ class TargetPasses:
         return torch.cat(tokens), torch.cat(bads) if any_sampled else None
 
     def _prefill_pass(self, new: list[BatchedSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Left-padded prompts of `new` (contiguous slots) in one pass -> first tokens [m], bad [m] | None."""
-        P = max(len(s.request.prompt_ids) for s in new)
+        """Left-padded prompts of `new` (contiguous slots) in one pass -> first tokens [m], bad [m] | None.
+
+        A row whose first `s.cached` positions came from the prefix cache (their K/V already in its
+        slot) computes only the rest, at their own positions: with every linear layer batch-invariant
+        (the CPU's panel kernel) and attention per query row over the same keys, its logits, K/V and
+        features are those of the whole prompt's prefill bit for bit (tests/test_prefix_cache.py)."""
+        S = max(len(s.request.prompt_ids) - s.cached for s in new)
         ids, pos, write = [], [], []
         for s in new:
-            prompt = list(s.request.prompt_ids)
-            pad = P - len(prompt)
-            ids.append([0] * pad + prompt)
-            pos.append([0] * pad + list(range(len(prompt))))
-            write.append([self.dump] * pad + list(range(len(prompt))))
-        ids_t, pos_t, write_t = self.transfers.upload([ids, pos, write]).unbind(0)  # [m, P] each, one upload
-        W = round_up(P, EAGER_WIDTH_MULTIPLE, self.dump)
+            prompt, c = list(s.request.prompt_ids), s.cached
+            pad = S - (len(prompt) - c)
+            ids.append([0] * pad + prompt[c:])
+            pos.append([0] * pad + list(range(c, len(prompt))))
+            write.append([self.dump] * pad + list(range(c, len(prompt))))
+        ids_t, pos_t, write_t = self.transfers.upload([ids, pos, write]).unbind(0)  # [m, S] each, one upload
+        W = round_up(max(len(s.request.prompt_ids) for s in new), EAGER_WIDTH_MULTIPLE, self.dump)
         keys = torch.arange(W, device=ids_t.device)
         visible = (keys[None, None, None, :] <= pos_t[:, None, :, None]) & (write_t[:, None, :, None] != self.dump)
         visible = visible | (keys == 0)  # pad queries: see something (their output is discarded)
@@ -113,7 +118,7 @@ class TargetPasses:
     # -- verification ---------------------------------------------------------------------------
     def verify_logits(self, table: torch.Tensor, drafts: torch.Tensor | None, width: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass over the N rows of `table` [N, 4] and their drafts [N, k] (None: k = 0) with
+        """One pass over the N rows of `table` [N, 5] and their drafts [N, k] (None: k = 0) with
         masks `width` keys wide -> (ids [N, k+1], logits [N, k+1, V]). Padding rows write only to the
         dump index."""
         pending = table[:, PENDING : PENDING + 1]  # [N, 1]

@@ -103,6 +103,17 @@ class ChunkStats:
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     acceptance_histogram: list[int] = field(default_factory=list)  # [drafts that accepted exactly j], j = 0..K
+    # prefix caching (the batched runtime's, dflash_trt/metrics.py): prompt tokens served from the cache
+    # (OpenAI's usage.prompt_tokens_details.cached_tokens), the prompt's blocks reused / computed
+    num_cached_tokens: int = 0
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        """The prompt's blocks served from the prefix cache / all its blocks (0 without blocks)."""
+        blocks = self.num_reused_blocks + self.num_missed_blocks
+        return self.num_reused_blocks / blocks if blocks else 0.0
 
     @property
     def num_drafts(self) -> int:
@@ -124,6 +135,8 @@ class ChunkStats:
             num_steps=stats.num_steps, max_draft_len=max_draft_len, position_drafted=list(stats.position_drafted),
             position_accepted=list(stats.position_accepted),
             acceptance_histogram=stats.acceptance_histogram(max_draft_len),
+            num_cached_tokens=stats.num_cached_tokens, num_reused_blocks=stats.num_reused_blocks,
+            num_missed_blocks=stats.num_missed_blocks,
         )
 
 

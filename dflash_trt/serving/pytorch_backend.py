@@ -224,6 +224,14 @@ class PyTorchBackend:
         g.put(Chunk(tail, finished=True, finish_reason=reason, stats=stats, stop_reason=stop_reason))
         g.end()
 
+    def prefix_cache_stats(self) -> dict[str, Any] | None:
+        """The runtime's prefix cache, runtime-wide (runtime/prefix_cache.PrefixCache.stats): requests,
+        ``queries`` and ``hits`` in TOKENS (vLLM's vllm:prefix_cache_queries / vllm:prefix_cache_hits),
+        blocks cached and their budget; None where the runtime has none (the reference loop, or
+        prefix_cache off). Plain ints read from another thread: a scrape may lag a step."""
+        cache = getattr(self.runtime, "prefix_cache", None)
+        return cache.stats() if cache is not None else None
+
     def runtime_stats(self) -> dict[str, Any]:
         """The runtime's state (policy decisions, costs, acceptance), for logs and debugging."""
         return self.runtime.stats()
