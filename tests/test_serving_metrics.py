@@ -164,7 +164,8 @@ def test_openai_responses_carry_ours_and_vllms_per_request_object(answers):
     assert UPSTREAM["vllm"]["response"]["in_usage"] is False and UPSTREAM["sglang"]["response"]["in_usage"] is False
     usage_chunk = next(c for c in answers["chunks"] if c.get("usage"))
     for body in (answers["openai"], usage_chunk):
-        assert set(body["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+        assert set(body["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+        assert set(body["usage"]["prompt_tokens_details"]) == {"cached_tokens"}  # OpenAI's and vLLM's field
         ours = body["dflash"]
         spec = body
         for key in vllm["path"]:
@@ -247,3 +248,54 @@ def test_each_answer_is_counted_once_in_the_tau_histogram_and_output_tokens(serv
     assert after["sum"] - before["sum"] == pytest.approx(stats["tau"], rel=1e-6)
     assert after["tokens"] - before["tokens"] == stats["num_output_tokens"]
     assert after["cancelled"] == before["cancelled"]
+
+
+def test_a_shared_prefix_is_served_from_the_cache_and_counted_in_tokens(server, tmp_path):
+    """Two chats with one long system prompt: the second's prompt is mostly cached. Its usage says
+    how many tokens (OpenAI's prompt_tokens_details.cached_tokens), the Triton outputs how many
+    blocks (kv_cache_reused_block / kv_cache_missed_block / kv_cache_hit_rate), and the metrics
+    port counts queries and hits in tokens under ours and vLLM's names
+    (tests/upstream/spec_decode_metrics.json "prefix_cache"); the answer is the one a server
+    without the cache gives."""
+    from dflash_trt.serving.client import generate
+
+    spec = UPSTREAM["prefix_cache"]
+    system = "You answer in one short sentence about numbers. " * 3  # ~150 tokens of the tiny tokenizer
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Count to three."}]
+    body = {"model": "dflash", "messages": messages, "max_tokens": 8, "temperature": 0}
+
+    def counters() -> dict:
+        fams = _families(server.metrics_text())
+        out = {}
+        for name in ("dflash_prefix_cache_queries", "dflash_prefix_cache_hits"):
+            out[name] = _value(fams[name]) if name in fams else 0.0
+        for c in spec["counters"]:
+            fam = fams.get(c["name"])
+            out[c["name"]] = _value(fam) if fam else 0.0
+            if fam:
+                assert fam.type == c["type"] and all(set(x.labels) == set(spec["labels"]) for x in fam.samples)
+        return out
+
+    before = counters()
+    first = httpx.post(f"{server.openai_base}/v1/chat/completions", json=body, timeout=60).json()
+    second = httpx.post(f"{server.openai_base}/v1/chat/completions", json=body, timeout=60).json()
+    after = counters()
+    prompt = second["usage"]["prompt_tokens"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert prompt == first["usage"]["prompt_tokens"] > 64
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < cached  # the first ran (mostly) uncached
+    assert cached % 32 == 0 and prompt - 32 <= cached < prompt  # whole blocks, the last token always computed
+    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    queried = first["usage"]["prompt_tokens"] + prompt
+    hit = first["usage"]["prompt_tokens_details"]["cached_tokens"] + cached
+    assert after["dflash_prefix_cache_queries"] - before["dflash_prefix_cache_queries"] == queried
+    assert after["dflash_prefix_cache_hits"] - before["dflash_prefix_cache_hits"] == hit
+    assert after["vllm:prefix_cache_queries"] - before["vllm:prefix_cache_queries"] == queried
+    assert after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"] == hit
+    # the same conversation over gRPC: the block counts, and an answer equal to a cache-less runtime's
+    text = json.dumps(messages)
+    r = generate(server.grpc_url, text, max_tokens=8, text_input_format="messages", timeout_s=60)
+    reused, missed = r.stats["kv_cache_reused_block"], r.stats["kv_cache_missed_block"]
+    assert reused == cached // 32 and reused + missed == -(-prompt // 32)
+    assert r.stats["kv_cache_hit_rate"] == pytest.approx(reused / (reused + missed))
+    assert r.stats["num_cached_tokens"] == cached and r.text == second["choices"][0]["message"]["content"]

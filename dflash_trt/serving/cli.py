@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from dflash_trt.cli_helpers import (DRAFT_METHOD_HELP, draft_len_schedule_option, draft_method_option, friendly_errors,
-                                    max_draft_len_option, policy_option)
+                                    max_draft_len_option, policy_option, prefix_cache_options)
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime_options import DTYPE_NAMES
 from dflash_trt.serving.backends import BACKEND_ALIASES, BACKENDS, normalize_backend
@@ -68,7 +68,7 @@ def _repo_options(fn):
                           "unary ModelInfer and HTTP infer."),
     ]):
         fn = opt(fn)
-    return fn
+    return prefix_cache_options(fn)
 
 
 @click.command("triton")
@@ -83,7 +83,8 @@ def _repo_options(fn):
 def triton(engine: str, out: str, model_name: str, backend: str, default_max_tokens: int | None, max_queue: int,
            max_draft_len: int | None, policy: str, draft_method: str | None, draft_len_schedule: str | None,
            dtype: str | None, device: str | None, cuda_graphs: bool | None, torch_compile: bool | None,
-           decoupled: bool, engine_path: str | None, force: bool) -> None:
+           decoupled: bool, engine_path: str | None, force: bool, prefix_cache: bool | None,
+           prefix_cache_mib: float | None) -> None:
     """Write a Triton model repository for ENGINE in tensorrtllm_backend's llmapi shape (Python backend).
 
     Serve it with `tritonserver --model-repository OUT` (TensorRT-LLM container) or `dflash-trt serve
@@ -95,7 +96,8 @@ def triton(engine: str, out: str, model_name: str, backend: str, default_max_tok
     settings = _settings(model_name=model_name, backend=backend, default_max_tokens=default_max_tokens,
                          max_queue=max_queue, max_draft_len=max_draft_len, policy=policy, draft_method=draft_method,
                          draft_len_schedule=draft_len_schedule, dtype=dtype, device=device, cuda_graphs=cuda_graphs,
-                         torch_compile=torch_compile, decoupled=decoupled, engine_path=engine_path)
+                         torch_compile=torch_compile, decoupled=decoupled, engine_path=engine_path,
+                         prefix_cache=prefix_cache, prefix_cache_mib=prefix_cache_mib)
     if Path(engine).is_dir():  # (a missing one is named by generate_repository)
         verify_engine(engine)  # an altered engine is refused here, not by the server at startup
     click.echo(f"[deploy triton] engine={Path(engine).resolve()} out={out} "
@@ -159,14 +161,16 @@ def serve(source: str | None, model_repository: str | None, address: str, grpc_p
           exit_timeout_secs: float, ready_timeout_s: float, max_streams: int, ready_file: str | None, model_name: str,
           backend: str, default_max_tokens: int | None, max_queue: int, max_draft_len: int | None, policy: str,
           draft_method: str | None, draft_len_schedule: str | None, dtype: str | None, device: str | None,
-          cuda_graphs: bool | None, torch_compile: bool | None, decoupled: bool) -> None:
+          cuda_graphs: bool | None, torch_compile: bool | None, decoupled: bool, prefix_cache: bool | None,
+          prefix_cache_mib: float | None) -> None:
     """Serve a model repository (or an engine directory) on the real Triton Inference Server.
 
     Runs tritonserver (on PATH, in /opt/tritonserver as in NVIDIA's containers, or the one `make setup`
     installed) over the repository, whose model.py runs in Triton's Python backend, and the OpenAI-compatible
     front beside it. Stopping `serve` stops everything it started. The options --model-name, --backend,
     --default-max-tokens, --max-queue, --max-draft-len, --policy, --draft-method, --draft-len-schedule,
-    --dtype, --device, --cuda-graphs, --torch-compile and --decoupled apply when SOURCE is an engine directory.
+    --dtype, --device, --cuda-graphs, --torch-compile, --decoupled and --prefix-cache(-mib) apply when SOURCE is
+    an engine directory.
     """
     import logging
     import shutil
@@ -193,7 +197,7 @@ def serve(source: str | None, model_repository: str | None, address: str, grpc_p
                                  max_queue=max_queue, max_draft_len=max_draft_len, policy=policy,
                                  draft_method=draft_method, draft_len_schedule=draft_len_schedule, dtype=dtype,
                                  device=device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
-                                 decoupled=decoupled)
+                                 decoupled=decoupled, prefix_cache=prefix_cache, prefix_cache_mib=prefix_cache_mib)
             tmp = Path(tempfile.mkdtemp(prefix="dflash-trt-repo-"))
             model_repository = str(generate_repository(engine, tmp / "repo", settings))
     ports = ServerPorts(grpc=grpc_port, http=http_port, metrics=metrics_port if allow_metrics else None,

@@ -30,6 +30,7 @@ import numpy as np
 from dflash_trt.errors import DFlashError
 
 STAT_OUTPUTS = ("tau", "acceptance_rate", "total_draft_tokens", "total_accepted_draft_tokens", "num_input_tokens",
+                "num_cached_tokens", "kv_cache_reused_block", "kv_cache_missed_block", "kv_cache_hit_rate",
                 "num_output_tokens", "num_steps", "max_draft_len", "queue_time_ms", "decode_time_ms",
                 "arrival_time_ns", "first_token_time_ns")
 # lists: one value per draft position (0-based), and the histogram of accepted drafts per step

@@ -1,4 +1,4 @@
-"""Speculation metrics on Triton's own metrics port, published by model.py through the Python
+"""Speculation and prefix-cache metrics on Triton's own metrics port, published by model.py through the Python
 backend's custom metrics (``pb_utils.MetricFamily``, Triton >= 23.05), next to Triton's
 ``nv_inference_*``.
 
@@ -15,8 +15,10 @@ unchanged: one more increment per request, no new measurement. Their gauges
 (`trtllm_spec_decode_acceptance_length`, `trtllm_spec_decode_draft_overhead`) are not mirrored:
 they hold the LAST iteration's batch-wide value, which a model that sees whole requests never
 has, and a per-request value under that name would mean something else. docs/serving.md has the
-table. Triton's metric library (prometheus-cpp) writes names as given, so counters carry their
-``_total`` here.
+table. Prefix caching is counted in TOKENS under ours (``dflash_prefix_cache_queries_total``,
+``dflash_prefix_cache_hits_total``) and vLLM's names (``vllm:prefix_cache_queries_total``,
+``vllm:prefix_cache_hits_total``). Triton's metric library (prometheus-cpp) writes names as given, so
+counters carry their ``_total`` here.
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ UPSTREAM_COUNTERS = (
     ("drafted_per_position", "trtllm_spec_decode_drafted_tokens", (*TRTLLM_LABELS, "token_position")),
     ("accepted_per_position", "trtllm_spec_decode_accepted_tokens", (*TRTLLM_LABELS, "token_position")),
 )
+# prefix caching, in TOKENS as vLLM counts them (tests/upstream/spec_decode_metrics.json "prefix_cache"):
+# ours (labels model, version) and vLLM's twins (labels model_name, engine)
+PREFIX_CACHE_COUNTERS = (
+    ("prefix_cache_queries", "dflash_prefix_cache_queries", LABELS),
+    ("prefix_cache_hits", "dflash_prefix_cache_hits", LABELS),
+    ("prefix_cache_queries", "vllm:prefix_cache_queries", VLLM_LABELS),
+    ("prefix_cache_hits", "vllm:prefix_cache_hits", VLLM_LABELS),
+)
 ENGINE_TYPE = "dflash-trt"
 HELP = {
     "drafts": "Verification steps that drafted at least one token",
@@ -55,6 +65,8 @@ HELP = {
     "accepted_tokens": "Draft tokens the target accepted (bonus token excluded)",
     "drafted_per_position": "Draft tokens proposed at draft position (0-based: 0 is the first token after the anchor)",
     "accepted_per_position": "Draft tokens the target accepted at draft position (0-based)",
+    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens",
+    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens",
 }
 
 
@@ -99,6 +111,11 @@ class SpeculationMetrics:
             position = labels[-1] if quantity.endswith("per_position") else None
             self._counters.append((quantity, family, fixed, position))
         self._tau_labels = ours
+        self._prefix = []  # (quantity, family, labels): counted only where the backend caches prefixes
+        for quantity, name, labels in PREFIX_CACHE_COUNTERS:
+            values = ours if name.startswith("dflash") else upstream
+            self._prefix.append((quantity, self._family(pb_utils, f"{name}_total", HELP[quantity], counter),
+                                 {k: values[k] for k in labels}))
 
     def _family(self, pb_utils: Any, name: str, description: str, kind: Any) -> Any:
         family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
@@ -111,12 +128,18 @@ class SpeculationMetrics:
             self._metrics[key] = family.Metric(labels=labels, **kw)
         return self._metrics[key]
 
-    def request_finished(self, stats: Any) -> None:
-        """Count one finished request (its final ChunkStats)."""
+    def request_finished(self, stats: Any, prefix_caching: bool = False) -> None:
+        """Count one finished request (its final ChunkStats); `prefix_caching`: the backend looked
+        its prompt up in a prefix cache (queries and hits are counted then, as vLLM counts them)."""
         if stats is None:
             return
         with self._lock:
             self._count(stats)
+            if prefix_caching:
+                tokens = {"prefix_cache_queries": int(stats.num_prompt_tokens),
+                          "prefix_cache_hits": int(stats.num_cached_tokens)}
+                for quantity, family, labels in self._prefix:
+                    self._metric(family, labels).increment(tokens[quantity])
 
     def request_cancelled(self) -> None:
         """Count one request that ended cancelled (nothing else of it is counted)."""

@@ -292,9 +292,14 @@ def speculation_fields(s: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def usage(s: dict[str, Any]) -> dict[str, int]:
+def usage(s: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: the prompt's tokens served from the
+    prefix cache (OpenAI's and vLLM's field), where the model says (num_cached_tokens)."""
     prompt, completion = int(s.get("num_input_tokens", 0)), int(s.get("num_output_tokens", 0))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if "num_cached_tokens" in s:
+        out["prompt_tokens_details"] = {"cached_tokens": int(s["num_cached_tokens"])}
+    return out
 
 
 def sse(payload: Any) -> bytes:

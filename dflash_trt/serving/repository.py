@@ -129,6 +129,8 @@ def render_config(engine_dir: Path, settings: TritonRepoSettings) -> str:
         "device": settings.device,
         "cuda_graphs": {None: "auto", True: "true", False: "false"}[settings.cuda_graphs],
         "torch_compile": "true" if settings.torch_compile else "false",
+        "prefix_cache": "true" if settings.prefix_cache else "false",
+        "prefix_cache_mib": f"{settings.prefix_cache_mib:g}",
     }
     text = string.Template(template).substitute({k: _pbtxt_string(str(v)) for k, v in values.items()})
     parse_config(text, where="generated config.pbtxt")

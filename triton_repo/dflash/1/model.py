@@ -52,7 +52,7 @@ OUTPUTS = ("text_output", "finish_reason", "stop_reason", "cumulative_logprob", 
            "kv_cache_missed_block", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks", "kv_cache_hit_rate",
            "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
            "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
-           "tau", "num_input_tokens", "num_output_tokens", "num_steps", "max_draft_len", "queue_time_ms",
+           "tau", "num_input_tokens", "num_cached_tokens", "num_output_tokens", "num_steps", "max_draft_len", "queue_time_ms",
            "decode_time_ms", "position_drafted", "position_accepted", "acceptance_histogram")
 TEXT_INPUT_FORMATS = ("raw", "user", "messages")  # text_input_format's values (module docstring)
 PARAMETERS = ("engine_dir", "backend", "default_max_tokens", "max_queue", "policy", "max_draft_len", "draft_method",
@@ -110,6 +110,9 @@ class TritonPythonModel:
             draft_len_schedule=params.get("draft_len_schedule") or None,  # a repository written before it: the engine's
             cuda_graphs={"true": True, "false": False}.get(params["cuda_graphs"]),  # "auto": on for CUDA
             torch_compile=params["torch_compile"] == "true",
+            # a repository written before prefix caching: the runtime's default (on)
+            **({"prefix_cache": params["prefix_cache"] == "true"} if "prefix_cache" in params else {}),
+            **({"prefix_cache_mib": float(params["prefix_cache_mib"])} if params.get("prefix_cache_mib") else {}),
         )
         llm_kwargs = {k: v for k, v in _model_yaml().items() if k != "triton_config"}
         self.backend = load_backend(params["engine_dir"], settings, llm_kwargs=llm_kwargs)
@@ -117,6 +120,8 @@ class TritonPythonModel:
 
         self.metrics = SpeculationMetrics(pb_utils, args.get("model_name", config.get("name", "")),
                                           str(args.get("model_version", "1")))
+        # the pytorch backend's batched runtime with its prefix cache on (None: no prefix cache)
+        self.prefix_caching = getattr(self.backend, "prefix_cache_stats", lambda: None)() is not None
         self._live = {}  # request id -> its running Generations (the `stop` input cancels them)
         self._lock = threading.Lock()
         pb_utils.Logger.log_info(f"dflash: engine {params['engine_dir']} loaded ({'decoupled' if self.decoupled else 'not decoupled'}): "
@@ -181,7 +186,7 @@ class TritonPythonModel:
                                      f"of {parsed['request'].params.max_tokens or 'default'} tokens")
             return _fail(sender, CANCELLED, pb_utils.TritonError.CANCELLED)
         response = self._response(text, parsed, final, arrival_ns)
-        self.metrics.request_finished(final.stats)  # before the client can see its answer
+        self.metrics.request_finished(final.stats, self.prefix_caching)  # before the client can see its answer
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _track(self, request_id, generation, add):
@@ -228,6 +233,11 @@ class TritonPythonModel:
             _tensor("total_draft_tokens", [s.total_draft_tokens], np.int32),
             _tensor("tau", [s.tau], np.float32),
             _tensor("num_input_tokens", [s.num_prompt_tokens], np.int32),
+            _tensor("num_cached_tokens", [s.num_cached_tokens], np.int32),
+            # prefix caching, as upstream's outputs: the prompt's blocks reused / computed
+            _tensor("kv_cache_reused_block", [s.num_reused_blocks], np.int32),
+            _tensor("kv_cache_missed_block", [s.num_missed_blocks], np.int32),
+            _tensor("kv_cache_hit_rate", [s.kv_cache_hit_rate], np.float32),
             _tensor("num_output_tokens", [s.num_output_tokens], np.int32),
             _tensor("num_steps", [s.num_steps], np.int32),
             _tensor("max_draft_len", [s.max_draft_len], np.int32),
