@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +73,15 @@ def test_the_bound_keeps_new_shapes_from_growing_memory():
     assert _growth_mib("unset") > 20
     # bounded at 16 entries, the 120 new shapes evict one another: nothing grows
     assert _growth_mib("16") < 2
+
+
+def test_the_served_models_stub_gets_the_bound(monkeypatch):
+    """`serve` runs the model in tritonserver's Python backend stub: its environment carries the
+    bound (an operator's value still wins)."""
+    from dflash_trt.serving.tritonserver import TritonInstall, server_environment
+
+    install = TritonInstall(Path("/nowhere/bin/tritonserver"), Path("/nowhere/backends"))
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
+    env = server_environment(install)
+    assert (env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], env["LRU_CACHE_CAPACITY"]) == ("512", str(DEFAULT_CAPACITY))

@@ -32,6 +32,7 @@ UPSTREAM = json.loads((Path(__file__).parent / "upstream" / "tensorrtllm_backend
 CONFIG = UPSTREAM["config_pbtxt"]
 # our outputs beside upstream's: (datatype, dims) as config.pbtxt must declare them
 OURS_OUTPUT_TYPES = {"tau": ("TYPE_FP32", [1]), "num_input_tokens": ("TYPE_INT32", [1]),
+                     "num_cached_tokens": ("TYPE_INT32", [1]),
                      "num_output_tokens": ("TYPE_INT32", [1]), "num_steps": ("TYPE_INT32", [1]),
                      "max_draft_len": ("TYPE_INT32", [1]),
                      "queue_time_ms": ("TYPE_FP32", [1]), "decode_time_ms": ("TYPE_FP32", [1]),

@@ -20,6 +20,7 @@ them before a model is loaded; later calls change nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 
 # Rebuilding an evicted primitive costs ~0.3-0.5 ms; at 128 entries the embedded pair's load run
 # rebuilds ~1,600 over 200 s (< 1 s of work), and the caches hold at most ~75 MiB.
@@ -27,9 +28,12 @@ DEFAULT_CAPACITY = 128
 CAPACITY_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
-def bound_kernel_caches(capacity: int = DEFAULT_CAPACITY) -> dict[str, str]:
+def bound_kernel_caches(capacity: int = DEFAULT_CAPACITY, env: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set both caches' capacity to `capacity` where the environment does not already set it (an
-    operator's value wins); returns the values in effect. Call before any model is loaded."""
+    operator's value wins); returns the values in effect. `env`: the environment of a process to
+    start (`serve` bounds tritonserver's, whose Python backend stub runs the model), else this
+    process's, before any model is loaded."""
+    env = os.environ if env is None else env
     for name in CAPACITY_ENV:
-        os.environ.setdefault(name, str(capacity))
-    return {name: os.environ[name] for name in CAPACITY_ENV}
+        env.setdefault(name, str(capacity))
+    return {name: env[name] for name in CAPACITY_ENV}

@@ -187,6 +187,11 @@ def server_environment(install: TritonInstall, base: dict[str, str] | None = Non
     # PYTHONPATH, or the installed package)
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([package_root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    # a server meets new GEMM shapes for as long as it gets new prompts: bound oneDNN's caches in
+    # the stub that runs the model (an operator's values win; runtime/kernel_caches.py says why)
+    from dflash_trt.runtime.kernel_caches import bound_kernel_caches
+
+    bound_kernel_caches(env=env)
     return env
 
 
@@ -272,7 +277,10 @@ _ERROR_LINE = re.compile(r"^E\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] (.*)$")
 
 
 def _clean(message: str) -> str:
-    return message.strip().strip('"').replace("\\n", " ").replace('\\"', '"')
+    """One line of a Triton log message: quotes, escapes and the Python backend's traceback
+    ("\\n\\nAt:\\n  file(line): function ...") off."""
+    message = message.strip().strip('"').split("\\n\\nAt:", 1)[0]
+    return " ".join(message.replace("\\n", " ").replace('\\"', '"').split())
 
 
 def explain_exit(lines: list[str], code: int | None) -> str:
@@ -281,7 +289,8 @@ def explain_exit(lines: list[str], code: int | None) -> str:
         m = _LOAD_FAILURE.search(line)
         if m:
             cause = _clean(m.group(3))
-            cause = re.sub(r"^(Internal|Invalid argument|Not found|Unavailable): (\w+Exception: )?", "", cause)
+            cause = re.sub(r"^(Internal|Invalid argument|Not found|Unavailable|Unknown): ", "", cause)
+            cause = re.sub(r"^\w+(Error|Exception): ", "", cause)  # the Python exception's class
             return f"tritonserver could not load model {m.group(1)!r}: {cause}"
     for line in reversed(lines):
         if "already in use" in line or "Address already in use" in line:
