@@ -1,11 +1,12 @@
 """Load test of `dflash-trt serve`: N requests at concurrency C over gRPC and HTTP, streaming and not.
 
-Starts `dflash-trt serve ENGINE` (gRPC, HTTP and metrics on free ports), sends every prompt ALONE
+Starts `dflash-trt serve ENGINE` (tritonserver: gRPC, HTTP and metrics; the OpenAI front; free ports), sends every prompt ALONE
 once per API to record its greedy answer, then N requests from C threads cycling over five kinds:
 gRPC unary (tritonclient), OpenAI chat (not streamed and streamed, the real `openai` package),
 OpenAI completions (raw prompt) and Triton's generate (httpx). It prints errors, how many answers
 differ from the same prompt sent alone, p50/p99 latency and TTFT per kind, and the server's RSS
-after the warm-up and at the end (growth in %).
+(tritonserver plus its Python backend stub, which runs the model; the front's beside it) after the
+warm-up and at the end (growth in %), and its peak.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/serve_load.py ENGINE --requests 1000 --concurrency 16
 """
@@ -31,18 +32,33 @@ from dflash_trt.serving.client import generate
 KINDS = ("grpc", "chat", "chat_stream", "completion", "generate")
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def _status_mib(pid: int, field: str) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _server_pids(serve_pid: int) -> list[int]:
+    """tritonserver and its stub: the processes under `serve` (whose own is the OpenAI front)."""
+    import psutil
+
+    return [p.pid for p in psutil.Process(serve_pid).children(recursive=True)]
+
+
+def _rss_mib(serve_pid: int, field: str = "VmRSS") -> float:
+    """RSS (VmRSS) or peak RSS (VmHWM) of tritonserver plus its stub."""
+    return sum(_status_mib(pid, field) for pid in _server_pids(serve_pid))
 
 
 class Endpoints:
     """One request of each kind; returns (text, ttft_s)."""
 
-    def __init__(self, grpc_url: str, http_base: str, max_tokens: int) -> None:
-        self.grpc_url, self.base, self.max_tokens = grpc_url, http_base, max_tokens
+    def __init__(self, grpc_url: str, http_base: str, openai_base: str, max_tokens: int) -> None:
+        self.grpc_url, self.http, self.base, self.max_tokens = grpc_url, http_base, openai_base, max_tokens
         self.local = threading.local()
 
     def _openai(self) -> openai.OpenAI:
@@ -72,8 +88,9 @@ class Endpoints:
             r = self._openai().completions.create(model="dflash", prompt=prompt, max_tokens=self.max_tokens,
                                                   temperature=0)
             return r.choices[0].text, time.perf_counter() - t0
-        r = httpx.post(f"{self.base}/v2/models/dflash/generate", timeout=300,
-                       json={"text_input": prompt, "sampling_param_max_tokens": self.max_tokens})
+        r = httpx.post(f"{self.http}/v2/models/dflash/generate", timeout=300,  # one chat turn, as gRPC's
+                       json={"text_input": prompt, "text_input_format": "user",
+                             "sampling_param_max_tokens": self.max_tokens})
         r.raise_for_status()
         return r.json()["text_output"], time.perf_counter() - t0
 
@@ -93,7 +110,8 @@ def main(engine: str, num_requests: int, concurrency: int, max_tokens: int, num_
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready"
         proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", engine, "--grpc-port", "0",
-                                 "--http-port", "0", "--metrics-port", "0", "--ready-file", str(ready),
+                                 "--http-port", "0", "--metrics-port", "0", "--openai-port", "0",
+                                 "--ready-file", str(ready), "--exit-timeout-secs", "5",
                                  "--max-streams", str(max(64, concurrency))],
                                 stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "server.log", "w"))
         try:
@@ -101,8 +119,8 @@ def main(engine: str, num_requests: int, concurrency: int, max_tokens: int, num_
                 if proc.poll() is not None:
                     sys.exit(f"error: the server exited: {(Path(tmp) / 'server.log').read_text()[-2000:]}")
                 time.sleep(0.2)
-            grpc_addr, _metrics, http_port = ready.read_text().split()
-            ep = Endpoints(grpc_addr, f"http://127.0.0.1:{http_port}", max_tokens)
+            grpc_addr, _metrics, http_port, openai_port = ready.read_text().split()
+            ep = Endpoints(grpc_addr, f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{openai_port}", max_tokens)
             alone = {(k, p): ep.send(k, p)[0] for p in prompts for k in ("grpc", "completion")}  # chat template / raw
             jobs = [(KINDS[i % len(KINDS)], prompts[(i // len(KINDS)) % len(prompts)]) for i in range(num_requests)]
             # warm-up at full concurrency (not counted): the allocator's and the runtime's steady state at
@@ -137,7 +155,7 @@ def main(engine: str, num_requests: int, concurrency: int, max_tokens: int, num_
             with ThreadPoolExecutor(concurrency) as pool:
                 list(pool.map(one, jobs))
             wall = time.perf_counter() - t_start
-            rss_after = _rss_mib(proc.pid)
+            rss_after, rss_peak = _rss_mib(proc.pid), _rss_mib(proc.pid, "VmHWM")
         finally:
             proc.terminate()
             proc.wait(60)
@@ -155,6 +173,7 @@ def main(engine: str, num_requests: int, concurrency: int, max_tokens: int, num_
     print(f"server RSS after the warm-up at C={concurrency} {rss_before:.0f} MiB, at the end {rss_after:.0f} MiB "
           f"(growth {100 * (rss_after - rss_before) / rss_before:+.1f}%)")
     print("server RSS after each tenth of the run (MiB): " + " ".join(f"{r:.0f}" for r in trajectory))
+    print(f"peak RSS of tritonserver + its stub (VmHWM, summed): {rss_peak:.0f} MiB")
     for e in errors[:5]:
         print("  error:", e)
     sys.exit(1 if errors or mismatches else 0)

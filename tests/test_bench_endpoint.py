@@ -67,7 +67,7 @@ def test_endpoint_tau_equals_in_process(engine, url, tmp_path):
         assert row["tau"] == pytest.approx(mine["tau"], rel=1e-6)
         assert row["num_steps"] == mine["num_steps"]
         assert row["per_position_acceptance"] == pytest.approx(mine["per_position_acceptance"])
-        # latency = the server's queue + its decoding + the rest (gRPC, the Python-backend shim)
+        # latency = the server's queue + its decoding + the rest (gRPC, the Python backend stub's IPC)
         assert row["server_decode_s"]["mean"] > 0 and row["server_overhead_s"]["mean"] > -1e-3
     # client-side timestamps keep the same relations as in process
     for r in remote["requests"]:

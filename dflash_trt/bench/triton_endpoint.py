@@ -6,7 +6,7 @@ carries the model's statistics outputs (tau, total_draft_tokens, ...,
 queue_time_ms, decode_time_ms, the per-position counts), so each request has its own tau and
 per-position acceptance, and its latency splits into
 waiting for the runtime, decoding, and the rest (gRPC, (de)serialisation, the Python-backend
-shim: server overhead). ``mode`` names what a server runs: `url` the DFlash model; a plain
+stub's IPC: server overhead). ``mode`` names what a server runs: `url` the DFlash model; a plain
 baseline needs a second server of the same target without speculation (`plain_url`).
 A request the server fails is recorded with its error and counted; the run goes on.
 """

@@ -1,17 +1,18 @@
-"""Serving an engine directory: Triton model repository, a Triton-protocol gRPC server, a client.
+"""Serving an engine directory on the real Triton Inference Server, and its clients.
 
 Modules, one job each:
-- ``protocol``              what a frontend hands a backend and gets back: GenerateRequest (with
-                            SamplingParams), Generation (chunks), ChunkStats, ServerBusy; the contract
-                            model.py and any other server (HTTP/OpenAI) build on
+- ``repository``            write a Triton model repository from the ``triton_repo/`` template (its
+                            ``model.py`` runs in tritonserver's Python backend)
 - ``backends``              BackendSettings and load_backend: which backend serves an engine
+- ``protocol``              what model.py hands a backend and gets back: GenerateRequest (with
+                            SamplingParams), Generation (chunks), ChunkStats, ServerBusy
 - ``pytorch_backend``       dflash-trt's runtime behind the protocol (one scheduler thread)
 - ``tensorrt_llm_backend``  TensorRT-LLM's LLM API behind the protocol (GPU nodes)
 - ``detokenizer``           token ids -> streamed text, stop strings, never retracted
-- ``repository``            write a Triton model repository from the ``triton_repo/`` template
-- ``pb_utils``              the subset of ``triton_python_backend_utils`` that model.py uses
-- ``host``                  load a repository's model.py through that interface and feed it requests
-- ``server``                the KServe v2 ``inference.GRPCInferenceService`` over grpcio
-- ``metrics``               Prometheus metrics (Triton's ``nv_*`` names where Triton has one)
-- ``client``                a ``tritonclient.grpc`` client for the generated model
+- ``metrics``               what model.py publishes on Triton's metrics port (custom metrics)
+- ``tritonserver``          which tritonserver, what its Python backend needs here, its process
+- ``triton_install``        tritonserver from PyPI's nvidia-pytriton wheel where no container has one
+- ``openai_front``          the OpenAI-compatible API, a tritonclient gRPC client of Triton
+- ``serve``                 `dflash-trt serve`: tritonserver and the front, ready file, signals
+- ``client`` / ``openai_client``  `dflash-trt client` over Triton gRPC / OpenAI HTTP
 """
