@@ -36,8 +36,11 @@ except ImportError:  # tests/ is not a package
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "deploy" / "container" / "Dockerfile"
 NODE = json.loads((Path(__file__).parent / "upstream" / "tensorrt_llm_node.json").read_text())
+# numpy < 2: the same requirements.txt pins it (NODE["transformers_pin"]["note"]), so the image holds a
+# numpy 1.x, which the Dockerfile's pin line carries into dflash-trt's install (Triton's Python
+# backend needs it too)
 BASE_PINS = ["torch==2.13.0", NODE["transformers_pin"]["requirement"],
-             f"huggingface_hub=={NODE['transformers_pin']['companions']['huggingface_hub']}"]
+             f"huggingface_hub=={NODE['transformers_pin']['companions']['huggingface_hub']}", "numpy<2"]
 
 
 def run_instructions(text: str) -> list[str]:

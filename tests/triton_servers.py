@@ -15,7 +15,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trt.serving.openai_front import DEFAULT_MAX_STREAMS, OpenAIFront
+from dflash_trt.serving.limits import DEFAULT_MAX_STREAMS
+from dflash_trt.serving.openai_front import OpenAIFront
 from dflash_trt.serving.repository import TritonRepoSettings, generate_repository
 from dflash_trt.serving.serve import OpenAIThread
 from dflash_trt.serving.tritonserver import ServerPorts, TritonServerProcess

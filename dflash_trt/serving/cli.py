@@ -12,7 +12,7 @@ from dflash_trt.cli_helpers import (DRAFT_METHOD_HELP, draft_len_schedule_option
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime_options import DTYPE_NAMES
 from dflash_trt.serving.backends import BACKEND_ALIASES, BACKENDS, normalize_backend
-from dflash_trt.serving.openai_front import DEFAULT_MAX_STREAMS
+from dflash_trt.serving.limits import DEFAULT_MAX_STREAMS
 from dflash_trt.speculation import DEFAULT_DRAFT_METHOD
 
 _BACKEND_HELP = ("Runtime inside the model: auto = TensorRT-LLM when it is importable and has DFlash, else pytorch; "

@@ -52,8 +52,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dflash_trt.errors import InvalidRequest
-
-DEFAULT_MAX_STREAMS = 64  # requests in flight through the front; past it HTTP 429
+from dflash_trt.serving.limits import DEFAULT_MAX_STREAMS
 MAX_BODY_BYTES = 64 << 20  # as tritonserver's default --http-max-input-size
 # OpenAI's chat roles (openai 3.57.0, types/chat/chat_completion_role.py `ChatCompletionRole`); any
 # other is a 400 there. "tool" and "function" answer tool calls, which this engine never makes.

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.serving.openai_front import DEFAULT_MAX_STREAMS, OpenAIFront
+from dflash_trt.serving.limits import DEFAULT_MAX_STREAMS
 from dflash_trt.serving.tritonserver import ServerPorts, TritonServerProcess, check_port_free, free_port
 
 log = logging.getLogger("dflash_trt.serving")
@@ -46,7 +46,7 @@ def ready_line(server: TritonServerProcess, openai_port: int | None) -> str:
 class OpenAIThread:
     """The OpenAI front on its own event loop and thread, bound to `port` before it starts."""
 
-    def __init__(self, front: OpenAIFront, address: str, port: int) -> None:
+    def __init__(self, front: Any, address: str, port: int) -> None:  # front: openai_front.OpenAIFront
         import uvicorn
 
         self.front = front
@@ -126,6 +126,8 @@ def run_serve(repository: str | Path, ports: ServerPorts, openai_port: int | Non
                 return 0
             raise
         if openai_port is not None:
+            from dflash_trt.serving.openai_front import OpenAIFront  # Starlette: only where the front runs
+
             front = OpenAIThread(OpenAIFront(server.grpc_url, max_streams=max_streams), ports.address,
                                  openai_port).start()
         log.info("serving %s: gRPC %s, HTTP %s, metrics %s, OpenAI %s", repository, server.grpc_url,
