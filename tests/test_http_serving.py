@@ -152,22 +152,22 @@ def test_decoupled_model_refuses_http_infer_as_triton_does(triton_streaming):
     assert "doesn't support models with decoupled transaction policy" in r.json()["error"]
 
 
-def test_requests_past_the_fronts_limit_get_429_and_are_served_again_after(engine, tmp_path):
-    """--max-streams 2 on the front: while two chats are in flight a third request gets 429
+def test_requests_past_the_fronts_limit_get_429_and_are_served_again_after(triton_streaming):
+    """--max-streams 2 on a front: while two chats are in flight a third request gets 429
     (OpenAI's rate_limit_error) at once, without reaching Triton; once they end, requests are
-    served again. Triton is paused (SIGSTOP) so that the two stay in flight as long as the test
-    needs, whatever the machine's speed."""
+    served again. Triton (the session's server, a front of 2 slots of its own on it) is paused
+    (SIGSTOP) so that the two stay in flight as long as the test needs, whatever the machine's
+    speed."""
     import os
     import signal
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.triton_servers import serve_engine
+    from dflash_trt.serving.openai_front import OpenAIFront
+    from dflash_trt.serving.serve import OpenAIThread
 
-    from dflash_trt.serving.repository import TritonRepoSettings
-
-    served = serve_engine(engine, tmp_path, TritonRepoSettings(decoupled=True), metrics=False, max_streams=2)
-    base, slots, pid = served.openai_base, served.front.front.slots, served.server.process.pid
+    front = OpenAIThread(OpenAIFront(triton_streaming.grpc_url, max_streams=2), "127.0.0.1", 0).start()
+    base, slots, pid = f"http://127.0.0.1:{front.port}", front.front.slots, triton_streaming.server.process.pid
     chat = {"model": "dflash", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
     probe = {"model": "dflash", "prompt": "hi", "max_tokens": 2}
     try:
@@ -191,7 +191,7 @@ def test_requests_past_the_fronts_limit_get_429_and_are_served_again_after(engin
         assert slots.used == 0
         assert httpx.post(f"{base}/v1/completions", json=probe, timeout=30).status_code == 200
     finally:
-        served.stop()
+        front.stop(grace_s=1.0)
 
 
 def test_dflash_trt_client_speaks_openai_to_an_http_url(base, engine):

@@ -358,11 +358,21 @@ def test_unary_infer_on_a_decoupled_model_is_refused_by_triton(url):
 
 
 # -- servers of their own ----------------------------------------------------------------------
-def test_a_full_queue_answers_unavailable_and_the_admitted_finish(engine, tmp_path):
+@pytest.fixture(scope="module")
+def greedy_small_queue(engine, tmp_path_factory):
+    """A decoupled repository with max_queue=1 and draft_method greedy (not the default), for the
+    two tests that need those settings."""
+    served = serve_engine(engine, tmp_path_factory.mktemp("greedy-small-queue"),
+                          TritonRepoSettings(decoupled=True, max_queue=1, draft_method="greedy"), http=False,
+                          metrics=False, openai=False)
+    yield served
+    served.stop()
+
+
+def test_a_full_queue_answers_unavailable_and_the_admitted_finish(greedy_small_queue, engine):
     """max_queue=1: of a burst of 16 requests on one stream, those that find the runtime's queue
     full get UNAVAILABLE (the model's one line naming the limit); every other is answered in full."""
-    served = serve_engine(engine, tmp_path, TritonRepoSettings(decoupled=True, max_queue=1), http=False,
-                          metrics=False, openai=False)
+    served = greedy_small_queue
     got: queue.Queue = queue.Queue()
     c = grpcclient.InferenceServerClient(served.grpc_url)
     try:
@@ -380,21 +390,16 @@ def test_a_full_queue_answers_unavailable_and_the_admitted_finish(engine, tmp_pa
     finally:
         c.stop_stream(cancel_requests=True)
         c.close()
-        served.stop()
     assert errors and all("requests already queued (max 1)" in e for e in errors), errors
     assert finals and all(text == reference_answer(engine, PROMPTS[int(rid[1:]) % 8], MAX_TOKENS)
                           for rid, text in finals.items())
 
 
-def test_the_repositorys_draft_method_reaches_the_served_runtime(engine, tmp_path):
+def test_the_repositorys_draft_method_reaches_the_served_runtime(greedy_small_queue, engine):
     """model.py hands the repository's draft_method to the backend: a seeded sampled answer is the
     reference loop's under that method (greedy, not the default, so that dropping it shows)."""
-    served = serve_engine(engine, tmp_path, TritonRepoSettings(draft_method="greedy"), http=False, metrics=False,
-                          openai=False)
-    try:
-        text = generate(served.grpc_url, PROMPTS[5], max_tokens=MAX_TOKENS, temperature=1.0, seed=7, timeout_s=60).text
-    finally:
-        served.stop()
+    text = generate(greedy_small_queue.grpc_url, PROMPTS[5], max_tokens=MAX_TOKENS, temperature=1.0, seed=7,
+                    timeout_s=60).text
     assert text == reference_answer(engine, PROMPTS[5], MAX_TOKENS, temperature=1.0, seed=7, draft_method="greedy")
     assert text != reference_answer(engine, PROMPTS[5], MAX_TOKENS, temperature=1.0, seed=7)  # the default's
 

@@ -198,6 +198,7 @@ def serve(source: str | None, model_repository: str | None, address: str, grpc_p
                                  draft_method=draft_method, draft_len_schedule=draft_len_schedule, dtype=dtype,
                                  device=device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
                                  decoupled=decoupled, prefix_cache=prefix_cache, prefix_cache_mib=prefix_cache_mib)
+            _check_device_here(engine, settings)
             tmp = Path(tempfile.mkdtemp(prefix="dflash-trt-repo-"))
             model_repository = str(generate_repository(engine, tmp / "repo", settings))
     ports = ServerPorts(grpc=grpc_port, http=http_port, metrics=metrics_port if allow_metrics else None,
@@ -215,6 +216,18 @@ def serve(source: str | None, model_repository: str | None, address: str, grpc_p
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     sys.exit(code)
+
+
+def _check_device_here(engine: Path, settings) -> None:
+    """`serve ENGINE` runs the pytorch backend on THIS machine: a device it lacks is one line now,
+    before tritonserver starts (model.py checks again, for any repository)."""
+    from dflash_trt.checkpoints.placement import runtime_device
+    from dflash_trt.engine.manifest import MANIFEST_NAME, load_manifest
+
+    if (engine / MANIFEST_NAME).is_file():
+        resolved = settings.for_engine(load_manifest(engine))
+        if resolved.backend == "pytorch":
+            runtime_device(resolved.device)
 
 
 @click.command("setup-tritonserver")
