@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from dflash_trt.cli import main
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime import DFlashDraftModel, autoregressive_generate, dflash_generate
+from dflash_trt.runtime import autoregressive_generate, dflash_generate
 from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
 from dflash_trt.runtime.draft_model import build_target_layer_ids, make_draft_config
 from dflash_trt.runtime.target import TargetAdapter

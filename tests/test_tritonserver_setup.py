@@ -54,7 +54,7 @@ def _fake_install(root: Path, stub_links: bytes | None) -> TritonInstall:
 
 
 @pytest.mark.parametrize("case, facts, stub, fragment", [
-    ("no stub", HERE, None, f"no Python backend stub in"),
+    ("no stub", HERE, None, "no Python backend stub in"),
     ("another Python's stub", HERE, b"libpython3.9.so.1.0", "is built for Python 3.9"),
     ("static libpython", StubFacts(HERE.python, None, "1.26.4", "/venv"), b"", "has no shared libpython"),
     ("numpy 2", StubFacts(HERE.python, HERE.libdir, "2.4.6", "/venv"), b"", "numpy 2.4.6 in /venv"),

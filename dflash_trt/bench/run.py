@@ -12,7 +12,6 @@ import hashlib
 import os
 import platform
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -78,9 +77,13 @@ class OpenAIThread:
                 raise DFlashError(f"the OpenAI front on port {self.port} did not start within {timeout_s:.0f} s")
         return self
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def begin_stop(self, grace_s: float) -> None:
+        """Take no new connections; requests in flight get `grace_s` to finish (not waited for here)."""
         self.server.config.timeout_graceful_shutdown = grace_s
         self.server.should_exit = True
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.begin_stop(grace_s)
         self.thread.join(grace_s + 5.0)
         self.sock.close()
 
@@ -145,11 +148,13 @@ def run_serve(repository: str | Path, ports: ServerPorts, openai_port: int | Non
         log.info("stopping: in-flight requests get up to %.0f s", exit_timeout_s)
         return 0
     finally:
+        # both at once: the front's requests in flight are Triton requests in flight, which Triton
+        # lets finish for the same exit timeout while it refuses new ones
         if front is not None:
-            front.stop()
-        code = server.stop()
-        if code not in (None, 0, -signal.SIGTERM, -signal.SIGKILL) and not stop_requested.is_set():
-            print(f"tritonserver exited with code {code}", file=sys.stderr)
+            front.begin_stop(exit_timeout_s)
+        server.stop()
+        if front is not None:
+            front.stop(0.0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
