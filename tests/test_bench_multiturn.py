@@ -10,9 +10,9 @@ import pytest
 
 from dflash_trt.bench.multiturn import (conversations, pooled_tau, run_conversations, steps_by_conversation, summary,
                                         tau_halfwidth)
-from dflash_trt.runtime.batched import BatchedRuntime
-from dflash_trt.runtime.prefix_cache import BLOCK_TOKENS
-from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.runtime.batched.runtime import BatchedRuntime
+from dflash_trt.runtime.batched.prefix_cache import BLOCK_TOKENS
+from dflash_trt.runtime.decoding.tokens import TextCodec
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 

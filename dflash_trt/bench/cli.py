@@ -97,7 +97,7 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--device", help="In process: cpu or cuda[:N] [default: cpu].")
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), help="In process weights [default: float32].")
 @click.option("--pack/--no-pack", default=None,
-              help="In process, float32 on CPU: oneDNN-packed linear layers (runtime/cpu_packing.py) [default: pack].")
+              help="In process, float32 on CPU: oneDNN-packed linear layers (runtime/cpu/packing.py) [default: pack].")
 @prefix_cache_options
 @click.option("--gpu", help="GPU of the run for the bandwidth ceiling (b300, b200, h200, h100) [default: detected].")
 @click.option("--threads", type=int, help="torch CPU threads in process [default: torch's].")

@@ -14,17 +14,17 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "BatchedRuntime": "dflash_trt.runtime.batched",
-    "RuntimeExtras": "dflash_trt.runtime.batched",
-    "SequenceRequest": "dflash_trt.runtime.batched",
-    "batched_generate": "dflash_trt.runtime.batched",
-    "DFlashDraftModel": "dflash_trt.runtime.draft_model",
-    "build_target_layer_ids": "dflash_trt.runtime.draft_model",
-    "GenerationResult": "dflash_trt.runtime.generate",
-    "autoregressive_generate": "dflash_trt.runtime.generate",
-    "dflash_generate": "dflash_trt.runtime.generate",
+    "BatchedRuntime": "dflash_trt.runtime.batched.runtime",
+    "RuntimeExtras": "dflash_trt.runtime.batched.runtime",
+    "SequenceRequest": "dflash_trt.runtime.batched.scheduling",
+    "batched_generate": "dflash_trt.runtime.batched.runtime",
+    "DFlashDraftModel": "dflash_trt.runtime.drafters.dflash",
+    "build_target_layer_ids": "dflash_trt.runtime.drafters.dflash",
+    "GenerationResult": "dflash_trt.runtime.decoding.results",
+    "autoregressive_generate": "dflash_trt.runtime.reference.generate",
+    "dflash_generate": "dflash_trt.runtime.reference.generate",
     "open_runtime": "dflash_trt.runtime.opener",
-    "TargetAdapter": "dflash_trt.runtime.target",
+    "TargetAdapter": "dflash_trt.runtime.target.adapter",
 }
 __all__ = sorted(_EXPORTS)
 
