@@ -127,7 +127,7 @@ def _load_models(target_dir: Path, draft_dir: Path, options: RuntimeOptions, *, 
     from dflash_trt.checkpoints.streaming import load_checkpoint, model_config
     from dflash_trt.runtime.cpu.packing import pack_cpu_linears
     from dflash_trt.runtime.drafters.loading import load_drafter
-    from dflash_trt.runtime.target.loading import load_target, load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_target, load_tokenizer
     from dflash_trt.runtime.drafters.validate import validate_pair
 
     draft_cfg = read_json(draft_dir / "config.json", what="drafter config")

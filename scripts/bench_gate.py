@@ -41,7 +41,7 @@ def main() -> None:
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.gate import measure_tau
     from dflash_trt.runtime.drafters.loading import load_drafter
-    from dflash_trt.runtime.target.loading import load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_tokenizer
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

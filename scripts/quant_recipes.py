@@ -47,7 +47,7 @@ COMPUTE = {"dtype": None}  # --compute-dtype: weights rounded to --dtype, arithm
 def _load(tdir: Path, ddir: Path, dtype: torch.dtype):
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.runtime.drafters.loading import load_drafter
-    from dflash_trt.runtime.target.loading import load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_tokenizer
 
     target, draft = load_checkpoint(tdir, dtype), load_drafter(ddir, dtype=dtype)
     return _compute(target), _compute(draft), load_tokenizer(tdir)
@@ -166,7 +166,7 @@ def _teacher_forced(target, draft, seqs: list[torch.Tensor], prompt_lens: list[i
     steps per prompt, whatever text it would itself have produced (no divergence noise)."""
     from transformers import DynamicCache
 
-    from dflash_trt.runtime.target.adapter import TargetAdapter
+    from dflash_trt.runtime.targets.adapter import TargetAdapter
     from dflash_trt.train.objective import batch_attention_mask
 
     adapter = TargetAdapter(target)

@@ -57,7 +57,7 @@ def main() -> None:
     from dflash_trt.engine.gate import TauSample, drop_interval
     from dflash_trt.runtime.drafters.loading import load_drafter
     from dflash_trt.runtime.reference.generate import dflash_generate
-    from dflash_trt.runtime.target.loading import load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_tokenizer
     from dflash_trt.runtime.decoding.tokens import stop_token_ids_of
     from dflash_trt.sampling_params import SamplingParams
     from dflash_trt.speculation import DRAFT_METHODS, SpeculationSettings

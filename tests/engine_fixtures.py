@@ -150,7 +150,7 @@ def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: fl
     `draft_method`: the draft method (None: the default)."""
     from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime.reference.generate import dflash_generate
-    from dflash_trt.runtime.target.adapter import TargetAdapter
+    from dflash_trt.runtime.targets.adapter import TargetAdapter
     from dflash_trt.runtime.decoding.tokens import TextCodec
     from dflash_trt.speculation import SpeculationSettings
 

@@ -186,7 +186,7 @@ def test_limits_decompose_a_step_into_its_passes(run, rigged_pair_dirs, tmp_path
     assert batched["policy"]["candidates"][0] == {"k": 0, "cost_vs_plain": 1.0, "expected_tokens": 1.0,
                                                  "expected_gain": 1.0}
     assert [c["k"] for c in batched["policy"]["candidates"]] == [0, 1, 3, 7]
-    # the batched runtime's target passes run the lean forward (runtime/target/lean_forward.py): timed all the same
+    # the batched runtime's target passes run the lean forward (runtime/targets/lean_forward.py): timed all the same
     for mode in ("dflash", "plain"):
         timing = _rows(result, "batched", mode)[0]["info"]["step_timing"]
         assert timing and all(t["target_s"] > 0 for t in timing.values()), (mode, timing)

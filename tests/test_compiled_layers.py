@@ -27,8 +27,8 @@ from dflash_trt.runtime.gpu.compiled_layers import (
 )
 from dflash_trt.runtime.drafters.dflash2 import DFLASH2_EAGER
 from dflash_trt.runtime.drafters.dflash import DRAFT_EAGER, draft_attention_inputs, draft_layer_output
-from dflash_trt.runtime.target.lean_forward import EAGER, attention_inputs, layer_output
-from dflash_trt.runtime.target.adapter import TargetAdapter
+from dflash_trt.runtime.targets.lean_forward import EAGER, attention_inputs, layer_output
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams

@@ -18,7 +18,7 @@ from dflash_trt.runtime.cpu.packing import (
     packing_unsupported,
     set_packed,
 )
-from dflash_trt.runtime.target.loading import load_target
+from dflash_trt.runtime.targets.loading import load_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 

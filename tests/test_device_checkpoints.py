@@ -151,7 +151,7 @@ def test_fine_grained_fp8_loads_as_transformers_dequantizes_it(checkpoints):
     the reference runtime's weights equal transformers' own dequantized load, bit for bit."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    from dflash_trt.runtime.target.loading import load_target
+    from dflash_trt.runtime.targets.loading import load_target
 
     tdir = checkpoints["fp8 blocks"]
     ref = AutoModelForCausalLM.from_pretrained(

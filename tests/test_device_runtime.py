@@ -22,7 +22,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.batched.runtime import BatchedRuntime, SequenceRequest, unsupported_reason
 from dflash_trt.runtime.reference.generate import dflash_generate
 from dflash_trt.runtime.decoding.sampling import sample, sample_checked
-from dflash_trt.runtime.target.adapter import TargetAdapter
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams

@@ -102,7 +102,7 @@ def test_the_batched_gate_gives_each_held_out_prompt_the_reference_loops_tau(pai
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.gate import measure_tau
     from dflash_trt.runtime.drafters.loading import load_drafter
-    from dflash_trt.runtime.target.loading import load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_tokenizer
 
     tdir, ddir = pair_dirs
     target = load_checkpoint(tdir, torch.float32)

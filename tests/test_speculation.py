@@ -23,7 +23,7 @@ from dflash_trt.errors import DFlashError
 from dflash_trt.runtime import DFlashDraftModel, autoregressive_generate, dflash_generate
 from dflash_trt.runtime.batched.runtime import BatchedRuntime, SequenceRequest, batched_generate
 from dflash_trt.runtime.drafters.dflash import build_target_layer_ids, make_draft_config
-from dflash_trt.runtime.target.adapter import TargetAdapter
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime.drafters.validate import validate_pair
 from dflash_trt.runtime_options import RuntimeOptions

@@ -82,7 +82,7 @@ def test_train_data_job_extends_its_file_and_refuses_other_settings(tiny_pair_di
     from click.testing import CliRunner
 
     from dflash_trt.cli import main
-    from dflash_trt.runtime.target.loading import load_target
+    from dflash_trt.runtime.targets.loading import load_target
     from dflash_trt.train.answers import train_prompts
     from dflash_trt.train.data import load_data
 

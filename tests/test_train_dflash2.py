@@ -15,7 +15,7 @@ import torch
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.drafters.dflash2 import CandidateSelector, DFlash2DraftModel, DFlash2Recipe
 from dflash_trt.runtime.reference.generate import autoregressive_generate, dflash_generate
-from dflash_trt.runtime.target.adapter import TargetAdapter
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import TINY_DFLASH2_RECIPE, random_draft, tiny_target
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.train.config import TrainConfig

@@ -80,7 +80,7 @@ def _resolve_dirs(spec: BuildSpec) -> tuple[str | None, str | None]:
 
 
 def _check_tokenizers(target_dir: Path, draft_dir: Path | None, vocab_size: int) -> None:
-    from dflash_trt.runtime.target.loading import load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_tokenizer
 
     tok = load_tokenizer(target_dir)  # unreadable files: DFlashError
     if tok is None:
@@ -252,7 +252,7 @@ def load_models(p: Prepared, dtype: Any, device: BuildDevice, compute: Any) -> B
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.devices import device_map_for
     from dflash_trt.runtime.drafters.loading import load_drafter
-    from dflash_trt.runtime.target.loading import load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_tokenizer
 
     assert p.target_dir is not None and p.draft_dir is not None
     placement = device_map_for(p.target_dir, dtype, device)

@@ -236,7 +236,7 @@ class _LayerCapture:
     runs (the prefill, then one per new token); no hooks when `layer_ids` is empty."""
 
     def __init__(self, model: Any, layer_ids: tuple[int, ...] | None) -> None:
-        from dflash_trt.runtime.target.adapter import find_decoder_layers
+        from dflash_trt.runtime.targets.adapter import find_decoder_layers
 
         self.layer_ids = tuple(layer_ids or ())
         self.forwards: list[dict[int, torch.Tensor]] = []

@@ -54,7 +54,7 @@ def compute_features(target: Any, sequences: list[dict[str, Any]], layer_ids: li
     from tqdm import tqdm
 
     from dflash_trt.checkpoints.placement import home_device
-    from dflash_trt.runtime.target.adapter import TargetAdapter
+    from dflash_trt.runtime.targets.adapter import TargetAdapter
 
     adapter = TargetAdapter(target)
     dev = home_device(adapter.model)  # the ids go where the target's embedding is
@@ -81,7 +81,7 @@ def extend_answer_file(target_dir: str | Path, out_file: str | Path, settings: A
     with the settings its answers were made with, and save the file (partially at most once a
     minute), so an interrupted job is extended, not redone. Returns (rows kept, rows added)."""
     from dflash_trt.checkpoints.placement import runtime_device
-    from dflash_trt.runtime.target.loading import load_target, load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_target, load_tokenizer
     from dflash_trt.runtime_options import torch_dtype
     from dflash_trt.train.answers import generate_answers, train_prompts
 

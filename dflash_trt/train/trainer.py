@@ -85,7 +85,7 @@ def load_frozen_target(target_dir: str, device: Any) -> tuple[Any, Any]:
     """(the target on `device` with no gradients, its tokenizer or None)."""
     import torch
 
-    from dflash_trt.runtime.target.loading import load_target, load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_target, load_tokenizer
 
     if device.type == "cuda":  # tf32 matmuls: the features and the drafter tolerate them (bf16 is stored)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -138,7 +138,7 @@ def run_steps(cfg: TrainConfig, draft: Any, target: Any, data: TrainingSet, devi
     import torch
     from tqdm import tqdm
 
-    from dflash_trt.runtime.target.adapter import TargetAdapter
+    from dflash_trt.runtime.targets.adapter import TargetAdapter
     from dflash_trt.train.objective import default_gamma
     from dflash_trt.train.step import FrozenHead, lr_at, make_optimizer, online_features, train_step
 

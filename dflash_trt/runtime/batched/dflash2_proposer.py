@@ -28,7 +28,7 @@ import torch
 from dflash_trt.runtime.drafters.dflash2 import DFlash2DraftModel, argmax_choice, scatter_q
 from dflash_trt.runtime.batched.dflash_proposer import DFlashProposer, DraftReader, Proposal
 from dflash_trt.runtime.decoding.sampling import StepSampling, checked_probs, draw, greedy
-from dflash_trt.runtime.target.adapter import TargetAdapter
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 
 
 class DFlash2Proposer(DFlashProposer):

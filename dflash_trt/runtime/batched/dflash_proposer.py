@@ -46,7 +46,7 @@ from dflash_trt.runtime.drafters.dflash import DFlashDraftModel
 from dflash_trt.runtime.drafters.draft_vocab import DraftVocabHead
 from dflash_trt.runtime.decoding.sampling import StepSampling, checked_probs, draw, greedy
 from dflash_trt.runtime.batched.scheduling import DRAFTED, FLOOR, LIVE, PENDING, START
-from dflash_trt.runtime.target.adapter import TargetAdapter
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 
 # drafts of slots lo+1..hi of some rows (indices into the pass's rows) -> [m, hi - lo]
 DraftReader = Callable[[torch.Tensor, int, int], torch.Tensor]

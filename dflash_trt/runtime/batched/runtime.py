@@ -74,7 +74,7 @@ from dflash_trt.runtime.batched.dflash_proposer import Proposal, make_proposer
 from dflash_trt.runtime.drafters.dflash import DFlashDraftModel
 from dflash_trt.runtime.drafters.draft_vocab import DraftVocabHead
 from dflash_trt.runtime.decoding.results import GenerationResult, finish
-from dflash_trt.runtime.target.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
+from dflash_trt.runtime.targets.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
 from dflash_trt.runtime.gpu.host_transfers import HostTransfers
 from dflash_trt.runtime.batched.policy import Decision, FixedPolicy, SpeculationPolicy, make_policy
 from dflash_trt.runtime.batched.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes, position_bytes
@@ -93,7 +93,7 @@ from dflash_trt.runtime.batched.scheduling import (
 from dflash_trt.runtime.batched.shadow_drafts import ShadowDrafts
 from dflash_trt.runtime.batched.graphed_passes import GraphedPasses
 from dflash_trt.runtime.batched.step_shapes import StepShapes
-from dflash_trt.runtime.target.adapter import TargetAdapter
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.batched.target_passes import TargetPasses
 from dflash_trt.sampling_params import GREEDY, SamplingParams
 from dflash_trt.runtime_options import RuntimeOptions

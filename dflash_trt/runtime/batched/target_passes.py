@@ -33,7 +33,7 @@ from dflash_trt.runtime.decoding.rejection import rejection_rows
 from dflash_trt.runtime.decoding.sampling import StepSampling, greedy, sample_rows
 from dflash_trt.runtime.batched.scheduling import LIVE, PENDING, START, BatchedSequence, prefill_runs
 from dflash_trt.runtime.batched.step_shapes import EAGER_WIDTH_MULTIPLE, round_up
-from dflash_trt.runtime.target.adapter import TargetAdapter
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 
 
 def accepted_lengths(ids: torch.Tensor, post: torch.Tensor) -> torch.Tensor:

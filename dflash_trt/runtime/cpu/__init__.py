@@ -6,5 +6,5 @@
   use (``python -m dflash_trt.runtime.cpu.panel_gemm`` builds it ahead, as ``make setup`` does);
 - ``kernel_caches``: bounds on oneDNN's kernel caches where the panel kernel cannot be built.
 
-The forward passes these layers sit in run on every device: runtime/target/.
+The forward passes these layers sit in run on every device: runtime/targets/.
 """

@@ -30,8 +30,8 @@ from dflash_trt.runtime.decoding.sampling import draw, greedy, sampling_probs
 from dflash_trt.runtime.drafters.config import check_drafter_config, check_number, draft_value
 from dflash_trt.runtime.drafters.families import FAMILIES, detect_family
 from dflash_trt.runtime.drafters.speculators_format import zlab_config
-from dflash_trt.runtime.target.gqa_attention import grouped_attention
-from dflash_trt.runtime.target.lean_forward import LayerFunctions
+from dflash_trt.runtime.targets.gqa_attention import grouped_attention
+from dflash_trt.runtime.targets.lean_forward import LayerFunctions
 from dflash_trt.runtime_options import dtype_name
 
 CONFIG_NAME = "config.json"

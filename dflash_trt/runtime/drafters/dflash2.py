@@ -42,7 +42,7 @@ from dflash_trt.runtime.decoding.sampling import draw, greedy, sampling_probs
 from dflash_trt.runtime.drafters.config import _check_int, draft_value
 from dflash_trt.runtime.drafters.dflash import DFlashDecoderLayer, DFlashDraftModel, DraftKVCache
 from dflash_trt.runtime.drafters.families import DFLASH2
-from dflash_trt.runtime.target.lean_forward import LayerFunctions
+from dflash_trt.runtime.targets.lean_forward import LayerFunctions
 
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 MAX_SELECTOR_RANK = 1 << 16

@@ -9,7 +9,7 @@ the matrix products, which stay cuBLAS's. Measured on one H100 (scripts/step_ker
 row): 1,266 kernels a plain step -> 546, and a graphed plain step 3.10 ms -> 1.69 ms.
 
 Regional compilation, PyTorch's recipe for a stack of identical blocks: the two halves of a layer
-around its KV-cache write and attention (the target's in runtime/target/lean_forward.py, the drafter's in
+around its KV-cache write and attention (the target's in runtime/targets/lean_forward.py, the drafter's in
 runtime/drafters/dflash.py, a DFlash2 drafter's with its convolutions in runtime/drafters/dflash2.py: attention
 inputs, layer output) are compiled once, as
 functions OF a layer, and all layers reuse the compiled code (their weights are the code's inputs,
@@ -40,8 +40,8 @@ import torch
 from dflash_trt.checkpoints.placement import home_device
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.drafters.dflash import DFlashDraftModel
-from dflash_trt.runtime.target.lean_forward import LayerFunctions, attention_inputs, layer_output
-from dflash_trt.runtime.target.adapter import TargetAdapter
+from dflash_trt.runtime.targets.lean_forward import LayerFunctions, attention_inputs, layer_output
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 
 
 def compile_unavailable(device: torch.device) -> str | None:

@@ -41,7 +41,7 @@ from dflash_trt.runtime.decoding.rejection import one_hot_q, rejection_sample
 from dflash_trt.runtime.decoding.results import GenerationResult, StepCallback, finish, truncate_at_stop
 from dflash_trt.runtime.decoding.sampling import sample, sampling_probs
 from dflash_trt.runtime.drafters.dflash import DFlashDraftModel, DraftKVCache
-from dflash_trt.runtime.target.adapter import TargetAdapter
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.sampling_params import GREEDY, SamplingParams
 from dflash_trt.speculation import FIXED, SpeculationSettings, rejection_verified, samples_drafts
 

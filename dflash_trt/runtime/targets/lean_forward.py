@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from dflash_trt.runtime.target.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
-from dflash_trt.runtime.target.gqa_attention import grouped_attention
+from dflash_trt.runtime.targets.gqa_attention import ATTN_IMPLEMENTATION as GROUPED_SDPA
+from dflash_trt.runtime.targets.gqa_attention import grouped_attention
 
 # Decoders whose layers are Llama's (pre-norm attention + SwiGLU MLP, RMSNorm, rotary on q and k);
 # Qwen3 adds per-head q_norm / k_norm, Qwen2 biases on q/k/v (the projections carry them).

@@ -19,8 +19,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from dflash_trt.checkpoints.placement import home_device
-from dflash_trt.runtime.target.gqa_attention import use_grouped_attention
-from dflash_trt.runtime.target.lean_forward import LeanForward, lean_module, lean_unsupported
+from dflash_trt.runtime.targets.gqa_attention import use_grouped_attention
+from dflash_trt.runtime.targets.lean_forward import LeanForward, lean_module, lean_unsupported
 
 
 class TargetAdapter:
@@ -44,12 +44,12 @@ class TargetAdapter:
             if head is not None:
                 head.register_forward_pre_hook(standard_strides_input)
             # SDPA models attend to the KV cache as it is instead of copying it per query head
-            # (dflash_trt/runtime/target/gqa_attention.py): the batched runtime always passes a mask,
+            # (dflash_trt/runtime/targets/gqa_attention.py): the batched runtime always passes a mask,
             # which sends transformers' own SDPA path through repeat_kv
             use_grouped_attention(model)
         self._state: _CaptureState = state
         # Passes with an explicit mask (the batched runtime's) take the lean forward where it
-        # computes exactly what transformers' does (runtime/target/lean_forward.py); None: why not.
+        # computes exactly what transformers' does (runtime/targets/lean_forward.py); None: why not.
         self.lean_unsupported = lean_unsupported(model, self._decoder_layers)
         self._lean = lean_module(model, self._decoder_layers) if self.lean_unsupported is None else None
 
