@@ -207,7 +207,8 @@ def test_per_category_rows(run):
 
 
 def test_report_is_regenerated_from_bench_json(run, tmp_path):
-    """`bench report bench.json --markdown` writes what the run wrote into table.md, from the file alone."""
+    """`bench report bench.json --markdown` writes what the run wrote into table.md, from the file alone,
+    and from the run's bench.summary.json.gz alike."""
     _, out, _ = run
     res = CliRunner().invoke(main, ["bench", "report", str(out / "bench.json"), "--markdown"])
     assert res.exit_code == 0, res.output
@@ -218,6 +219,9 @@ def test_report_is_regenerated_from_bench_json(run, tmp_path):
     assert target.read_text() == res.output
     terminal = CliRunner().invoke(main, ["bench", "report", str(out / "bench.json")])
     assert terminal.exit_code == 0 and "ours, batched runtime" in terminal.output
+    # and from the summary the run wrote beside it (what docs/results/ keeps: bench/archive.py)
+    kept = CliRunner().invoke(main, ["bench", "report", str(out / "bench.summary.json.gz"), "--markdown"])
+    assert kept.exit_code == 0 and kept.output == res.output
 
 
 def test_frontier_of_the_run_and_its_report(run):
