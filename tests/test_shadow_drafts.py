@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dflash_trt.runtime import dflash_generate, panel_gemm
+from dflash_trt.runtime import dflash_generate
+from dflash_trt.runtime.cpu import panel_gemm
 from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate
 from dflash_trt.runtime.batched.policy import AdaptivePolicy, CostTable, Decision
 from dflash_trt.runtime.batched.scheduling import BatchedSequence
