@@ -101,7 +101,7 @@ def prefix_cache_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                            f"evicted beyond it [default: {DEFAULT_PREFIX_CACHE_MIB:g}].")(fn)
     return click.option("--prefix-cache/--no-prefix-cache", default=None,
                         help="Batched runtime: reuse the target's K/V and the drafter's context K/V of a prompt prefix "
-                             "an earlier request computed, in blocks of 32 tokens (runtime/prefix_cache.py); outputs "
+                             "an earlier request computed, in blocks of 32 tokens (runtime/batched/prefix_cache.py); outputs "
                              "and acceptance are the same either way [default: on].")(fn)
 
 

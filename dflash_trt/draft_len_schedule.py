@@ -10,7 +10,7 @@ stored sorted, with int keys in YAML. Example ``{4: 4, 8: 2, 32: 1}``: 1-4 rows 
 
 This module is the one owner of that rule: `build` derives a schedule for the engine's GPU and
 writes it into ``llm_api_options.yaml``, `verify` checks it, the batched runtime's ``schedule``
-policy follows it (runtime/policy.py), and vLLM's ``num_speculative_tokens_per_batch_size`` (a list
+policy follows it (runtime/batched/policy.py), and vLLM's ``num_speculative_tokens_per_batch_size`` (a list
 of inclusive ``(start, end, n)`` ranges) is written from it.
 
 The text form (``--draft-len-schedule``) is ``4:4,8:2,32:1``; ``off`` means no schedule.

@@ -1,10 +1,10 @@
-"""Commands on drafter checkpoints: `convert-draft` (the formats: runtime/speculators_format.py)."""
+"""Commands on drafter checkpoints: `convert-draft` (the formats: runtime/drafters/speculators_format.py)."""
 
 from __future__ import annotations
 
 import click
 
-from dflash_trt.runtime.speculators_format import FORMATS
+from dflash_trt.runtime.drafters.speculators_format import FORMATS
 from dflash_trt.cli_helpers import emit_json, friendly_errors
 
 
@@ -27,7 +27,7 @@ def convert_draft(src: str, out: str, to: str, verifier: str | None, force: bool
     full-attention layers, or input_embedding_scale, for speculators). OUT is written to a
     temporary directory and renamed into place when complete.
     """
-    from dflash_trt.runtime.speculators_format import convert_drafter
+    from dflash_trt.runtime.drafters.convert import convert_drafter
 
     done = convert_drafter(src, out, to, verifier=verifier, overwrite=force)
     if as_json:

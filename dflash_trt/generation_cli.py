@@ -1,6 +1,6 @@
 """`dflash-trt generate`: resolve the pair, encode the prompt, decode, print text and statistics.
 
-``--policy fixed`` (default) runs the reference loop (runtime/generate.py): K drafts verified every
+``--policy fixed`` (default) runs the reference loop (runtime/reference/generate.py): K drafts verified every
 step. ``--policy adaptive`` runs the batched runtime at one sequence with the adaptive policy,
 which picks k <= K per step as `serve` does; ``--policy schedule`` the batched runtime drafting the
 draft-length schedule's k at one row (``--draft-len-schedule``, or the engine's). ``--compare`` decodes plainly on the same runtime: the
@@ -49,9 +49,9 @@ def generate(prompt: str, target_dir: str | None, draft_dir: str | None, engine_
              compare: bool, dtype: str, allow_pickle: bool) -> None:
     """Generate text for PROMPT with DFlash and print it with acceptance statistics."""
     from dflash_trt.pairs import PairSource, load_pair
-    from dflash_trt.runtime.batched import batched_generate
-    from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
-    from dflash_trt.runtime.tokens import check_text
+    from dflash_trt.runtime.batched.runtime import batched_generate
+    from dflash_trt.runtime.reference.generate import autoregressive_generate, dflash_generate
+    from dflash_trt.runtime.decoding.tokens import check_text
     from dflash_trt.sampling_params import SamplingParams
 
     # the prompt and the sampling parameters are checked before anything is loaded

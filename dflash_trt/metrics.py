@@ -44,7 +44,7 @@ Across many requests (``dflash-trt bench``):
 - ``num_cached_tokens`` of a request: prompt tokens whose K/V (the drafter's context K/V with them)
   came from the batched runtime's prefix cache instead of its prefill (vLLM's per-request
   ``num_cached_tokens``, OpenAI's ``usage.prompt_tokens_details.cached_tokens``);
-  ``num_reused_blocks`` / ``num_missed_blocks``: the prompt's blocks (runtime/prefix_cache.py's
+  ``num_reused_blocks`` / ``num_missed_blocks``: the prompt's blocks (runtime/batched/prefix_cache.py's
   BLOCK_TOKENS each, the partial last one a miss) served from the cache / computed (TensorRT-LLM's
   ``reused_blocks`` / ``missed_blocks``); ``kv_cache_hit_rate`` = reused / (reused + missed).
   Runtime-wide, ``prefix_cache_queries`` and ``prefix_cache_hits`` count TOKENS (prompt tokens

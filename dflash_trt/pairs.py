@@ -13,16 +13,16 @@ through :func:`load_pair`. A pair comes from (first match wins, :class:`PairSour
 4. nothing: the embedded default pair (SmolLM2-135M-Instruct and the committed drafter).
 
 Loading, in this order, so that bad input fails before the weights are read: the device
-(checkpoints.placement.runtime_device), both configs and the pair's fit (runtime/validate.py),
+(checkpoints.placement.runtime_device), both configs and the pair's fit (runtime/drafters/validate.py),
 the tokenizer, the target's weights (an engine's with the engine's own strict streaming reader,
-a checkpoint's with transformers unless it is quantized), the drafter (runtime.drafter_family.load_drafter:
+a checkpoint's with transformers unless it is quantized), the drafter (runtime.drafters.loading.load_drafter:
 the one place that reads which drafter a checkpoint holds), then the compute-dtype upcast and the
 CPU packing of :class:`~dflash_trt.runtime_options.RuntimeOptions`. Models load straight onto the
-device: CPU-packed linear layers (runtime/cpu_packing.py) cannot be moved to a GPU afterwards, so a
+device: CPU-packed linear layers (runtime/cpu/packing.py) cannot be moved to a GPU afterwards, so a
 pair must never be loaded on CPU and then moved.
 
 The result carries what every caller needs next to the weights: the tokenizer contract
-(:class:`~dflash_trt.runtime.tokens.TextCodec`) and the :class:`SpeculationSettings` of this run
+(:class:`~dflash_trt.runtime.decoding.tokens.TextCodec`) and the :class:`SpeculationSettings` of this run
 (K from the engine or the drafter, lowered by ``--max-draft-len``, the ``--policy`` and the
 ``--draft-method``).
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.runtime.decoding.tokens import TextCodec
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.speculation import SpeculationSettings
 
@@ -125,10 +125,10 @@ def _load_models(target_dir: Path, draft_dir: Path, options: RuntimeOptions, *, 
     (checkpoints/streaming.py: any format `build` writes, every tensor accounted for)."""
     from dflash_trt.checkpoints.files import read_json
     from dflash_trt.checkpoints.streaming import load_checkpoint, model_config
-    from dflash_trt.runtime.cpu_packing import pack_cpu_linears
-    from dflash_trt.runtime.drafter_family import load_drafter
-    from dflash_trt.runtime.loading import load_target, load_tokenizer
-    from dflash_trt.runtime.validate import validate_pair
+    from dflash_trt.runtime.cpu.packing import pack_cpu_linears
+    from dflash_trt.runtime.drafters.loading import load_drafter
+    from dflash_trt.runtime.targets.loading import load_target, load_tokenizer
+    from dflash_trt.runtime.drafters.validate import validate_pair
 
     draft_cfg = read_json(draft_dir / "config.json", what="drafter config")
     read_json(target_dir / "config.json", what="target config")

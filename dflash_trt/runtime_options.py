@@ -18,15 +18,15 @@ a greedy answer's tokens; speculation says WHAT a step drafts and how it is veri
 - **cuda_graphs** (``--cuda-graphs``): the batched runtime's static-shape passes, captured at
   start-up; None: on for a CUDA target, off elsewhere (True on a CPU runs them eagerly).
 - **torch_compile** (``--torch-compile``): the decoder layers through torch.compile, compiled at
-  start-up (runtime/compiled_layers.py).
-- **pack** (``--pack``): oneDNN-packed linear layers for float32 on a CPU (runtime/cpu_packing.py).
+  start-up (runtime/gpu/compiled_layers.py).
+- **pack** (``--pack``): oneDNN-packed linear layers for float32 on a CPU (runtime/cpu/packing.py).
 - **verify_chunk**: greedy eager steps verify their drafts this many positions at a time, a row
   stopping at its first rejection (the acceptance gate's CPU case); None: one pass.
 - **max_batch**, **max_seq_len**: rows decoded together and positions per row (prompt + output);
   an engine's ``limits`` set them when it is served.
 - **prefix_cache** (``--prefix-cache/--no-prefix-cache``): the batched runtime reuses the target's
   K/V and the drafter's context K/V of a prompt prefix an earlier request of the same runtime
-  computed (runtime/prefix_cache.py); on by default. Outputs and acceptance are the same either way.
+  computed (runtime/batched/prefix_cache.py); on by default. Outputs and acceptance are the same either way.
 - **prefix_cache_mib** (``--prefix-cache-mib``): its memory budget; least recently used blocks are
   evicted beyond it. A budget below one block is refused at start-up.
 
@@ -183,13 +183,13 @@ class RuntimeChoices(BaseModel):
 
     device: str = "cpu"
     dtype: DtypeChoice = "float32"
-    # static-shape passes captured as CUDA graphs at start-up, then replayed (runtime/cuda_graphs.py).
+    # static-shape passes captured as CUDA graphs at start-up, then replayed (runtime/gpu/cuda_graphs.py).
     # None: on for a CUDA device, off on a CPU (True there runs the same static-shape passes eagerly)
     cuda_graphs: bool | None = None
-    # both models' decoder layers through torch.compile, compiled at start-up (runtime/compiled_layers.py)
+    # both models' decoder layers through torch.compile, compiled at start-up (runtime/gpu/compiled_layers.py)
     torch_compile: bool = False
-    pack: bool = True  # oneDNN-packed linear layers for float32 on a CPU (runtime/cpu_packing.py)
-    # the batched runtime's prefix cache (runtime/prefix_cache.py): a prompt's cached prefix, the
+    pack: bool = True  # oneDNN-packed linear layers for float32 on a CPU (runtime/cpu/packing.py)
+    # the batched runtime's prefix cache (runtime/batched/prefix_cache.py): a prompt's cached prefix, the
     # drafter's context included, is copied in instead of prefilled; its budget in MiB (LRU beyond it)
     prefix_cache: bool = True
     prefix_cache_mib: float = Field(DEFAULT_PREFIX_CACHE_MIB, gt=0)

@@ -1,7 +1,7 @@
 """`SamplingParams`: what to sample and when to stop, for ONE request, defined once.
 
-Every decoding path takes this object whole: the reference loop (runtime/generate.py), the
-batched runtime (runtime/batched.py), the serving backends (serving/), the TensorRT-LLM backend
+Every decoding path takes this object whole: the reference loop (runtime/reference/generate.py), the
+batched runtime (runtime/batched/runtime.py), the serving backends (serving/), the TensorRT-LLM backend
 (which maps it onto ``tensorrt_llm.SamplingParams``, whose field names these follow), `generate`,
 `bench` and the servers' request parsers. It is validated once, when it is built: a NaN, an
 infinity, a value out of range or a value of the wrong type raises :class:`InvalidRequest`

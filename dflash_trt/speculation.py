@@ -18,7 +18,7 @@ The vocabulary (the same letters in code, CLI help, manifest, README):
   - ``fixed``: k = K every step (the reference loop's schedule; deterministic, so the library's
     default: the same prompt gives the same steps whatever the machine's speed);
   - ``adaptive``: the batched runtime picks k per step from measured step costs and running
-    acceptance, among candidates 0, 1, 3, 7, ... capped at K (runtime/policy.py), so that sharing
+    acceptance, among candidates 0, 1, 3, 7, ... capped at K (runtime/batched/policy.py), so that sharing
     passes never makes DFlash slower than plain decoding. Serving opts into it.
   - ``schedule``: k = the **draft-length schedule**'s value at the step's batch size
     (``schedule``, a :class:`~dflash_trt.draft_len_schedule.DraftLenSchedule`: TensorRT-LLM's
@@ -39,7 +39,7 @@ The vocabulary (the same letters in code, CLI help, manifest, README):
     slot independently from its tempered/nucleus logits, DFlash2's selector samples its walk
     from softmax(scores / T) over its top-k candidates. This project's default
     (``DEFAULT_DRAFT_METHOD``): the highest tau measured on the batched runtime.
-  runtime/rejection.py holds the test; runtime/generate.py picks by this setting.
+  runtime/decoding/rejection.py holds the test; runtime/reference/generate.py picks by this setting.
 
 At the end of a request's budget a step still drafts and verifies its k tokens and only what it
 commits is capped (vLLM does the same; z-lab 0.1.0 shortens its last blocks instead, see

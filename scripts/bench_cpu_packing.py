@@ -6,7 +6,7 @@
    streamed from memory): [M, in] x [out, in]^T for M = 1 (a plain step) up to 64 (16 rows verifying
    3 drafts each), with four kernels: stock (MKL, which re-packs the weight on every call), oneDNN
    on the weight in its plain layout (``to_mkldnn()``), oneDNN on the weight reordered into its
-   blocked layout, and the panel GEMM (runtime/panel_gemm.py). runtime/cpu_packing.py packs for the
+   blocked layout, and the panel GEMM (runtime/cpu/panel_gemm.py). runtime/cpu/packing.py packs for the
    panels, or for blocked oneDNN (MKL's GEMV at M = 1) where the panel kernel cannot be built.
 2. End to end on held-out prompts: plain and DFlash TPOT with the stock path and each packed
    kernel, alternated prompt by prompt so all see the same machine load; every output compared
@@ -45,11 +45,11 @@ def main(num_prompts: int, max_new_tokens: int, threads: int, max_draft_len: int
     from dflash_trt.cli_helpers import friendly_errors
     from dflash_trt.embedded import default_pair_dirs
     from dflash_trt.prompts import interleave, load_prompts
-    from dflash_trt.runtime import panel_gemm
-    from dflash_trt.runtime.cpu_packing import KERNELS, PackedCPULinear, pack_weight, packed_bytes, repack, set_packed
-    from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+    from dflash_trt.runtime.cpu import panel_gemm
+    from dflash_trt.runtime.cpu.packing import KERNELS, PackedCPULinear, pack_weight, packed_bytes, repack, set_packed
+    from dflash_trt.runtime.reference.generate import autoregressive_generate, dflash_generate
     from dflash_trt.pairs import PairSource, load_pair
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.decoding.tokens import TextCodec
     from dflash_trt.sampling_params import SamplingParams
     from dflash_trt.speculation import SpeculationSettings
 

@@ -40,14 +40,14 @@ def main() -> None:
     from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.gate import measure_tau
-    from dflash_trt.runtime.draft_model import DFlashDraftModel
-    from dflash_trt.runtime.loading import load_tokenizer
+    from dflash_trt.runtime.drafters.loading import load_drafter
+    from dflash_trt.runtime.targets.loading import load_tokenizer
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     tdir, ddir = pair_dirs_or_default(args.target, args.draft)
     target = load_checkpoint(tdir, dtype).to(args.device)
-    draft = DFlashDraftModel.from_pretrained(ddir, dtype=dtype, device=args.device)
+    draft = load_drafter(ddir, dtype=dtype, device=args.device)
     ids = encode_prompts(load_tokenizer(tdir), load_calibration_prompts(None, args.num_prompts, split="eval"),
                          target.config.vocab_size, 256)
     print(f"gate sample: {len(ids)} prompts ({min(map(len, ids))}-{max(map(len, ids))} tokens) x {args.max_new_tokens}, "

@@ -26,7 +26,7 @@ from pathlib import Path
 import click
 import torch
 
-SOURCE = Path("dflash_trt/runtime/kernels/panel_gemm.cpp")
+SOURCE = Path("dflash_trt/runtime/cpu/kernels/panel_gemm.cpp")
 
 
 @click.command()
@@ -43,7 +43,7 @@ def main(baseline_rev: str | None, baseline_source: str | None, concurrency: tup
     torch.set_num_threads(1)
     from torch.utils.cpp_extension import load
 
-    from dflash_trt.runtime import panel_gemm
+    from dflash_trt.runtime.cpu import panel_gemm
 
     variant = panel_gemm.default_variant()
     build = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
@@ -66,9 +66,9 @@ def main(baseline_rev: str | None, baseline_source: str | None, concurrency: tup
     from dflash_trt.embedded import default_pair_dirs
     from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.prompts import interleave, load_prompts
-    from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest
-    from dflash_trt.runtime.policy import FixedPolicy
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.batched.policy import FixedPolicy
+    from dflash_trt.runtime.decoding.tokens import TextCodec
     from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.sampling_params import SamplingParams
 

@@ -40,7 +40,7 @@ class Lane:
     tokens: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))  # k -> tokens per row
 
     def step(self) -> None:
-        from dflash_trt.runtime.policy import FixedPolicy
+        from dflash_trt.runtime.batched.policy import FixedPolicy
 
         rt = self.runtime
         if self.ks:
@@ -73,9 +73,9 @@ def main() -> None:
     from dflash_trt.embedded import default_pair_dirs
     from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.prompts import interleave, load_prompts
-    from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest
-    from dflash_trt.runtime.policy import FixedPolicy, make_policy
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.batched.policy import FixedPolicy, make_policy
+    from dflash_trt.runtime.decoding.tokens import TextCodec
     from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.sampling_params import SamplingParams
 

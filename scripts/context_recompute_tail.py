@@ -4,7 +4,7 @@
 TensorRT-LLM 1.4.0rc1's ``DFlashDecodingConfig.context_recompute_tail`` (default 0): on a prefix-cache
 hit, that many trailing prompt tokens are re-run through the target so the drafter gets their hidden
 states; the drafter never sees the rest of the cached prefix. Our batched runtime keeps the drafter's
-context K/V in its cached blocks (runtime/prefix_cache.py), so it can run either way: with
+context K/V in its cached blocks (runtime/batched/prefix_cache.py), so it can run either way: with
 ``RuntimeExtras(context_recompute_tail=N)`` its drafter attends only to context positions from
 ``cached - N`` on after a hit of ``cached`` tokens (the target's K/V and every token stay the same:
 greedy outputs are identical for every N, which this script checks), with None to all of them.
@@ -54,9 +54,9 @@ def main() -> int:
     from dflash_trt.embedded import pair_dirs_or_default
     from dflash_trt.fsutil import write_json_atomic
     from dflash_trt.pairs import PairSource, load_pair
-    from dflash_trt.runtime.batched import RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.batched.runtime import RuntimeExtras, SequenceRequest
     from dflash_trt.runtime.opener import open_runtime
-    from dflash_trt.runtime.policy import FixedPolicy
+    from dflash_trt.runtime.batched.policy import FixedPolicy
     from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@
 #   TARGET=~/.cache/dflash-trt/smollm2-135m-instruct GREEDY_DIR=.cache/train WORK=/tmp/gpu-drafter \
 #       scripts/gpu_drafter.sh
 #
-# GREEDY_DIR holds the greedy answers (responses.pt from `python -m dflash_trt.train.data`, or
+# GREEDY_DIR holds the greedy answers (responses.pt from `dflash-trt train-data`, or
 # train-draft's <out>.data); the features in it are not needed. Drafters land in $WORK/<name>.
 # Knobs (environment): PY, SAMPLES, TEMPERATURE, GEN_SECONDS, TRAIN_SECONDS, BATCH, LR, SEED,
 # INIT_FROM, VARIANTS ("name:layers:intermediate[:family] ...", family dflash (default) or dflash2),

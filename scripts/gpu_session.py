@@ -141,7 +141,7 @@ class Session:
                 if not self.fits(name, a.bench_need_s):
                     continue
                 out_dir = self.work / name
-                # "compiled": CUDA graphs over the target's torch.compile'd layers (runtime/compiled_layers.py)
+                # "compiled": CUDA graphs over the target's torch.compile'd layers (runtime/gpu/compiled_layers.py)
                 flag = {"graphs": ["--cuda-graphs"], "compiled": ["--cuda-graphs", "--torch-compile"]}.get(
                     graphs, ["--no-cuda-graphs"])
                 rc, wall, _ = run(name, [*PY, "bench", "--runtime", "batched", "--device", a.device, "--dtype", dtype,

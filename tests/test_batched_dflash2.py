@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
-from dflash_trt.runtime.dflash2_proposer import DFlash2Proposer
-from dflash_trt.runtime.dflash_proposer import DFlashProposer
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, SequenceRequest, batched_generate
+from dflash_trt.runtime.batched.dflash2_proposer import DFlash2Proposer
+from dflash_trt.runtime.batched.dflash_proposer import DFlashProposer
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams

@@ -1,7 +1,7 @@
 """What start-up captures and what a step then does, with static shapes, on a CPU (no GPU here).
 
 The runtime's static passes go through the same dispatch on a CPU as on a GPU
-(runtime/cuda_graphs.StaticPasses: a capture records the shape key and runs the pass once on
+(runtime/gpu/cuda_graphs.StaticPasses: a capture records the shape key and runs the pass once on
 padding rows; a call runs it eagerly, where CudaGraphPasses replays a graph), so these tests assert
 without a GPU what the GPU run needs:
 
@@ -25,11 +25,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest
-from dflash_trt.runtime.policy import AdaptivePolicy, Decision
-from dflash_trt.runtime.policy_calibration import calibrate
-from dflash_trt.runtime.scheduling import prefill_runs
-from dflash_trt.runtime.step_shapes import GRAPH_WIDTH_BASE, StepShapes, row_buckets
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, SequenceRequest
+from dflash_trt.runtime.batched.policy import AdaptivePolicy, Decision
+from dflash_trt.runtime.batched.policy_calibration import calibrate
+from dflash_trt.runtime.batched.scheduling import prefill_runs
+from dflash_trt.runtime.batched.step_shapes import GRAPH_WIDTH_BASE, StepShapes, row_buckets
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate
-from dflash_trt.runtime.policy import (AdaptivePolicy, CostTable, Decision, FixedPolicy, default_candidates,
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate
+from dflash_trt.runtime.batched.policy import (AdaptivePolicy, CostTable, Decision, FixedPolicy, default_candidates,
                                        make_policy)
-from dflash_trt.runtime.policy_calibration import calibrate
+from dflash_trt.runtime.batched.policy_calibration import calibrate
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams

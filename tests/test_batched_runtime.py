@@ -10,10 +10,10 @@ import torch
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime import DFlashDraftModel, autoregressive_generate, dflash_generate
-from dflash_trt.runtime.batched import (BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate,
+from dflash_trt.runtime.batched.runtime import (BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate,
                                         unsupported_reason)
-from dflash_trt.runtime.draft_model import make_draft_config
-from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
+from dflash_trt.runtime.drafters.dflash import make_draft_config
+from dflash_trt.runtime.batched.policy import AdaptivePolicy, FixedPolicy
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
@@ -254,7 +254,7 @@ def test_a_row_without_a_distribution_fails_alone_and_its_batch_goes_on():
 
 
 def test_prefill_runs_bound_the_padding_of_each_pass():
-    from dflash_trt.runtime.scheduling import prefill_runs
+    from dflash_trt.runtime.batched.scheduling import prefill_runs
 
     lengths = sorted([39, 46, 64, 39, 46, 64, 5, 200])
     runs = prefill_runs(lengths, 0.15)
@@ -272,7 +272,7 @@ def test_prefill_runs_bound_the_padding_of_each_pass():
 def test_newcomers_of_mixed_lengths_prefill_in_runs_and_decode_as_alone():
     """Six prompts of 1-13 tokens join at once on a CPU: they prefill in several passes, sorted
     by length into slots, and each decodes exactly as the reference loop decodes it alone."""
-    from dflash_trt.runtime.scheduling import prefill_runs
+    from dflash_trt.runtime.batched.scheduling import prefill_runs
 
     target, draft = _pair("qwen3", seed=4)
     ref = [dflash_generate(draft, target, p, SamplingParams(max_tokens=m)).output_ids for p, m in zip(PROMPTS, BUDGETS)]

@@ -75,7 +75,7 @@ def test_cancelled_request_leaves_the_batch(runtime):
 def test_fixed_policy_setting_pins_the_draft_length(tmp_path_factory):
     """`policy: fixed` (repository setting) makes the server draft K = the manifest's max_draft_len
     tokens every step, as the reference loop does; the serving default, adaptive, may choose fewer."""
-    from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
+    from dflash_trt.runtime.batched.policy import AdaptivePolicy, FixedPolicy
 
     engine = shared_tiny_engine(tmp_path_factory)
     rt = load_backend(engine, BackendSettings(backend="pytorch", policy="fixed"))
@@ -96,7 +96,7 @@ def test_cuda_graphs_setting_serves_static_shapes_with_the_same_answers(tmp_path
     """`cuda_graphs: true` (repository setting) reaches the batched runtime: its passes run in static
     shapes (on CPU eagerly; graphs need a GPU) and concurrent answers stay the reference loop's; with
     `torch_compile: true` too, through the compiled layers (Inductor's CPU backend here)."""
-    from dflash_trt.runtime.compiled_layers import compile_unavailable
+    from dflash_trt.runtime.gpu.compiled_layers import compile_unavailable
 
     if torch_compile and compile_unavailable(torch.device("cpu")):
         pytest.skip(compile_unavailable(torch.device("cpu")))
@@ -118,7 +118,7 @@ def test_cuda_graphs_setting_serves_static_shapes_with_the_same_answers(tmp_path
 
 def test_pairs_the_batched_runtime_cannot_run_go_through_the_same_scheduler_one_at_a_time(tmp_path):
     """gpt-oss (sliding window, attention sinks): the pytorch backend falls back to the reference
-    loop behind the batched runtime's interface (runtime/serial.py), driven by the same scheduler:
+    loop behind the batched runtime's interface (runtime/reference/serial.py), driven by the same scheduler:
     concurrent requests queue and each gets the reference answer; a request cancelled while queued
     never runs, one cancelled while running stops at its next step; both end `cancelled`."""
     from tests.engine_fixtures import make_tiny_engine

@@ -3,7 +3,7 @@
 With ``cuda_graphs=True`` the draft and verify passes of greedy batches run padded: rows to a
 power of two on free slots that write only to the dump index, mask widths to multiples of 128,
 the drafter's context to the block. On a CUDA device each shape is then captured once and
-replayed (dflash_trt/runtime/cuda_graphs.py); there is no GPU here, so these tests run the padded
+replayed (dflash_trt/runtime/gpu/cuda_graphs.py); there is no GPU here, so these tests run the padded
 passes eagerly on CPU through the same dispatch and check them token for token, and check that
 every pass captured at start-up traces as ONE graph (torch.compile fullgraph=True, eager backend):
 a host sync or a data-dependent Python branch inside a pass would make CUDA-graph capture fail,
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate
-from dflash_trt.runtime.cuda_graphs import StaticPasses
-from dflash_trt.runtime.draft_model import make_draft_config
-from dflash_trt.runtime.policy import AdaptivePolicy, FixedPolicy
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate
+from dflash_trt.runtime.gpu.cuda_graphs import StaticPasses
+from dflash_trt.runtime.drafters.dflash import make_draft_config
+from dflash_trt.runtime.batched.policy import AdaptivePolicy, FixedPolicy
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
@@ -101,7 +101,7 @@ class TracingPasses(StaticPasses):
 @pytest.mark.parametrize("family", ["dflash", "dflash2"])
 def test_every_captured_pass_traces_as_one_graph_and_stays_lossless(monkeypatch, family):
     """DFlash2's draft pass includes the selector's walk: k steps on the device, in the same graph."""
-    import dflash_trt.runtime.batched as batched
+    import dflash_trt.runtime.batched.runtime as batched
 
     target = tiny_target("qwen3", seed=12).double()
     draft = random_draft(target.config, block_size=4, seed=12, family=family).double()

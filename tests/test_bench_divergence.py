@@ -10,7 +10,7 @@ import torch
 from dflash_trt.bench.divergence import departures, describe, first_divergence, logit_margins
 from dflash_trt.bench.report import _identical_cell
 from dflash_trt.runtime import autoregressive_generate
-from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import tiny_target
 from dflash_trt.sampling_params import SamplingParams
 

@@ -186,7 +186,7 @@ def test_limits_decompose_a_step_into_its_passes(run, rigged_pair_dirs, tmp_path
     assert batched["policy"]["candidates"][0] == {"k": 0, "cost_vs_plain": 1.0, "expected_tokens": 1.0,
                                                  "expected_gain": 1.0}
     assert [c["k"] for c in batched["policy"]["candidates"]] == [0, 1, 3, 7]
-    # the batched runtime's target passes run the lean forward (runtime/lean_forward.py): timed all the same
+    # the batched runtime's target passes run the lean forward (runtime/targets/lean_forward.py): timed all the same
     for mode in ("dflash", "plain"):
         timing = _rows(result, "batched", mode)[0]["info"]["step_timing"]
         assert timing and all(t["target_s"] > 0 for t in timing.values()), (mode, timing)
@@ -207,7 +207,8 @@ def test_per_category_rows(run):
 
 
 def test_report_is_regenerated_from_bench_json(run, tmp_path):
-    """`bench report bench.json --markdown` writes what the run wrote into table.md, from the file alone."""
+    """`bench report bench.json --markdown` writes what the run wrote into table.md, from the file alone,
+    and from the run's bench.summary.json.gz alike."""
     _, out, _ = run
     res = CliRunner().invoke(main, ["bench", "report", str(out / "bench.json"), "--markdown"])
     assert res.exit_code == 0, res.output
@@ -218,6 +219,9 @@ def test_report_is_regenerated_from_bench_json(run, tmp_path):
     assert target.read_text() == res.output
     terminal = CliRunner().invoke(main, ["bench", "report", str(out / "bench.json")])
     assert terminal.exit_code == 0 and "ours, batched runtime" in terminal.output
+    # and from the summary the run wrote beside it (what docs/results/ keeps: bench/archive.py)
+    kept = CliRunner().invoke(main, ["bench", "report", str(out / "bench.summary.json.gz"), "--markdown"])
+    assert kept.exit_code == 0 and kept.output == res.output
 
 
 def test_frontier_of_the_run_and_its_report(run):
@@ -372,7 +376,7 @@ def test_the_warm_up_does_not_teach_the_adaptive_policy(tiny_pair_dirs):
     first run at C = 1 decode 8 steps plainly before drafting, stop 53). Costs it measured stay."""
     from dflash_trt.bench.config import BenchConfig
     from dflash_trt.bench.run import _in_process_sides, load_bench_prompts
-    from dflash_trt.runtime.policy import AdaptivePolicy
+    from dflash_trt.runtime.batched.policy import AdaptivePolicy
 
     tdir, ddir = tiny_pair_dirs
     cfg = BenchConfig(target=str(tdir), draft=str(ddir), runtime=["batched"], num_prompts=1, concurrency=[1],

@@ -10,9 +10,9 @@ import pytest
 
 from dflash_trt.bench.multiturn import (conversations, pooled_tau, run_conversations, steps_by_conversation, summary,
                                         tau_halfwidth)
-from dflash_trt.runtime.batched import BatchedRuntime
-from dflash_trt.runtime.prefix_cache import BLOCK_TOKENS
-from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.runtime.batched.runtime import BatchedRuntime
+from dflash_trt.runtime.batched.prefix_cache import BLOCK_TOKENS
+from dflash_trt.runtime.decoding.tokens import TextCodec
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 
@@ -57,3 +57,31 @@ def test_taus_interval_is_over_conversations():
     assert tau_halfwidth([[2, 2], [2]]) == 0.0  # nothing varies
     assert 0 < tau_halfwidth(steps) < 1.5
     assert steps_by_conversation([]) == []
+
+
+def test_the_command_writes_its_table_and_the_summary_docs_keep(rigged_pair_dirs, tmp_path):
+    """`bench --workload multi-turn --out DIR`: bench.json, the table it printed (table.txt), and
+    bench.summary.json.gz (bench/archive.py): the turns without their token ids, with the
+    acceptance lengths tau's interval is bootstrapped from."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dflash_trt.bench.archive import NAME, read_json
+    from dflash_trt.cli import main
+
+    tdir, ddir = rigged_pair_dirs
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["bench", "--workload", "multi-turn", "--target", str(tdir), "--draft", str(ddir),
+                                    "--concurrency", "2", "--turns", "2", "--conversations", "2",
+                                    "--max-new-tokens", "8", "--system-prompt-tokens", "64", "--threads", "1",
+                                    "--no-progress", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    table = (out / "table.txt").read_text()
+    assert table.startswith("multi-turn: 2 conversations x 2 turns") and table in res.output
+    whole, kept = json.loads((out / "bench.json").read_text()), read_json(out / NAME)
+    assert kept["levels"] == whole["levels"] and kept["ttft_probe"] == whole["ttft_probe"]
+    for side in ("on", "off"):
+        turns, kept_turns = whole["records"][side]["2"], kept["records"][side]["2"]
+        assert all(t["output_ids"] for t in turns) and not any("output_ids" in t for t in kept_turns)
+        assert [t["acceptance_lengths"] for t in kept_turns] == [t["acceptance_lengths"] for t in turns]

@@ -27,8 +27,8 @@ from dflash_trt.engine.spec import resolve_spec
 from dflash_trt.engine.verify import verify_engine
 from dflash_trt.errors import DFlashError
 from dflash_trt.pairs import PairSource, load_pair
-from dflash_trt.runtime.draft_model import DFlashDraftModel
-from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+from dflash_trt.runtime.drafters.loading import load_drafter
+from dflash_trt.runtime.reference.generate import autoregressive_generate, dflash_generate
 from dflash_trt.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 33, 2, 9, 41, 7]
@@ -124,7 +124,7 @@ def test_engine_generates_what_the_reference_runtime_generates(engines, tiny_pai
     pair = load_pair(PairSource(engine=eng))
     got = dflash_generate(pair.draft, pair.target, PROMPT, SamplingParams(max_tokens=24))
     ref_target = _reference_target(eng / "target")
-    ref_draft = DFlashDraftModel.from_pretrained(tiny_pair_dirs[1])
+    ref_draft = load_drafter(tiny_pair_dirs[1])
     ref = dflash_generate(ref_draft, ref_target, PROMPT, SamplingParams(max_tokens=24))
     assert got.output_ids == ref.output_ids
     assert got.output_ids == autoregressive_generate(ref_target, PROMPT, SamplingParams(max_tokens=24)).output_ids  # lossless
@@ -186,7 +186,7 @@ def test_moe_engine_records_tp_ep_and_runs_in_the_reference_runtime(tmp_path):
     pair = load_pair(PairSource(engine=eng))
     got = dflash_generate(pair.draft, pair.target, PROMPT, SamplingParams(max_tokens=16))
     ref_target = _reference_target(eng / "target")
-    assert got.output_ids == dflash_generate(DFlashDraftModel.from_pretrained(draft), ref_target, PROMPT, SamplingParams(max_tokens=16)).output_ids
+    assert got.output_ids == dflash_generate(load_drafter(draft), ref_target, PROMPT, SamplingParams(max_tokens=16)).output_ids
     assert got.output_ids == autoregressive_generate(ref_target, PROMPT, SamplingParams(max_tokens=16)).output_ids
 
 

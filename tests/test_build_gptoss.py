@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from dflash_trt.cli import main
 from dflash_trt.checkpoints.dequant import dequant_mxfp4
 from dflash_trt.engine.verify import verify_engine
-from dflash_trt.runtime.generate import autoregressive_generate
+from dflash_trt.runtime.reference.generate import autoregressive_generate
 from dflash_trt.sampling_params import SamplingParams
 
 try:

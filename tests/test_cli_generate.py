@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from dflash_trt.cli import main
 from dflash_trt.runtime import autoregressive_generate
-from dflash_trt.runtime.loading import load_target
+from dflash_trt.runtime.targets.loading import load_target
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import DEFAULT_DRAFT_METHOD, DRAFT_METHODS
 

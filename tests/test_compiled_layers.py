@@ -1,4 +1,4 @@
-"""The target's and the drafter's layers through torch.compile (runtime/compiled_layers.py) decode as the
+"""The target's and the drafter's layers through torch.compile (runtime/gpu/compiled_layers.py) decode as the
 reference loop, DFlash2's convolutions included.
 
 Inductor's CPU backend compiles the same two layer functions its GPU backend does (C++ here,
@@ -17,18 +17,18 @@ from torch._dynamo.utils import counters
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest
-from dflash_trt.runtime.compiled_layers import (
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, SequenceRequest
+from dflash_trt.runtime.gpu.compiled_layers import (
     compile_target_layers,
     compile_errors,
     compile_unavailable,
     compiled_draft_functions,
     compiled_functions,
 )
-from dflash_trt.runtime.dflash2 import DFLASH2_EAGER
-from dflash_trt.runtime.draft_model import DRAFT_EAGER, draft_attention_inputs, draft_layer_output
-from dflash_trt.runtime.lean_forward import EAGER, attention_inputs, layer_output
-from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.runtime.drafters.dflash2 import DFLASH2_EAGER
+from dflash_trt.runtime.drafters.dflash import DRAFT_EAGER, draft_attention_inputs, draft_layer_output
+from dflash_trt.runtime.targets.lean_forward import EAGER, attention_inputs, layer_output
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers (runtime/cpu_packing.py): same outputs, same greedy text, tied
+"""oneDNN-packed linear layers (runtime/cpu/packing.py): same outputs, same greedy text, tied
 weights kept, gradients still flow for training, and packing declines where it does not apply."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_trt.pairs import PairSource, load_pair
 from dflash_trt.runtime import autoregressive_generate, dflash_generate
-from dflash_trt.runtime.batched import batched_generate
-from dflash_trt.runtime.cpu_packing import (
+from dflash_trt.runtime.batched.runtime import batched_generate
+from dflash_trt.runtime.cpu.packing import (
     PackedCPULinear,
     num_packed,
     pack_cpu_linears,
@@ -18,7 +18,7 @@ from dflash_trt.runtime.cpu_packing import (
     packing_unsupported,
     set_packed,
 )
-from dflash_trt.runtime.loading import load_target
+from dflash_trt.runtime.targets.loading import load_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 
@@ -112,7 +112,7 @@ def test_packing_declines_where_it_does_not_apply(tiny_pair_dirs):
 def test_onednn_kernel_and_its_fallback_without_the_pointwise_op_compute_the_same(monkeypatch):
     """Where the panel kernel cannot be built, layers pack for oneDNN (blocked layout, MKL's GEMV
     for one row); builds without torch.ops.mkldnn._linear_pointwise use mkldnn_linear instead."""
-    import dflash_trt.runtime.cpu_packing as cp
+    import dflash_trt.runtime.cpu.packing as cp
 
     lin = torch.nn.Linear(24, 40, bias=True)
     with torch.inference_mode():

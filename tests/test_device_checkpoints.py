@@ -151,7 +151,7 @@ def test_fine_grained_fp8_loads_as_transformers_dequantizes_it(checkpoints):
     the reference runtime's weights equal transformers' own dequantized load, bit for bit."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    from dflash_trt.runtime.loading import load_target
+    from dflash_trt.runtime.targets.loading import load_target
 
     tdir = checkpoints["fp8 blocks"]
     ref = AutoModelForCausalLM.from_pretrained(
@@ -172,7 +172,7 @@ def test_the_gates_models_share_the_targets_home_device(tiny_pair_dirs, tmp_path
     from dflash_trt.engine.builder import load_models, prepare
     from dflash_trt.engine.devices import resolve_device
     from dflash_trt.engine.spec import resolve_spec
-    from dflash_trt.runtime.draft_vocab import save_draft_vocab
+    from dflash_trt.runtime.drafters.draft_vocab import save_draft_vocab
 
     tdir, ddir = tiny_pair_dirs
     shutil.copytree(ddir, tmp_path / "draft")

@@ -19,10 +19,10 @@ import torch
 
 from dflash_trt.checkpoints.placement import home_device, model_devices
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, unsupported_reason
-from dflash_trt.runtime.generate import dflash_generate
-from dflash_trt.runtime.sampling import sample, sample_checked
-from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, SequenceRequest, unsupported_reason
+from dflash_trt.runtime.reference.generate import dflash_generate
+from dflash_trt.runtime.decoding.sampling import sample, sample_checked
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
@@ -83,16 +83,16 @@ def test_the_batched_runtime_refuses_a_target_spread_over_devices():
 
 def test_draft_vocab_moves_with_the_drafter(tmp_path):
     """issue 36: draft_vocab was a plain attribute, left on the CPU by `.to(device)`."""
-    from dflash_trt.runtime.draft_model import DFlashDraftModel
-    from dflash_trt.runtime.draft_vocab import save_draft_vocab
+    from dflash_trt.runtime.drafters.loading import load_drafter
+    from dflash_trt.runtime.drafters.draft_vocab import save_draft_vocab
 
     _, draft = _pair()
     draft.save_pretrained(tmp_path / "d")
     save_draft_vocab(tmp_path / "d", torch.arange(40), 1.0)
-    assert DFlashDraftModel.from_pretrained(tmp_path / "d", device="meta").draft_vocab.device.type == "meta"
-    loaded = DFlashDraftModel.from_pretrained(tmp_path / "d")
+    assert load_drafter(tmp_path / "d", device="meta").draft_vocab.device.type == "meta"
+    loaded = load_drafter(tmp_path / "d")
     assert loaded.to("meta").draft_vocab.device.type == "meta"
-    cast = DFlashDraftModel.from_pretrained(tmp_path / "d").to(torch.bfloat16)  # ids stay int64 through a cast
+    cast = load_drafter(tmp_path / "d").to(torch.bfloat16)  # ids stay int64 through a cast
     assert cast.draft_vocab.dtype == torch.long and cast.draft_vocab.tolist() == list(range(40))
     assert "draft_vocab" not in cast.state_dict()  # it ships as draft_vocab.json, never in the weights
 
@@ -118,7 +118,7 @@ METHODS = [("dflash2", "match", 0.0), ("dflash2", "probabilistic", 0.8), ("dflas
 
 @pytest.mark.parametrize("family, method, temperature", METHODS, ids=["-".join(map(str, m)) for m in METHODS])
 def test_each_drafter_family_and_draft_method_drafts_and_verifies_on_the_models_device(family, method, temperature):
-    """DFlash2's convolutions and candidate walk, and rejection sampling (runtime/rejection.py) against
+    """DFlash2's convolutions and candidate walk, and rejection sampling (runtime/decoding/rejection.py) against
     each kind of q, on meta under strict_devices. The host reads are the loop's own three a step (the
     accepted count, the next token, the accepted tokens) and the first token's: none in the drafter's
     walk or the rejection test, where each would be one more wait for the GPU a step (or a slot)."""
@@ -137,7 +137,7 @@ def test_dflash2s_convolution_over_blocks_laid_end_to_end_stays_on_their_device(
     """Several blocks end to end (vLLM's and TensorRT-LLM's layout) mask each tap at the block's
     start with a slot index made on the blocks' device; the reference loop runs one block, so it
     never takes this path."""
-    from dflash_trt.runtime.dflash2 import grouped_dynamic_conv
+    from dflash_trt.runtime.drafters.dflash2 import grouped_dynamic_conv
 
     gen = torch.Generator().manual_seed(0)
     x, dynamic, base = (torch.randn(*shape, generator=gen).to(device) for shape in ((2, 8, 16), (2, 8, 2, 2), (2, 16)))
@@ -278,7 +278,7 @@ class _CudaRecorder:
 def test_cuda_graphs_capture_and_replay_on_the_models_gpu(monkeypatch):
     """issue 36: graphs were captured on the current device's streams, with no device context: a
     model on cuda:1 was captured on cuda:0's."""
-    from dflash_trt.runtime.cuda_graphs import static_passes
+    from dflash_trt.runtime.gpu.cuda_graphs import static_passes
 
     rec = _CudaRecorder()
     for name in ("Stream", "CUDAGraph", "device", "current_stream", "stream", "graph", "synchronize",

@@ -1,5 +1,5 @@
-"""DFlash2's parts against their definitions (runtime/dflash2.py), the checkpoint layout we write,
-the family detection (runtime/drafter_family.py) and its one-line refusals, and what the
+"""DFlash2's parts against their definitions (runtime/drafters/dflash2.py), the checkpoint layout we write,
+the family detection (runtime/drafters/families.py) and its one-line refusals, and what the
 batched runtime routes to the reference loop. z-lab's own code checks the whole drafter: test_zlab_oracle.py."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import torch
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.batched import unsupported_reason
-from dflash_trt.runtime.dflash2 import DFlash2DraftModel, grouped_dynamic_conv
-from dflash_trt.runtime.draft_model import DFlashDraftModel, make_draft_config
-from dflash_trt.runtime.drafter_family import detect_family, load_drafter
+from dflash_trt.runtime.batched.runtime import unsupported_reason
+from dflash_trt.runtime.drafters.dflash2 import DFlash2DraftModel, grouped_dynamic_conv
+from dflash_trt.runtime.drafters.dflash import DFlashDraftModel, make_draft_config
+from dflash_trt.runtime.drafters.families import detect_family
+from dflash_trt.runtime.drafters.loading import load_drafter
 from dflash_trt.runtime.tiny import TINY_DFLASH2_RECIPE, random_draft, tiny_target
 from dflash_trt.sampling_params import SamplingParams
 
@@ -211,11 +212,11 @@ def test_a_dflash2_checkpoint_named_v1_is_refused_for_what_it_is(tmp_path):
     (tmp_path / "v1" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashError, match="describes a dflash2 drafter but model.safetensors lacks its 11 dflash2 "
                                           "tensors"):
-        DFlashDraftModel.from_pretrained(tmp_path / "v1")
+        load_drafter(tmp_path / "v1")
 
 
 def test_a_draft_vocabulary_beside_a_dflash2_drafter_is_refused(tmp_path):
-    from dflash_trt.runtime.draft_vocab import save_draft_vocab
+    from dflash_trt.runtime.drafters.draft_vocab import save_draft_vocab
 
     random_draft(tiny_target("llama").config, family="dflash2").save_pretrained(tmp_path)
     save_draft_vocab(tmp_path, torch.arange(16))

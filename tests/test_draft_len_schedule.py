@@ -11,7 +11,7 @@ import pytest
 
 from dflash_trt.draft_len_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.policy import make_policy
+from dflash_trt.runtime.batched.policy import make_policy
 from dflash_trt.speculation import SpeculationSettings
 
 

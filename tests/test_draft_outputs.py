@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trt.runtime import panel_gemm
-from dflash_trt.runtime.cpu_packing import PackedCPULinear, num_packed, pack_cpu_linears, repack
+from dflash_trt.runtime.cpu import panel_gemm
+from dflash_trt.runtime.cpu.packing import PackedCPULinear, num_packed, pack_cpu_linears, repack
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 
 

@@ -1,4 +1,4 @@
-"""The frequency-ranked draft vocabulary (runtime/draft_vocab.py): how it is ranked, stored and
+"""The frequency-ranked draft vocabulary (runtime/drafters/draft_vocab.py): how it is ranked, stored and
 validated, and that drafting over a subset never changes the output (verification keeps the full
 vocabulary), however small the subset."""
 
@@ -15,9 +15,9 @@ from dflash_trt.cli import main
 from dflash_trt.errors import DFlashError
 from dflash_trt.pairs import PairSource, load_pair
 from dflash_trt.runtime import autoregressive_generate
-from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, batched_generate
-from dflash_trt.runtime.draft_model import DFlashDraftModel
-from dflash_trt.runtime.draft_vocab import (
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, batched_generate
+from dflash_trt.runtime.drafters.loading import load_drafter
+from dflash_trt.runtime.drafters.draft_vocab import (
     FILE,
     DraftVocabHead,
     count_tokens,
@@ -26,7 +26,7 @@ from dflash_trt.runtime.draft_vocab import (
     rank_vocab,
     save_draft_vocab,
 )
-from dflash_trt.runtime.policy import FixedPolicy
+from dflash_trt.runtime.batched.policy import FixedPolicy
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.train.data import save_data
@@ -84,7 +84,7 @@ def test_batched_output_is_unchanged_whatever_the_draft_vocabulary(tiny_pair_dir
     # the subset: tokens of the target's own answers (as train-draft counts them), capped at `size`
     seqs = [{"ids": p + t, "prompt_len": len(p)} for p, t in zip(prompts, truth)]
     save_draft_vocab(draft_dir, rank_vocab(count_tokens(seqs, pair.target.config.vocab_size), size))
-    draft = DFlashDraftModel.from_pretrained(draft_dir)
+    draft = load_drafter(draft_dir)
     assert draft.draft_vocab is not None and 1 <= draft.draft_vocab.numel() <= size
     rt = BatchedRuntime(pair.target, draft, RuntimeOptions(max_batch=3, max_seq_len=64),
                         None, RuntimeExtras(policy=FixedPolicy(7))).start()

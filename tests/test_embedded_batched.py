@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_trt.runtime import panel_gemm
+from dflash_trt.runtime.cpu import panel_gemm
 
 VARIANT = "x86_64_v3"
 NUM_PROMPTS = 16  # the C = 16 batch is the whole set
@@ -28,10 +28,10 @@ pytestmark = [
 def setup():
     from dflash_trt.embedded import default_pair_dirs
     from dflash_trt.prompts import interleave, load_prompts
-    from dflash_trt.runtime.cpu_packing import PackedCPULinear, repack
-    from dflash_trt.runtime.generate import dflash_generate
+    from dflash_trt.runtime.cpu.packing import PackedCPULinear, repack
+    from dflash_trt.runtime.reference.generate import dflash_generate
     from dflash_trt.pairs import PairSource, load_pair
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.decoding.tokens import TextCodec
     from dflash_trt.sampling_params import SamplingParams
 
     pair = load_pair(PairSource(*default_pair_dirs()))  # float32, packed
@@ -48,7 +48,7 @@ def setup():
 
 @pytest.mark.parametrize("concurrency", [1, 4, 16])
 def test_batched_greedy_equals_the_reference_loop_on_the_avx2_kernel(setup, concurrency):
-    from dflash_trt.runtime.batched import batched_generate
+    from dflash_trt.runtime.batched.runtime import batched_generate
 
     pair, prompts, params, reference = setup
     got = batched_generate(pair.draft, pair.target, prompts, params, max_batch=concurrency)

@@ -10,7 +10,7 @@ import pytest
 from dflash_trt.embedded import DRAFT_DIR, default_pair_dirs
 from dflash_trt.errors import DFlashError
 from dflash_trt.checkpoints.files import read_json
-from dflash_trt.runtime.validate import validate_pair
+from dflash_trt.runtime.drafters.validate import validate_pair
 
 MASK_TOKEN = "<repo_name>"  # documented choice: a StarCoder code-metadata special the instruct model never writes
 
@@ -67,8 +67,8 @@ POSITION_ATOL = 0.05
 def test_dflash_equals_plain_greedy_on_eval_prompts_with_real_acceptance(pair):
     from dflash_trt.metrics import merge_stats
     from dflash_trt.prompts import interleave, load_prompts
-    from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.reference.generate import autoregressive_generate, dflash_generate
+    from dflash_trt.runtime.decoding.tokens import TextCodec
     from dflash_trt.sampling_params import SamplingParams
 
     codec = TextCodec.of_pair(pair)
@@ -101,12 +101,12 @@ def test_the_batched_gate_gives_each_held_out_prompt_the_reference_loops_tau(pai
     from dflash_trt.engine.calibration import encode_prompts, load_calibration_prompts
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.gate import measure_tau
-    from dflash_trt.runtime.draft_model import DFlashDraftModel
-    from dflash_trt.runtime.loading import load_tokenizer
+    from dflash_trt.runtime.drafters.loading import load_drafter
+    from dflash_trt.runtime.targets.loading import load_tokenizer
 
     tdir, ddir = pair_dirs
     target = load_checkpoint(tdir, torch.float32)
-    draft = DFlashDraftModel.from_pretrained(ddir, dtype=torch.float32)
+    draft = load_drafter(ddir, dtype=torch.float32)
     ids = encode_prompts(load_tokenizer(tdir), load_calibration_prompts(None, 5, split="eval"),
                          target.config.vocab_size, 256)
     ref = measure_tau(target, draft, ids, 48, "reference", progress=False, batched=False)

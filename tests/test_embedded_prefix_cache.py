@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_trt.runtime import panel_gemm
+from dflash_trt.runtime.cpu import panel_gemm
 
 MAX_TOKENS = 24
 
@@ -27,10 +27,10 @@ def test_hits_decode_as_the_reference_loop_with_the_same_acceptance():
     from dflash_trt.embedded import default_pair_dirs
     from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.prompts import interleave, load_prompts
-    from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest
-    from dflash_trt.runtime.generate import dflash_generate
-    from dflash_trt.runtime.policy import FixedPolicy
-    from dflash_trt.runtime.prefix_cache import BLOCK_TOKENS as BT
+    from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.reference.generate import dflash_generate
+    from dflash_trt.runtime.batched.policy import FixedPolicy
+    from dflash_trt.runtime.batched.prefix_cache import BLOCK_TOKENS as BT
     from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.sampling_params import SamplingParams
 

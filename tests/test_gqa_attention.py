@@ -1,4 +1,4 @@
-"""Grouped-query attention against the cache as it is (dflash_trt/runtime/gqa_attention.py):
+"""Grouped-query attention against the cache as it is (dflash_trt/runtime/targets/gqa_attention.py):
 the same attention as expanding K/V per query head, in the drafter and in a transformers target."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.runtime.gqa_attention import ATTN_IMPLEMENTATION, grouped_attention, use_grouped_attention
-from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.runtime.targets.gqa_attention import ATTN_IMPLEMENTATION, grouped_attention, use_grouped_attention
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import tiny_target
 
 
@@ -37,7 +37,7 @@ def test_grouped_attention_equals_expanded_kv(b, s, n, heads, kv, mask_kind):
 def test_target_adapter_switches_sdpa_models_and_logits_stay_the_same(monkeypatch):
     """A 4D-masked forward (the batched runtime's kind) runs the grouped form in every layer and
     gives the logits of transformers' SDPA."""
-    import dflash_trt.runtime.gqa_attention as gqa
+    import dflash_trt.runtime.targets.gqa_attention as gqa
 
     calls = []
     real = gqa.grouped_attention

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_trt.runtime.kernel_caches import CAPACITY_ENV, DEFAULT_CAPACITY, bound_kernel_caches
+from dflash_trt.runtime.cpu.kernel_caches import CAPACITY_ENV, DEFAULT_CAPACITY, bound_kernel_caches
 
 # In a fresh process (oneDNN reads the capacities once): a oneDNN linear layer called with 120 new
 # token counts M, each a new primitive; prints how much malloc's live bytes grew (MiB).
@@ -19,11 +19,11 @@ _NEW_SHAPES = """
 import ctypes, sys
 capacity = sys.argv[1]
 if capacity != "unset":
-    from dflash_trt.runtime.kernel_caches import bound_kernel_caches
+    from dflash_trt.runtime.cpu.kernel_caches import bound_kernel_caches
     bound_kernel_caches(int(capacity))
 import torch
 from torch import nn
-from dflash_trt.runtime.cpu_packing import PackedCPULinear
+from dflash_trt.runtime.cpu.packing import PackedCPULinear
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

@@ -1,4 +1,4 @@
-"""The lean forward (runtime/lean_forward.py) computes exactly what transformers' forward computes:
+"""The lean forward (runtime/targets/lean_forward.py) computes exactly what transformers' forward computes:
 the same logits, features and KV-cache contents bit for bit, for Llama and Qwen3 targets, with and
 without packed layers; and it declines (with the reason) where it would not.
 
@@ -19,12 +19,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from dflash_trt.runtime.batched import batched_generate
-from dflash_trt.runtime.batched_cache import BatchedKVCache, additive_mask
-from dflash_trt.runtime.cpu_packing import pack_cpu_linears
-from dflash_trt.runtime.generate import autoregressive_generate
-from dflash_trt.runtime.policy import FixedPolicy
-from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.runtime.batched.runtime import batched_generate
+from dflash_trt.runtime.batched.slot_caches import BatchedKVCache, additive_mask
+from dflash_trt.runtime.cpu.packing import pack_cpu_linears
+from dflash_trt.runtime.reference.generate import autoregressive_generate
+from dflash_trt.runtime.batched.policy import FixedPolicy
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.sampling_params import SamplingParams
 

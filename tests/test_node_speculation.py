@@ -294,8 +294,8 @@ def test_verify_refuses_a_manifest_whose_speculation_differs_from_the_files(deri
 def _dflash2_drafter(root: Path, target_config, **cfg_over) -> Path:
     """A DFlash2 drafter in z-lab's released layout with non-causal sliding layers (as the released
     Qwen3.8 DFlash2 ones)."""
-    from dflash_trt.runtime.dflash2 import DFlash2DraftModel
-    from dflash_trt.runtime.draft_model import make_draft_config
+    from dflash_trt.runtime.drafters.dflash2 import DFlash2DraftModel
+    from dflash_trt.runtime.drafters.dflash import make_draft_config
     from dflash_trt.runtime.tiny import TINY_DFLASH2_RECIPE
 
     cfg = make_draft_config(target_config, dflash_fields={**TINY_DFLASH2_RECIPE, "block_size": 8})

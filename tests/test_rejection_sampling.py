@@ -1,4 +1,4 @@
-"""Rejection sampling (runtime/rejection.py) is lossless for every kind of draft distribution q, and
+"""Rejection sampling (runtime/decoding/rejection.py) is lossless for every kind of draft distribution q, and
 the reference loop is lossless with every draft method of both drafter families.
 
 Statistics. A chi-square goodness-of-fit test compares the empirical distribution of the first
@@ -29,10 +29,10 @@ import torch
 from scipy.stats import chisquare
 
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.dflash2 import DFlash2DraftModel
-from dflash_trt.runtime.draft_model import DFlashDraftModel, make_draft_config
-from dflash_trt.runtime.rejection import one_hot_q, rejection_sample
-from dflash_trt.runtime.sampling import sampling_probs
+from dflash_trt.runtime.drafters.dflash2 import DFlash2DraftModel
+from dflash_trt.runtime.drafters.dflash import DFlashDraftModel, make_draft_config
+from dflash_trt.runtime.decoding.rejection import one_hot_q, rejection_sample
+from dflash_trt.runtime.decoding.sampling import sampling_probs
 from dflash_trt.runtime.tiny import TINY_DFLASH2_RECIPE, tiny_target
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import DRAFT_METHODS, SpeculationSettings

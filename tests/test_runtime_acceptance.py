@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dflash_trt.runtime import DFlashDraftModel, autoregressive_generate, dflash_generate
-from dflash_trt.runtime.draft_model import make_draft_config
+from dflash_trt.runtime.drafters.dflash import make_draft_config
 from dflash_trt.runtime.tiny import tiny_target
 from dflash_trt.sampling_params import SamplingParams
 

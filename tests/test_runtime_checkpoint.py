@@ -12,8 +12,9 @@ import torch
 from dflash_trt.errors import DFlashError
 from dflash_trt.pairs import PairSource, load_pair
 from dflash_trt.runtime import DFlashDraftModel, build_target_layer_ids
+from dflash_trt.runtime.drafters.loading import load_drafter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
-from dflash_trt.runtime.validate import validate_pair
+from dflash_trt.runtime.drafters.validate import validate_pair
 
 
 def test_build_target_layer_ids_matches_published_qwen3_8b():
@@ -37,18 +38,18 @@ def test_save_load_round_trip_gives_identical_logits(tmp_path):
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 7
     assert set(cfg["dflash_config"]) >= {"mask_token_id", "target_layer_ids"}
-    loaded = DFlashDraftModel.from_pretrained(tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d")
     assert torch.equal(_draft_logits(draft, target), _draft_logits(loaded, target))
 
 
 def test_loading_in_bfloat16_equals_loading_in_float32_then_casting(tmp_path):
-    """from_pretrained builds the modules in the dtype asked for (no float32 copy beside the
+    """load_drafter builds the modules in the dtype asked for (no float32 copy beside the
     weights): every parameter and buffer, the rotary frequencies included, has the bits and dtype
     of the float32 load cast afterwards, and torch's default dtype is left as it was."""
     target = tiny_target("qwen3")
     random_draft(target.config, num_layers=2, block_size=7, seed=3).save_pretrained(tmp_path / "d")
-    direct = DFlashDraftModel.from_pretrained(tmp_path / "d", dtype=torch.bfloat16)
-    cast = DFlashDraftModel.from_pretrained(tmp_path / "d").to(torch.bfloat16)
+    direct = load_drafter(tmp_path / "d", dtype=torch.bfloat16)
+    cast = load_drafter(tmp_path / "d").to(torch.bfloat16)
     assert torch.get_default_dtype() == torch.float32
     a = {**dict(direct.named_parameters()), **dict(direct.named_buffers())}
     b = {**dict(cast.named_parameters()), **dict(cast.named_buffers())}
@@ -70,7 +71,7 @@ def test_loads_zlab_layout_with_block_size_inside_dflash_config_and_never_runs_a
     (d / "config.json").write_text(json.dumps(cfg))
     marker = tmp_path / "EXECUTED"
     (d / "dflash.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
-    loaded = DFlashDraftModel.from_pretrained(d)
+    loaded = load_drafter(d)
     assert loaded.block_size == 16
     assert not marker.exists()
 
@@ -167,7 +168,7 @@ def test_sliding_attention_layers_follow_zlab_masking():
     full layers see the whole block. A window of 2 then hides everything but the last 2 keys.
     Without use_sliding_window, transformers' Qwen3Config (which z-lab 0.1.0 and vLLM read the
     window through) drops the window: that combination is refused rather than run either way."""
-    from dflash_trt.runtime.draft_model import make_draft_config
+    from dflash_trt.runtime.drafters.dflash import make_draft_config
 
     target = tiny_target("qwen3")
     cfg = make_draft_config(target.config, num_layers=2, block_size=4)
@@ -181,7 +182,7 @@ def test_sliding_attention_layers_follow_zlab_masking():
     assert not full.is_causal and full.sliding_window is None
     cfg["is_causal"] = False
     assert not DFlashDraftModel(cfg).layers[0].self_attn.is_causal
-    from dflash_trt.runtime.draft_model import block_attention_mask
+    from dflash_trt.runtime.drafters.dflash import block_attention_mask
 
     m = block_attention_mask(2, 5, causal=True, window=2, device=torch.device("cpu"))[0, 0]
     assert m.tolist() == [[False, False, True, True, False], [False, False, False, True, True]]

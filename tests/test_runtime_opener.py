@@ -12,10 +12,10 @@ import logging
 import pytest
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest
-from dflash_trt.runtime.generate import dflash_generate
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, SequenceRequest
+from dflash_trt.runtime.reference.generate import dflash_generate
 from dflash_trt.runtime.opener import open_runtime
-from dflash_trt.runtime.serial import SerialRuntime
+from dflash_trt.runtime.reference.serial import SerialRuntime
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ import torch
 from scipy.stats import chisquare
 
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.sampling import sampling_probs
+from dflash_trt.runtime.decoding.sampling import sampling_probs
 from dflash_trt.runtime.tiny import tiny_target
 from dflash_trt.sampling_params import SamplingParams
 from tests.test_runtime_acceptance import make_oracle
@@ -88,7 +88,7 @@ def test_draw_is_torch_multinomials_own_draw_without_its_host_checks():
     """sampling.draw takes torch.multinomial(p, 1)'s exponential race: from the same generator state
     the same tokens (so seeds keep their meaning and z-lab 0.1.0's draws stay ours: test_zlab_oracle)
     and the same state after, over shapes, dtypes and zero-probability cells."""
-    from dflash_trt.runtime.sampling import draw
+    from dflash_trt.runtime.decoding.sampling import draw
 
     for seed, (dtype, shape) in enumerate([(torch.float32, (7, 50)), (torch.float64, (3, 5, 11)), (torch.float32, (1, 3))]):
         probs = torch.softmax(3 * torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype), -1)

@@ -1,4 +1,4 @@
-"""Shadow drafts (runtime/shadow_drafts.py): a plain step's one-row drafts, graded by the tokens plain
+"""Shadow drafts (runtime/batched/shadow_drafts.py): a plain step's one-row drafts, graded by the tokens plain
 decoding commits next, give the policy exactly the acceptance a drafting step would have verified,
 and a re-exploration that can use them verifies nothing."""
 
@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dflash_trt.runtime import dflash_generate, panel_gemm
-from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate
-from dflash_trt.runtime.policy import AdaptivePolicy, CostTable, Decision
-from dflash_trt.runtime.scheduling import BatchedSequence
-from dflash_trt.runtime.shadow_drafts import ShadowDraft, ShadowDrafts, accepted_prefix
+from dflash_trt.runtime import dflash_generate
+from dflash_trt.runtime.cpu import panel_gemm
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, SequenceRequest, batched_generate
+from dflash_trt.runtime.batched.policy import AdaptivePolicy, CostTable, Decision
+from dflash_trt.runtime.batched.scheduling import BatchedSequence
+from dflash_trt.runtime.batched.shadow_drafts import ShadowDraft, ShadowDrafts, accepted_prefix
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams

@@ -122,9 +122,9 @@ def engine(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def expected_text(engine) -> str:
     """The reference runtime's greedy output for PROMPT (what every server must answer)."""
-    from dflash_trt.runtime.generate import dflash_generate
+    from dflash_trt.runtime.reference.generate import dflash_generate
     from dflash_trt.pairs import PairSource, load_pair
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.decoding.tokens import TextCodec
 
     pair = load_pair(PairSource(engine / "target", engine / "draft"))
     codec = TextCodec.of_pair(pair)

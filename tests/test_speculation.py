@@ -21,11 +21,11 @@ from click.testing import CliRunner
 from dflash_trt.cli import main
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime import autoregressive_generate, dflash_generate
-from dflash_trt.runtime.batched import BatchedRuntime, SequenceRequest, batched_generate
-from dflash_trt.runtime.draft_model import build_target_layer_ids, make_draft_config
-from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, SequenceRequest, batched_generate
+from dflash_trt.runtime.drafters.dflash import build_target_layer_ids, make_draft_config
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
-from dflash_trt.runtime.validate import validate_pair
+from dflash_trt.runtime.drafters.validate import validate_pair
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import DEFAULT_DRAFT_METHOD, SpeculationSettings
@@ -221,7 +221,7 @@ def test_policy_schedule_on_generate_serve_and_deploy(tiny_pair_dirs, tmp_path):
     `serve` (the backend's runtime follows the schedule written into config.pbtxt) and is checked
     against K where it is chosen (TensorRT-LLM's rule: the smallest batch size maps to K)."""
     from dflash_trt.draft_len_schedule import DraftLenSchedule
-    from dflash_trt.runtime.policy import SchedulePolicy
+    from dflash_trt.runtime.batched.policy import SchedulePolicy
     from dflash_trt.serving.backends import BackendSettings, load_backend
 
     tdir, ddir = tiny_pair_dirs

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_trt.runtime.speculators_format import convert_drafter
+from dflash_trt.runtime.drafters.convert import convert_drafter
 
 try:
     from tests.oracles import SPECULATORS, oracle_dir
@@ -118,7 +118,7 @@ def test_speculators_defaults_read_as_speculators_means_them(tmp_path):
     speculator is bidirectional (sliding_window_non_causal True) with conv 2 x 16 and a selector
     256 x 16; a dflash one is not. Checked against the classes by writing the minimal config,
     letting speculators resave it in full, and reading both here."""
-    from dflash_trt.runtime.speculators_format import zlab_config_of
+    from dflash_trt.runtime.drafters.speculators_format import zlab_config_of
 
     try:
         from tests.test_speculators_format import config_meaning

@@ -1,4 +1,4 @@
-"""The speculators format (runtime/speculators_format.py): read as a drafter, converted both ways by
+"""The speculators format (runtime/drafters/speculators_format.py): read as a drafter, converted both ways by
 `dflash-trt convert-draft`, round trips bit-exact, one-line refusals for what this project does not
 run. The files it writes are checked against speculators 0.9.0's own config classes in
 tests/test_speculators_configs.py (integration tier)."""
@@ -15,11 +15,12 @@ from dflash_trt.checkpoints.files import load_state_dict, save_safetensors_atomi
 from dflash_trt.cli import main
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.drafter_config import draft_value
-from dflash_trt.runtime.drafter_family import load_drafter, zlab_config
+from dflash_trt.runtime.drafters.config import draft_value
+from dflash_trt.runtime.drafters.loading import load_drafter
 from dflash_trt.pairs import PairSource, load_pair
 from dflash_trt.runtime_options import RuntimeOptions
-from dflash_trt.runtime.speculators_format import convert_drafter
+from dflash_trt.runtime.drafters.convert import convert_drafter
+from dflash_trt.runtime.drafters.speculators_format import zlab_config
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.sampling_params import SamplingParams
 
@@ -35,7 +36,7 @@ def config_meaning(raw: dict) -> tuple[dict, dict, dict]:
     outside it, and each DFlash key as z-lab reads it (dflash_config first, then the top level)."""
     from transformers import Qwen3Config
 
-    from dflash_trt.runtime.draft_model import _qwen3_kwargs
+    from dflash_trt.runtime.drafters.dflash import _qwen3_kwargs
 
     cfg = zlab_config(raw)
     outside = ("architectures", "num_target_layers", "is_causal")

@@ -1,25 +1,20 @@
-"""The tokenizer contract (runtime/tokens.py) with a real byte-level BPE tokenizer and chat template,
-and the import rule that keeps the CLI on top of the house."""
+"""The tokenizer contract (runtime/decoding/tokens.py) with a real byte-level BPE tokenizer and chat
+template. (The import rule that keeps the CLI on top of the house: tests/test_import_graph.py.)"""
 
 from __future__ import annotations
 
-import ast
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from dflash_trt.errors import InvalidRequest
-from dflash_trt.runtime.tokens import TextCodec, stop_token_ids_of
+from dflash_trt.runtime.decoding.tokens import TextCodec, stop_token_ids_of
 
 try:
     from tests.engine_fixtures import EOS, VOCAB_SIZE, save_tiny_tokenizer
 except ImportError:  # tests/ is not a package
     from engine_fixtures import EOS, VOCAB_SIZE, save_tiny_tokenizer
-
-PACKAGE = Path(__file__).resolve().parents[1] / "dflash_trt"
-
 
 @pytest.fixture(scope="module")
 def codec(tmp_path_factory) -> TextCodec:
@@ -131,30 +126,3 @@ def test_threads_share_one_codec(codec):
         assert not probe.thread.is_alive()
     assert probe.overlaps == []
     assert shared.encode("The capital of France is") == ids  # and the probe changed nothing
-
-
-def _imports(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-        elif isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-    return names
-
-
-def test_only_command_modules_import_the_cli():
-    """The CLI sits on top: the areas never import dflash_trt.cli or generation_cli (the tokenizer
-    contract, the pair resolver and the CLI helpers live below it)."""
-    commands = {PACKAGE / "cli.py", PACKAGE / "generation_cli.py"} | set(PACKAGE.glob("*/cli.py"))
-    offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        if path in commands:
-            continue
-        bad = _imports(path) & {"dflash_trt.cli", "dflash_trt.generation_cli"}
-        if bad:
-            offenders.append(f"{path.relative_to(PACKAGE.parent)} imports {sorted(bad)}")
-    assert not offenders
-    # and the command modules take the shared helpers from cli_helpers, not from each other
-    for path in commands - {PACKAGE / "cli.py"}:
-        assert "dflash_trt.cli" not in _imports(path), path

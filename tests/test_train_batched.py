@@ -12,11 +12,11 @@ from click.testing import CliRunner
 
 from dflash_trt.cli import main
 from dflash_trt.prompts import Prompt
-from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.train.data import compute_features, save_data
 from dflash_trt.train.objective import block_inputs, dflash_loss, dflash_loss_batch
-from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.runtime.decoding.tokens import TextCodec
 from dflash_trt.train.answers import AnswerSettings, generate_answers
 from dflash_trt.train.dataset import make_batch
 from dflash_trt.train.step import online_features
@@ -130,7 +130,7 @@ def test_greedy_answers_cannot_be_sampled_twice():
 def test_train_draft_online_batched_with_sampled_extra_data(tiny_pair_dirs, tmp_path):
     """The GPU recipe (scripts/gpu_drafter.sh) on CPU: --features online --batch-sequences N --extra-data."""
     target_dir, _ = tiny_pair_dirs
-    from dflash_trt.runtime.loading import load_target
+    from dflash_trt.runtime.targets.loading import load_target
 
     extra = _sampled(load_target(target_dir), 4, seed=1, samples=2, batch_size=8, max_new_tokens=24, temperature=0.8)
     usable = sum(len(r["ids"]) - r["prompt_len"] >= 2 for r in extra)

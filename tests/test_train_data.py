@@ -9,10 +9,10 @@ import torch
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.prompts import Prompt
-from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras
-from dflash_trt.runtime.generate import autoregressive_generate
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras
+from dflash_trt.runtime.reference.generate import autoregressive_generate
 from dflash_trt.runtime.tiny import tiny_target
-from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.runtime.decoding.tokens import TextCodec
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.train.answers import AnswerSettings, generate_answers
@@ -76,13 +76,13 @@ def test_capture_layer_ids_are_checked():
 
 
 def test_train_data_job_extends_its_file_and_refuses_other_settings(tiny_pair_dirs, tmp_path):
-    """`dflash-trt train-data` (also `python -m dflash_trt.train.data`): the answers of the first N
+    """`dflash-trt train-data`: the answers of the first N
     train prompts; a second run with more prompts keeps the first run's rows and adds the rest;
     a run with other settings is refused, the file untouched."""
     from click.testing import CliRunner
 
     from dflash_trt.cli import main
-    from dflash_trt.runtime.loading import load_target
+    from dflash_trt.runtime.targets.loading import load_target
     from dflash_trt.train.answers import train_prompts
     from dflash_trt.train.data import load_data
 

@@ -1,4 +1,4 @@
-"""`train-draft` makes DFlash2 drafters (dflash_trt/train/, runtime/dflash2.py): the selector's
+"""`train-draft` makes DFlash2 drafters (dflash_trt/train/, runtime/drafters/dflash2.py): the selector's
 objective is its definition (speculators 0.9.0's teacher-forced K-way cross-entropy), a DFlash2
 drafter made from a DFlash one starts exactly where that one is, bad recipes are refused in one
 line, and a tiny run lowers both losses and writes z-lab's released layout, which our loader and
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.dflash2 import CandidateSelector, DFlash2DraftModel, DFlash2Recipe
-from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
-from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.runtime.drafters.dflash2 import CandidateSelector, DFlash2DraftModel, DFlash2Recipe
+from dflash_trt.runtime.reference.generate import autoregressive_generate, dflash_generate
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import TINY_DFLASH2_RECIPE, random_draft, tiny_target
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.train.config import TrainConfig
@@ -119,7 +119,7 @@ def test_the_objectives_walk_is_the_runtime_walk():
     """tau_est of a DFlash2 drafter's loss (teacher-forced: each slot's predecessor is the true
     previous token) is what the runtime's walk (DFlash2DraftModel.propose, one block at a time
     through the draft KV cache) accepts on the same blocks: the objective trains the walk that runs."""
-    from dflash_trt.runtime.draft_model import DraftKVCache
+    from dflash_trt.runtime.drafters.dflash import DraftKVCache
 
     target, _ = _tiny()
     draft = random_draft(target.config, family="dflash2", num_layers=2, seed=2, target_layer_ids=[0, 2, 3])
@@ -219,7 +219,7 @@ def test_train_draft_makes_a_dflash2_drafter_that_zlab_runs_step_for_step(tiny_p
 
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.cli import main
-    from dflash_trt.runtime.drafter_family import load_drafter
+    from dflash_trt.runtime.drafters.loading import load_drafter
 
     try:
         from tests.oracles import zlab

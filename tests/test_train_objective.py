@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.runtime.draft_model import DraftKVCache
-from dflash_trt.runtime.target import TargetAdapter
+from dflash_trt.runtime.drafters.dflash import DraftKVCache
+from dflash_trt.runtime.targets.adapter import TargetAdapter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.train.objective import attention_mask, block_inputs, default_gamma, dflash_loss, sample_anchors
 

@@ -9,9 +9,9 @@ from click.testing import CliRunner
 
 from dflash_trt.cli import main
 from dflash_trt.pairs import PairSource, load_pair
-from dflash_trt.runtime.draft_model import DFlashDraftModel
-from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
-from dflash_trt.runtime.loading import load_target
+from dflash_trt.runtime.drafters.dflash import DFlashDraftModel
+from dflash_trt.runtime.reference.generate import autoregressive_generate, dflash_generate
+from dflash_trt.runtime.targets.loading import load_target
 from dflash_trt.sampling_params import SamplingParams
 
 

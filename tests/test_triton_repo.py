@@ -24,7 +24,7 @@ from dflash_trt.cli import main
 from dflash_trt.engine.manifest import load_manifest
 from dflash_trt.errors import DFlashError
 from dflash_trt.resources import resource_dir
-from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.runtime.decoding.tokens import TextCodec
 from dflash_trt.serving.detokenizer import IncrementalDetokenizer
 from dflash_trt.serving.repository import TritonRepoSettings, generate_repository, parse_config, render_config
 from dflash_trt.speculation import DEFAULT_DRAFT_METHOD

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from dflash_trt.runtime import dflash_generate
-from dflash_trt.runtime.draft_model import DFlashDraftModel
+from dflash_trt.runtime.drafters.loading import load_drafter
 from dflash_trt.runtime.tiny import random_draft, tiny_target
 from dflash_trt.sampling_params import SamplingParams
 from dflash_trt.speculation import SpeculationSettings
@@ -88,7 +88,7 @@ def make_pair(tmp_path, zm, arch: str, family: str, block_size: int, fields: dic
     if rigged:
         rig(target, draft)
     draft.save_pretrained(tmp_path)
-    ours = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float64)
+    ours = load_drafter(tmp_path, dtype=torch.float64)
     cls = zm.DFlash2DraftModel if family == "dflash2" else zm.DFlashDraftModel
     theirs, info = cls.from_pretrained(tmp_path, dtype=torch.float64, output_loading_info=True)
     assert not any(info.values()), info  # every tensor of our layout is one of theirs, and the reverse

@@ -1,5 +1,6 @@
 """`dflash-trt bench`: DFlash vs plain decoding on our runtimes, the vLLM peer or any server, one report;
-`dflash-trt bench report bench.json`: the report again, from the file (``--markdown`` for docs)."""
+`dflash-trt bench report bench.json`: the report again, from the file (``--markdown`` for docs);
+`dflash-trt bench summary bench.json`: what docs/results/ keeps of a run (bench/archive.py)."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def _runtimes(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--device", help="In process: cpu or cuda[:N] [default: cpu].")
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), help="In process weights [default: float32].")
 @click.option("--pack/--no-pack", default=None,
-              help="In process, float32 on CPU: oneDNN-packed linear layers (runtime/cpu_packing.py) [default: pack].")
+              help="In process, float32 on CPU: oneDNN-packed linear layers (runtime/cpu/packing.py) [default: pack].")
 @prefix_cache_options
 @click.option("--gpu", help="GPU of the run for the bandwidth ceiling (b300, b200, h200, h100) [default: detected].")
 @click.option("--threads", type=int, help="torch CPU threads in process [default: torch's].")
@@ -157,8 +158,11 @@ def bench(ctx: click.Context, config_file: str | None, no_progress: bool, **flag
 
             result["plots"] = write_plots(result, records, out)
         write_text_atomic(out / "table.md", markdown(result))
+        from dflash_trt.bench.archive import NAME, write_summary
+
+        write_summary(result, out / NAME)  # what docs/results/ keeps of the run (bench/archive.py)
         write_json_atomic(out / "bench.json", result)  # last: its presence means the run completed
-        console.print(f"[bench] wrote {out / 'bench.json'}", highlight=False)
+        console.print(f"[bench] wrote {out / 'bench.json'} and {NAME}", highlight=False)
     errors = sum(r.get("errors", 0) for r in result["rows"])
     if errors:  # the report is written; failed requests still make the run a failure
         from dflash_trt.errors import DFlashError
@@ -173,14 +177,19 @@ def _multiturn(cfg, console) -> None:
 
     result = run_multiturn(cfg, lambda line: console.print(f"[bench] {line}", markup=False, highlight=False))
     result["command"] = "dflash-trt bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
-    print_multiturn(result, click.echo)
+    lines: list[str] = []
+    print_multiturn(result, lines.append)
+    click.echo("\n".join(lines))
     if cfg.out:
-        from dflash_trt.fsutil import write_json_atomic
+        from dflash_trt.bench.archive import NAME, write_summary
+        from dflash_trt.fsutil import write_json_atomic, write_text_atomic
 
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out / "table.txt", "\n".join(lines) + "\n")
+        write_summary(result, out / NAME)  # what docs/results/ keeps of the run (bench/archive.py)
         write_json_atomic(out / "bench.json", result)
-        console.print(f"[bench] wrote {out / 'bench.json'}", highlight=False)
+        console.print(f"[bench] wrote {out / 'bench.json'}, table.txt and {NAME}", highlight=False)
 
 
 def _run_with_progress(cfg, console, no_progress: bool):
@@ -235,6 +244,23 @@ def report(bench_json: str, as_markdown: bool, out: str | None, interactivity: l
         return
     stdout = Console()
     print_report(result, stdout if stdout.is_terminal else Console(width=200))
+
+
+@bench.command("summary")
+@click.argument("bench_json", type=click.Path(dir_okay=False))
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="Where to write it [default: bench.summary.json.gz beside BENCH_JSON].")
+@friendly_errors
+def summary(bench_json: str, out: str | None) -> None:
+    """Write the summary of a finished run that docs/results/ keeps (gzip'd): everything its tables
+    read, and each request's sizes and times, without the token ids and per-step lists."""
+    from dflash_trt.bench.archive import NAME, summary_of, write_summary
+    from dflash_trt.bench.report import load_result
+
+    result = load_result(bench_json, multi_turn=True)
+    path = write_summary(result, out or Path(bench_json).with_name(NAME))
+    click.echo(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB; {len(summary_of(result).get('requests', []))} "
+               f"requests kept as sizes and times)")
 
 
 COMMANDS = [bench]

@@ -36,7 +36,7 @@ def logit_margins(target: Any, prompt_ids: Sequence[int], ref_ids: Sequence[int]
     import torch
 
     from dflash_trt.checkpoints.placement import home_device
-    from dflash_trt.runtime.target import TargetAdapter
+    from dflash_trt.runtime.targets.adapter import TargetAdapter
 
     adapter = TargetAdapter(target)
     ids = list(prompt_ids) + list(ref_ids[:-1])  # the last output token predicts nothing we compare

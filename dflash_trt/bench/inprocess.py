@@ -1,10 +1,10 @@
 """Our two runtimes as benchmark sides, on one loaded pair.
 
-- :class:`ReferenceSide`: the reference loop (runtime/generate.py): ``dflash_generate`` with K
+- :class:`ReferenceSide`: the reference loop (runtime/reference/generate.py): ``dflash_generate`` with K
   drafts every step, plain decoding with ``autoregressive_generate``. It decodes one request at a
   time: concurrent users QUEUE for its one decoding thread, first come first served (as the
   server's serial path does), so total tokens/s stays flat and tokens/s per user falls as 1/C.
-- :class:`BatchedSide`: the batched runtime (runtime/batched.py), what `dflash-trt serve` runs:
+- :class:`BatchedSide`: the batched runtime (runtime/batched/runtime.py), what `dflash-trt serve` runs:
   one runtime for DFlash (policy adaptive or fixed:K) and one without a drafter (plain decoding
   with C sequences per pass, the honest baseline), each kept for the whole run as a server keeps
   it, driven in a closed loop of C users: a request joins the running batch the step after the
@@ -85,7 +85,7 @@ class ReferenceSide:
     _timer: PassTimer | None = None
 
     def _decode(self, mode: str, ids: list[int], params: Any, on_step: Any = None) -> Any:
-        from dflash_trt.runtime.generate import autoregressive_generate, dflash_generate
+        from dflash_trt.runtime.reference.generate import autoregressive_generate, dflash_generate
 
         pair = self.inputs.pair
         if mode == "dflash":
@@ -196,9 +196,9 @@ class BatchedSide:
         here, before the warm-up and the timed runs."""
         if mode not in self._runtimes:
             t = time.perf_counter()
-            from dflash_trt.runtime.batched import RuntimeExtras
+            from dflash_trt.runtime.batched.runtime import RuntimeExtras
             from dflash_trt.runtime.opener import open_runtime
-            from dflash_trt.runtime.policy import FixedPolicy, make_policy
+            from dflash_trt.runtime.batched.policy import FixedPolicy, make_policy
 
             pair = self.inputs.pair
             if mode == "plain":
@@ -214,8 +214,8 @@ class BatchedSide:
         return self._runtimes[mode]
 
     def warmup(self) -> None:
-        from dflash_trt.runtime.batched import SequenceRequest
-        from dflash_trt.runtime.policy import AdaptivePolicy
+        from dflash_trt.runtime.batched.runtime import SequenceRequest
+        from dflash_trt.runtime.batched.policy import AdaptivePolicy
 
         for mode in self.modes:
             rt = self.runtime(mode)
@@ -226,14 +226,14 @@ class BatchedSide:
                 # them that the first timed run at C = 1 decoded 48 steps plainly before drafting
                 rt.policy.reset_acceptance()
         if self.policy == "adaptive" and self.calibrate_levels and "dflash" in self.modes:
-            from dflash_trt.runtime.policy_calibration import calibrate
+            from dflash_trt.runtime.batched.policy_calibration import calibrate
 
             t = time.perf_counter()
             calibrate(self.runtime("dflash"), sorted(set(self.calibrate_levels)))
             self.calibration_s = time.perf_counter() - t
 
     def run(self, mode: str, requests: Sequence[BenchRequest], concurrency: int, on_done: OnDone) -> RunResult:
-        from dflash_trt.runtime.batched import SequenceRequest
+        from dflash_trt.runtime.batched.runtime import SequenceRequest
 
         rt = self.runtime(mode)
         # every run starts with an empty prefix cache: its figures never depend on the runs before it

@@ -80,7 +80,7 @@ def run_conversations(rt: Any, codec: Any, system: str, convs: Sequence[Sequence
     """Drive `convs` through the runtime with `concurrency` users (see the module doc). `params(c, t)`:
     conversation c's turn t's SamplingParams. Returns the turns' records (in conversation, turn order)
     and the run's wall time."""
-    from dflash_trt.runtime.batched import SequenceRequest
+    from dflash_trt.runtime.batched.runtime import SequenceRequest
 
     t0 = time.perf_counter()
     todo = deque(range(len(convs)))
@@ -160,7 +160,7 @@ def ttft_probe(rt_on: Any, rt_off: Any, prompt: Sequence[int], cached: int, reps
                ) -> dict[str, Any]:
     """TTFT of `prompt` with its first `cached` tokens in the cache (`rt_on`, warmed each time by a
     request sharing exactly those tokens) against the same prompt on `rt_off`, in alternating order."""
-    from dflash_trt.runtime.batched import SequenceRequest
+    from dflash_trt.runtime.batched.runtime import SequenceRequest
 
     def ttft(rt: Any, warm: bool) -> tuple[float, int]:
         rt.reset_prefix_cache()
@@ -209,9 +209,9 @@ def run_multiturn(cfg: Any, say: Callable[[str], None]) -> dict[str, Any]:
 
     from dflash_trt.bench.run import environment, load_average
     from dflash_trt.pairs import PairSource, load_pair
-    from dflash_trt.runtime.batched import RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.batched.runtime import RuntimeExtras, SequenceRequest
     from dflash_trt.runtime.opener import open_runtime
-    from dflash_trt.runtime.policy import FixedPolicy, make_policy
+    from dflash_trt.runtime.batched.policy import FixedPolicy, make_policy
     from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.sampling_params import SamplingParams
 
@@ -245,7 +245,7 @@ def run_multiturn(cfg: Any, say: Callable[[str], None]) -> dict[str, Any]:
         if hasattr(rt.policy, "reset_acceptance"):
             rt.policy.reset_acceptance()
             if cfg.calibrate:  # adaptive: each candidate k's step cost at every level, as bench's batched side
-                from dflash_trt.runtime.policy_calibration import calibrate
+                from dflash_trt.runtime.batched.policy_calibration import calibrate
 
                 calibrate(rt, sorted(set(cfg.concurrency)))
         rt.reset_prefix_cache()

@@ -19,7 +19,7 @@ project's runtimes and the speed rival they must beat. This module is the projec
 The vLLM side is ``peer_vllm_worker.py`` (vllm + stdlib only), run by the peer venv's python.
 vLLM's own per-request record of a DFlash request is ``CompletionOutput.spec_decode_metrics``
 (``per_request_spec_decode_metrics="detailed"``): drafted and accepted counts of every verify step.
-Both vLLM and the reference loop (runtime/generate.py) draft the full block every step; they count
+Both vLLM and the reference loop (runtime/reference/generate.py) draft the full block every step; they count
 the last step of a request that ran out of budget differently: vLLM counts the drafts the target
 accepted before the ``max_tokens`` cut, the reference loop what the step could commit.
 """
@@ -159,7 +159,7 @@ class PeerSettings(BaseModel):
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
         from dflash_trt.checkpoints.files import read_json
-        from dflash_trt.runtime.draft_model import DFlashSettings
+        from dflash_trt.runtime.drafters.dflash import DFlashSettings
 
         return DFlashSettings.from_config_dict(read_json(self.draft / "config.json", what="drafter config"),
                                                str(self.draft)).block_size - 1
@@ -173,7 +173,7 @@ class PeerPrompt:
 
 
 def encode_bench_prompts(codec: Any, prompts: Sequence[Any]) -> list[PeerPrompt]:
-    """BenchPrompts as token ids, encoded by the tokenizer contract (runtime/tokens.TextCodec)
+    """BenchPrompts as token ids, encoded by the tokenizer contract (runtime/decoding/tokens.TextCodec)
     exactly as the bench and the server encode them."""
     return [PeerPrompt(p.id, p.category, tuple(codec.encode_messages(p.chat_messages))) for p in prompts]
 

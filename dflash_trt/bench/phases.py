@@ -48,7 +48,7 @@ class PassTimer:
 
     def __init__(self, modules: dict[str, Any]) -> None:
         # name -> the module, or the modules, whose forward is that pass (a target's transformers
-        # forward and its lean pass: runtime/lean_forward.py)
+        # forward and its lean pass: runtime/targets/lean_forward.py)
         self.modules = {name: m if isinstance(m, tuple) else (m,) for name, m in modules.items() if m is not None}
         self._handles: list[Any] = []
         self._depth = 0
@@ -103,7 +103,7 @@ def timer_for(target: Any, draft: Any = None, draft_head: Any = None) -> PassTim
 
     if not hasattr(target, "parameters") or home_device(target).type != "cpu":
         return None
-    from dflash_trt.runtime.target import TargetAdapter
+    from dflash_trt.runtime.targets.adapter import TargetAdapter
 
     head = target.get_output_embeddings() if draft_head is None else draft_head
     return PassTimer({"target": TargetAdapter(target).pass_modules(), "draft": draft,

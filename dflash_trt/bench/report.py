@@ -1,5 +1,6 @@
 """The report of a bench run, from its bench.json object: the same tables in the terminal (rich) and as
-markdown (table.md, docs/results.md via `dflash-trt bench report bench.json --markdown`).
+markdown (table.md, docs/results.md via `dflash-trt bench report bench.json --markdown`; a kept
+bench.summary.json.gz reads the same).
 
 Tables: the sweep (one row per side, mode and C), several policies side by side, what limits each DFlash figure (bench/limits.py),
 per category (with --per-category), the interactivity / throughput frontier (bench/frontier.py);
@@ -328,10 +329,14 @@ def print_report(result: dict[str, Any], console: Any) -> None:
         console.print(f"  {line}", soft_wrap=True, highlight=False, markup=False)
 
 
-def load_result(path: str | Path) -> dict[str, Any]:
-    """A bench.json written by `dflash-trt bench` (this schema); one-line DFlashError otherwise."""
+def load_result(path: str | Path, multi_turn: bool = False) -> dict[str, Any]:
+    """A bench.json written by `dflash-trt bench` (this schema), or its kept summary
+    (bench.summary.json.gz, bench/archive.py); with `multi_turn`, a ``--workload multi-turn`` run's
+    too (its own layout, no tables here); one-line DFlashError otherwise."""
+    import gzip
     import json
 
+    from dflash_trt.bench.archive import read_json
     from dflash_trt.bench.run import SCHEMA_VERSION
     from dflash_trt.errors import DFlashError
 
@@ -339,9 +344,11 @@ def load_result(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise DFlashError(f"{p} not found; pass the bench.json that `dflash-trt bench --out DIR` wrote")
     try:
-        result = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        result = read_json(p)
+    except (json.JSONDecodeError, UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
         raise DFlashError(f"{p} is not JSON ({e}); pass a bench.json written by `dflash-trt bench --out DIR`") from None
+    if multi_turn and isinstance(result, dict) and result.get("workload") == "multi-turn":
+        return result
     version = result.get("schema_version") if isinstance(result, dict) else None
     if version != SCHEMA_VERSION:
         raise DFlashError(f"{p} has bench.json schema {version!r}, this dflash-trt reads {SCHEMA_VERSION}; rerun the "

@@ -108,7 +108,7 @@ def _endpoint_sides(cfg: BenchConfig) -> tuple[list[Any], dict[str, Any]]:
 
 
 def _max_seq_len(cfg: BenchConfig, inputs: Any, prompts: list[BenchPrompt], block_size: int, candidates: int) -> int:
-    from dflash_trt.runtime.policy_calibration import calibration_tokens
+    from dflash_trt.runtime.batched.policy_calibration import calibration_tokens
 
     longest = max(len(inputs.encode(p)) for p in prompts)
     calib = 16 + calibration_tokens(candidates, block_size) if cfg.calibrate else 0
@@ -123,7 +123,7 @@ def _in_process_sides(cfg: BenchConfig, prompts: list[BenchPrompt], say: Any) ->
     from dflash_trt.bench.ceiling import bytes_per_step
     from dflash_trt.bench.inprocess import BatchedSide, PairInputs, ReferenceSide
     from dflash_trt.pairs import PairSource, load_pair
-    from dflash_trt.runtime.policy import default_candidates
+    from dflash_trt.runtime.batched.policy import default_candidates
     from dflash_trt.runtime_options import RuntimeOptions
 
     if cfg.threads:
@@ -217,7 +217,7 @@ def _peer_sides(cfg: BenchConfig, source: dict[str, Any], pair: Any, spec: Any, 
 
 def _oracle(inputs: Any, requests: list[BenchRequest], say: Any) -> dict[str, list[int]]:
     """The reference loop's plain greedy decoding of every prompt (not timed): what --check compares with."""
-    from dflash_trt.runtime.generate import autoregressive_generate
+    from dflash_trt.runtime.reference.generate import autoregressive_generate
 
     out: dict[str, list[int]] = {}
     for r in requests:

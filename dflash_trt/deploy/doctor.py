@@ -586,7 +586,7 @@ def engine_family(engine_dir: str | Path, manifest: Any) -> str | None:
     if manifest.draft.family:
         return manifest.draft.family
     from dflash_trt.checkpoints.files import read_json
-    from dflash_trt.runtime.drafter_family import detect_family
+    from dflash_trt.runtime.drafters.families import detect_family
 
     path = Path(engine_dir) / manifest.draft.path / "config.json"
     if not path.is_file():

@@ -80,7 +80,7 @@ def _resolve_dirs(spec: BuildSpec) -> tuple[str | None, str | None]:
 
 
 def _check_tokenizers(target_dir: Path, draft_dir: Path | None, vocab_size: int) -> None:
-    from dflash_trt.runtime.loading import load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_tokenizer
 
     tok = load_tokenizer(target_dir)  # unreadable files: DFlashError
     if tok is None:
@@ -98,8 +98,8 @@ def _check_tokenizers(target_dir: Path, draft_dir: Path | None, vocab_size: int)
 def prepare(spec: BuildSpec, need_checkpoints: bool = True) -> Prepared:
     """All checks that need only configs; the memory plan. Raises DFlashError on the first problem."""
     from dflash_trt.checkpoints.files import read_json
-    from dflash_trt.runtime.drafter_family import is_speculators
-    from dflash_trt.runtime.validate import validate_pair
+    from dflash_trt.runtime.drafters.families import is_speculators
+    from dflash_trt.runtime.drafters.validate import validate_pair
 
     target, draft = _resolve_dirs(spec)
     arch, tcfg, tdir = resolve_arch(target)
@@ -251,8 +251,8 @@ def load_models(p: Prepared, dtype: Any, device: BuildDevice, compute: Any) -> B
     from dflash_trt.checkpoints.placement import home_device
     from dflash_trt.checkpoints.streaming import load_checkpoint
     from dflash_trt.engine.devices import device_map_for
-    from dflash_trt.runtime.drafter_family import load_drafter
-    from dflash_trt.runtime.loading import load_tokenizer
+    from dflash_trt.runtime.drafters.loading import load_drafter
+    from dflash_trt.runtime.targets.loading import load_tokenizer
 
     assert p.target_dir is not None and p.draft_dir is not None
     placement = device_map_for(p.target_dir, dtype, device)

@@ -73,7 +73,7 @@ def load_calibration_prompts(source: str | list[str] | None, limit: int, split: 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], vocab_size: int, max_length: int) -> list[list[int]]:
     """Token ids as `dflash-trt generate` would feed them (chat template when there is one)."""
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.decoding.tokens import TextCodec
 
     codec = TextCodec(tokenizer, vocab_size)
     return [codec.encode(p)[:max_length] for p in prompts]

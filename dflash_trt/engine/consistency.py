@@ -52,7 +52,7 @@ def check_consistency(root: Path, manifest: EngineManifest, opts: dict[str, Any]
     """The manifest's draft / target / limits figures equal those of the (hashed) files."""
     from dflash_trt.engine.archs import arch_from_config
     from dflash_trt.checkpoints.files import read_json
-    from dflash_trt.runtime.draft_model import DFlashSettings
+    from dflash_trt.runtime.drafters.dflash import DFlashSettings
 
     draft_cfg_path = f"{manifest.draft.path}/config.json"
     draft_cfg = read_json(root / draft_cfg_path, what="drafter config")

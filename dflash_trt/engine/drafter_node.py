@@ -1,6 +1,6 @@
 """What the node needs to know about a drafter, read from its config (and weight names) alone.
 
-- its family (runtime/drafter_family.py: DFlash v1 or DFlash2). TensorRT-LLM reads DFlash2 from the
+- its family (runtime/drafters/families.py: DFlash v1 or DFlash2). TensorRT-LLM reads DFlash2 from the
   checkpoint under ``decoding_type: DFlash`` (DFlashForCausalLM: dflash_config conv/selector keys
   or a DFlash2 architecture; shared/design/upstream-2026-08.md C), so the family changes no YAML
   key: the manifest records it, `doctor` checks the node's TensorRT-LLM has DFlash2, and the vLLM
@@ -44,7 +44,7 @@ def has_sliding_window(cfg: dict[str, Any]) -> bool:
 def drafter_traits(cfg: dict[str, Any], directory: str | Path | None = None) -> DrafterTraits:
     """The family and attention traits of a z-lab-format drafter config; DFlashError for a DFlash2
     drafter TensorRT-LLM would refuse (reduced vocabulary). `directory`: also checks its files."""
-    from dflash_trt.runtime.drafter_family import DFLASH2, detect_family
+    from dflash_trt.runtime.drafters.families import DFLASH2, detect_family
 
     where = directory if directory is not None else "drafter config.json"
     family = detect_family(cfg, where)
@@ -55,7 +55,7 @@ def drafter_traits(cfg: dict[str, Any], directory: str | Path | None = None) -> 
 
 
 def _refuse_reduced_vocab(cfg: dict[str, Any], directory: Path | None) -> None:
-    from dflash_trt.runtime.draft_vocab import FILE as DRAFT_VOCAB_FILE
+    from dflash_trt.runtime.drafters.draft_vocab import FILE as DRAFT_VOCAB_FILE
 
     fix = "DFlash2's candidate selector ranks the whole vocabulary; use a full-vocabulary drafter"
     vocab, draft_vocab = cfg.get("vocab_size"), cfg.get("draft_vocab_size")

@@ -158,16 +158,16 @@ def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_to
     policy, K drafts a step, over the whole vocabulary as the reference loop drafts; in float32 on
     a CPU its per-prompt tau equals the reference loop's: tests/test_gate_batched.py), at a
     fraction of the time (one pass over the weights for every prompt of a step). Otherwise
-    (gpt-oss, a target spread over GPUs: see runtime.batched.unsupported_reason) the reference loop
+    (gpt-oss, a target spread over GPUs: see runtime.batched.runtime.unsupported_reason) the reference loop
     decodes one prompt at a time. `batched` pins one (None: the opener's choice); the sample names
     the one that ran (TauSample.runtime, kept in the gate's record)."""
     import torch
     from tqdm import tqdm
 
     from dflash_trt.checkpoints.placement import home_device
-    from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, SequenceRequest
     from dflash_trt.runtime.opener import open_runtime
-    from dflash_trt.runtime.policy import FixedPolicy
+    from dflash_trt.runtime.batched.policy import FixedPolicy
     from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.sampling_params import SamplingParams
     from dflash_trt.speculation import SpeculationSettings
@@ -198,7 +198,7 @@ def measure_tau(target: Any, draft: Any, prompt_ids: list[list[int]], max_new_to
 
 
 # On a CPU the gate verifies its K drafts in chunks of this many positions, a prompt stopping at
-# its first rejection (runtime/target_passes.TargetPasses.verify_chunked): a CPU step is bound by
+# its first rejection (runtime/batched/target_passes.TargetPasses.verify_chunked): a CPU step is bound by
 # arithmetic, and at K = 15 one pass computes 16 positions a prompt where ~2 decide anything.
 CPU_VERIFY_CHUNK = 4
 

@@ -9,11 +9,12 @@ under 32 MiB (most weights and activations of a model this side of ~1B parameter
 heap, where a freed block stays resident until the heap's top is free and malloc_trim runs.
 Measured by `scripts/bench_build_memory.py` (peak RSS over the checkpoint, above the interpreter
 baseline): 240M fp8 1.69 -> 1.30 with the threshold fixed at 1 MiB (4 MiB: 1.36); the 128 KiB kept
-here is glibc's own initial value; with the lm_head and drafter fixes (runtime/target.py, draft_model.py) it brings the 60M
-builds under 1.5 too (1.43 fp8, 1.49 nvfp4; 1.48 / 1.52 at 1 MiB). Its cost is page faults on
-fresh activations: a process loading the 240M model and decoding 3 prompts x 32 tokens in bfloat16
-took 1.018x the wall time of the same without it (median of 5 interleaved runs each, one core;
-1 MiB: 0.99x) for a peak of 1026 instead of 1058 MiB. A GPU build decodes on the GPUs.
+here is glibc's own initial value; with the lm_head and drafter fixes (runtime/targets/adapter.py,
+runtime/drafters/dflash.py) it brings the 60M builds under 1.5 too (1.43 fp8, 1.49 nvfp4; 1.48 /
+1.52 at 1 MiB). Its cost is page faults on fresh activations: a process loading the 240M model and
+decoding 3 prompts x 32 tokens in bfloat16 took 1.018x the wall time of the same without it (median
+of 5 interleaved runs each, one core; 1 MiB: 0.99x) for a peak of 1026 instead of 1058 MiB. A GPU
+build decodes on the GPUs.
 
 glibc only (mallopt / malloc_trim via ctypes); elsewhere both calls do nothing. An operator's
 MALLOC_MMAP_THRESHOLD_ in the environment wins (it also turns the dynamic threshold off).

@@ -78,7 +78,7 @@ class DraftInfo(Strict):
     block_size: int
     mask_token_id: int
     target_layer_ids: list[int]
-    family: str | None = None  # dflash | dflash2 (runtime/drafter_family.py); None: an older manifest
+    family: str | None = None  # dflash | dflash2 (runtime/drafters/families.py); None: an older manifest
 
 
 class SpeculationInfo(Strict):

@@ -2,11 +2,11 @@
 
     runtime = open_runtime(pair.target, pair.draft, options, pair.speculation)
 
-- the batched runtime (runtime/batched.py) where it can run the pair, started: its start-up
+- the batched runtime (runtime/batched/runtime.py) where it can run the pair, started: its start-up
   (compiled layers, captured static shapes, the compiled eager passes' warm-up) runs here,
   before any request;
-- otherwise the reference loop one request at a time (runtime/serial.py), K drafts every step,
-  with the reason (runtime.batched.unsupported_reason) kept on it and said once in the log,
+- otherwise the reference loop one request at a time (runtime/reference/serial.py), K drafts every step,
+  with the reason (runtime.batched.runtime.unsupported_reason) kept on it and said once in the log,
   together with what the reference loop does not apply (the adaptive policy, torch.compile,
   CUDA graphs asked for by name).
 
@@ -23,8 +23,8 @@ import logging
 from typing import Any, Literal
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.batched import BatchedRuntime, RuntimeExtras, unsupported_reason
-from dflash_trt.runtime.serial import SerialRuntime
+from dflash_trt.runtime.batched.runtime import BatchedRuntime, RuntimeExtras, unsupported_reason
+from dflash_trt.runtime.reference.serial import SerialRuntime
 from dflash_trt.runtime_options import RuntimeOptions
 from dflash_trt.speculation import SpeculationSettings
 

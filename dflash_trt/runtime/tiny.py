@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dflash_trt.runtime.draft_model import DFlashDraftModel, make_draft_config
+from dflash_trt.runtime.drafters.dflash import DFlashDraftModel, make_draft_config
 
 ARCHITECTURES = ("llama", "qwen3", "gpt_oss")
 
@@ -66,12 +66,12 @@ def random_draft(target_config: Any, seed: int = 0, family: str = "dflash", dfla
                  **kw: Any) -> DFlashDraftModel:
     """A random drafter for `target_config` (make_draft_config's sizes and fields). `family`
     "dflash2": a DFlash2 drafter with `dflash2_recipe` (default TINY_DFLASH2_RECIPE), z-lab's layout."""
-    from dflash_trt.runtime.drafter_family import FAMILIES
+    from dflash_trt.runtime.drafters.families import FAMILIES
 
     if family not in FAMILIES:
         raise ValueError(f"unknown drafter family {family!r}; use one of {', '.join(FAMILIES)}")
     if family == "dflash2":
-        from dflash_trt.runtime.dflash2 import as_dflash2_config
+        from dflash_trt.runtime.drafters.dflash2 import as_dflash2_config
 
         kw.setdefault("block_size", 8)
         cfg = as_dflash2_config(make_draft_config(target_config, **kw), dflash2_recipe or TINY_DFLASH2_RECIPE)

@@ -125,7 +125,7 @@ def load_backend(engine_dir: str | Path, settings: BackendSettings | None = None
     from dflash_trt.checkpoints.placement import runtime_device
     from dflash_trt.pairs import PairSource, load_pair
     from dflash_trt.runtime.opener import open_runtime
-    from dflash_trt.runtime.target import TargetAdapter
+    from dflash_trt.runtime.targets.adapter import TargetAdapter
     from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.serving.pytorch_backend import PyTorchBackend
 
@@ -152,8 +152,8 @@ def _codec(engine_dir: Path, manifest: object):
     """The tokenizer contract from the engine's target directory (without loading weights)."""
     from transformers import AutoConfig
 
-    from dflash_trt.runtime.loading import load_tokenizer
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.targets.loading import load_tokenizer
+    from dflash_trt.runtime.decoding.tokens import TextCodec
 
     tdir = engine_dir / manifest.target.path  # type: ignore[attr-defined]
     tokenizer = load_tokenizer(tdir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.runtime.decoding.tokens import TextCodec
 
 log = logging.getLogger("dflash_trt.serving")
 

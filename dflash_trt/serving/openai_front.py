@@ -204,7 +204,7 @@ def _refuse_unsupported(r: _Request) -> None:
 def _messages(messages: Any) -> list[dict[str, Any]]:
     """OpenAI chat messages with string content; text parts of list content are joined. Roles
     OpenAI does not know, and tool results (this engine calls no tools), are a 400 as there. The
-    model checks the rest (the tokenizer contract: runtime/tokens.check_messages), a 400 too."""
+    model checks the rest (the tokenizer contract: runtime/decoding/tokens.check_messages), a 400 too."""
     if not isinstance(messages, list):
         raise OpenAIError(400, "messages must be a list of {role, content} objects", param="messages")
     out = []

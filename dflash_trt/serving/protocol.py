@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dflash_trt.errors import DFlashError, InvalidRequest
-from dflash_trt.runtime.tokens import ChatMessage, TextCodec, check_messages
+from dflash_trt.runtime.decoding.tokens import ChatMessage, TextCodec, check_messages
 from dflash_trt.sampling_params import GREEDY, SamplingParams
 
 __all__ = ["Backend", "Chunk", "ChunkStats", "FINISH_REASONS", "GenerateRequest", "Generation", "GenerationFailed",

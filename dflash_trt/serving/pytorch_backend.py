@@ -2,13 +2,13 @@
 
 What it runs, stated plainly (``--backend pytorch``; ``reference`` is the old name):
 
-- the batched runtime (runtime/batched.py): concurrent requests share one draft and one verify
+- the batched runtime (runtime/batched/runtime.py): concurrent requests share one draft and one verify
   pass per step, up to the engine's max_batch_size rows; k <= K drafts per step are chosen by the
   policy in the settings (``adaptive`` by default when serving: measured step costs, never slower
   than plain decoding; ``fixed``: K every step, the reference loop's schedule). Each request gets
   exactly the answer it would get alone (greedy), and a seeded sample the same text under any load;
 - for pairs the batched runtime cannot run (gpt-oss: sliding window and attention sinks), the
-  reference loop one request at a time (runtime/serial.py), K drafts every step. The choice is
+  reference loop one request at a time (runtime/reference/serial.py), K drafts every step. The choice is
   runtime/opener.open_runtime's (serving/backends.load_backend opens the runtime), which logs it
   with its reason; describe() repeats the reason.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import InvalidRequest
-from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.runtime.decoding.tokens import TextCodec
 from dflash_trt.serving.detokenizer import IncrementalDetokenizer
 from dflash_trt.serving.protocol import (
     Chunk,
@@ -173,7 +173,7 @@ class PyTorchBackend:
                 self._complete(active.pop(id(seq)))
 
     def _admit(self, job: _Job, active: dict[int, _Active]) -> None:
-        from dflash_trt.runtime.batched import SequenceRequest
+        from dflash_trt.runtime.batched.runtime import SequenceRequest
 
         g = job.generation
         if g.is_cancelled() or self._closing.is_set():
@@ -225,7 +225,7 @@ class PyTorchBackend:
         g.end()
 
     def prefix_cache_stats(self) -> dict[str, Any] | None:
-        """The runtime's prefix cache, runtime-wide (runtime/prefix_cache.PrefixCache.stats): requests,
+        """The runtime's prefix cache, runtime-wide (runtime/batched/prefix_cache.PrefixCache.stats): requests,
         ``queries`` and ``hits`` in TOKENS (vLLM's vllm:prefix_cache_queries / vllm:prefix_cache_hits),
         blocks cached and their budget; None where the runtime has none (the reference loop, or
         prefix_cache off). Plain ints read from another thread: a scrape may lag a step."""

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.metrics import time_per_output_token
-from dflash_trt.runtime.tokens import TextCodec
+from dflash_trt.runtime.decoding.tokens import TextCodec
 from dflash_trt.serving.protocol import (
     Chunk,
     ChunkStats,

@@ -188,8 +188,8 @@ def server_environment(install: TritonInstall, base: dict[str, str] | None = Non
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([package_root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     # a server meets new GEMM shapes for as long as it gets new prompts: bound oneDNN's caches in
-    # the stub that runs the model (an operator's values win; runtime/kernel_caches.py says why)
-    from dflash_trt.runtime.kernel_caches import bound_kernel_caches
+    # the stub that runs the model (an operator's values win; runtime/cpu/kernel_caches.py says why)
+    from dflash_trt.runtime.cpu.kernel_caches import bound_kernel_caches
 
     bound_kernel_caches(env=env)
     return env

@@ -11,7 +11,7 @@ either way a run needs:
   sampling call per step from the global generator seeded with ``seed``, so the same seed and
   batch give the same answers.
 
-Both run on the continuous-batching runtime (runtime/batched.py: a finished answer's row takes
+Both run on the continuous-batching runtime (runtime/batched/runtime.py: a finished answer's row takes
 the next prompt at once; about twice as fast as HF ``generate`` over fixed batches on the 2-core
 CPU, which keeps stepping finished rows until the batch's longest answer ends). Targets that
 runtime does not run (sliding windows, attention sinks) fall back to HF ``generate`` over fixed
@@ -86,8 +86,8 @@ def generate_answers(model: Any, tokenizer: Any, prompts: list[Any], settings: A
     docstring. `on_batch(rows so far)` is called after every `settings.batch_size` finished
     answers and at the end (to save partial results: any subset of an interleaved prompt list is
     still a usable training set). `via` forces a path (tests); auto = the runtime when it can."""
-    from dflash_trt.runtime.batched import unsupported_reason
-    from dflash_trt.runtime.tokens import TextCodec
+    from dflash_trt.runtime.batched.runtime import unsupported_reason
+    from dflash_trt.runtime.decoding.tokens import TextCodec
 
     codec = TextCodec(tokenizer, int(model.config.vocab_size))  # the ids `generate` would feed the target
     encoded = [(p, codec.encode(p.prompt)) for p in prompts]
@@ -145,8 +145,8 @@ def _answers_on_runtime(model: Any, encoded: list[tuple[Any, list[int]]], s: Ans
                         on_batch: OnBatch | None) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
-    from dflash_trt.runtime.batched import RuntimeExtras, SequenceRequest
-    from dflash_trt.runtime.cpu_packing import pack_cpu_linears
+    from dflash_trt.runtime.batched.runtime import RuntimeExtras, SequenceRequest
+    from dflash_trt.runtime.cpu.packing import pack_cpu_linears
     from dflash_trt.runtime.opener import open_runtime
     from dflash_trt.runtime_options import RuntimeOptions
     from dflash_trt.sampling_params import SamplingParams
@@ -236,7 +236,7 @@ class _LayerCapture:
     runs (the prefill, then one per new token); no hooks when `layer_ids` is empty."""
 
     def __init__(self, model: Any, layer_ids: tuple[int, ...] | None) -> None:
-        from dflash_trt.runtime.target import find_decoder_layers
+        from dflash_trt.runtime.targets.adapter import find_decoder_layers
 
         self.layer_ids = tuple(layer_ids or ())
         self.forwards: list[dict[int, torch.Tensor]] = []

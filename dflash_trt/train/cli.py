@@ -168,8 +168,8 @@ def draft_vocab(draft_dir: str, data_file: str, size: int) -> None:
     from types import SimpleNamespace
 
     from dflash_trt.checkpoints.files import read_json
-    from dflash_trt.runtime.draft_vocab import draft_vocab_from_data, save_draft_vocab
-    from dflash_trt.runtime.tokens import stop_token_ids_of
+    from dflash_trt.runtime.drafters.draft_vocab import draft_vocab_from_data, save_draft_vocab
+    from dflash_trt.runtime.decoding.tokens import stop_token_ids_of
     from dflash_trt.train.data import load_data
 
     cfg = read_json(Path(draft_dir) / "config.json", what="drafter config")

@@ -57,7 +57,7 @@ class TrainConfig(BaseModel):
     # of 49k), so this is ~2x faster; the random others keep every row pushed down. None: full.
     sampled_vocab: int | None = Field(None, ge=0)
     # Write draft_vocab.json beside the drafter: the N tokens the target's answers use most (the
-    # batched runtime drafts over them only; runtime/draft_vocab.py). 0: do not write one.
+    # batched runtime drafts over them only; runtime/drafters/draft_vocab.py). 0: do not write one.
     draft_vocab_size: int = Field(8192, ge=0)
     # Where training runs ("cpu", "cuda", "cuda:1"). On a GPU the target computes each step's
     # features itself (online), so no feature cache is written and any amount of data fits.
@@ -72,7 +72,7 @@ class TrainConfig(BaseModel):
     # target's sampled answers to the same train prompts; trained on alongside the greedy ones.
     extra_data: list[str] = Field(default_factory=list)
     # The drafter family: "dflash" (v1) or "dflash2" (convolutions + candidate selector,
-    # runtime/dflash2.py). None: the family of the `init_from` drafter, else "dflash".
+    # runtime/drafters/dflash2.py). None: the family of the `init_from` drafter, else "dflash".
     family: Literal["dflash", "dflash2"] | None = None
     # DFlash2's recipe (dflash_config keys). None: the `init_from` drafter's own when it is a
     # DFlash2 drafter, else speculators 0.9.0's defaults (DFLASH2_DEFAULTS).

@@ -3,8 +3,9 @@
 An answer file is a ``torch.save``'d dict ``{"sequences": [row, ...], "meta": {...}}`` whose rows
 are :func:`dflash_trt.train.answers.answer_row` rows (``ids`` = chat-templated prompt + the
 target's answer) and whose meta records the :class:`AnswerSettings` they were made with.
-:func:`extend_answer_file` is the resumable job behind ``dflash-trt train-data`` (also run as
-``python -m dflash_trt.train.data`` and, with sampling defaults, ``python -m dflash_trt.train.sampled``).
+:func:`extend_answer_file` is the resumable job behind ``dflash-trt train-data`` (and, with sampling
+defaults, ``python -m dflash_trt.train.sampled``). A library module: the commands import it, never the
+other way round (tests/test_import_graph.py).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def compute_features(target: Any, sequences: list[dict[str, Any]], layer_ids: li
     from tqdm import tqdm
 
     from dflash_trt.checkpoints.placement import home_device
-    from dflash_trt.runtime.target import TargetAdapter
+    from dflash_trt.runtime.targets.adapter import TargetAdapter
 
     adapter = TargetAdapter(target)
     dev = home_device(adapter.model)  # the ids go where the target's embedding is
@@ -80,7 +81,7 @@ def extend_answer_file(target_dir: str | Path, out_file: str | Path, settings: A
     with the settings its answers were made with, and save the file (partially at most once a
     minute), so an interrupted job is extended, not redone. Returns (rows kept, rows added)."""
     from dflash_trt.checkpoints.placement import runtime_device
-    from dflash_trt.runtime.loading import load_target, load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_target, load_tokenizer
     from dflash_trt.runtime_options import torch_dtype
     from dflash_trt.train.answers import generate_answers, train_prompts
 
@@ -126,9 +127,3 @@ def save_data(path: Path, sequences: list[dict[str, Any]], meta: dict[str, Any])
     from dflash_trt.train.datafile import write_answer_file
 
     write_answer_file(path, sequences, meta)
-
-
-if __name__ == "__main__":  # the same job as `dflash-trt train-data`
-    from dflash_trt.train.cli import train_data
-
-    train_data.main(prog_name="python -m dflash_trt.train.data")

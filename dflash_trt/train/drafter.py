@@ -3,8 +3,8 @@
 The target is frozen; its embedding and lm_head are shared with the drafter (which has none), so
 the drafter's config is the target's plus the DFlash settings (block size, the target layers it
 reads, the mask token) and, for a DFlash2 drafter, its recipe (convolution taps and group size,
-selector rank and top-k; runtime/dflash2.py). A bad layer id, mask id or recipe is refused BEFORE
-the long data generation, with the pair loader's own checks (runtime/validate.py).
+selector rank and top-k; runtime/drafters/dflash2.py). A bad layer id, mask id or recipe is refused BEFORE
+the long data generation, with the pair loader's own checks (runtime/drafters/validate.py).
 
 A DFlash2 drafter starts as the DFlash drafter it contains (DFlash2DraftModel.start_as_dflash):
 its convolutions the identity and its selector's walk the plain argmax. So ``--family dflash2
@@ -54,7 +54,7 @@ def choose_mask_token(tokenizer: Any | None, vocab_size: int, never_seen: set[in
 def feature_layer_ids(cfg: TrainConfig, target_config: Any) -> list[int]:
     """The target layers feeding the drafter: `cfg.target_layer_ids`, else z-lab's spread over the
     depth (30 layers, 3 features -> [1, 14, 27]; shallow targets dedupe)."""
-    from dflash_trt.runtime.draft_model import build_target_layer_ids
+    from dflash_trt.runtime.drafters.dflash import build_target_layer_ids
 
     n_layers = int(target_config.num_hidden_layers)
     return cfg.target_layer_ids or sorted(set(build_target_layer_ids(n_layers, cfg.num_target_features)))
@@ -69,7 +69,8 @@ def training_family(cfg: TrainConfig) -> tuple[str, dict[str, int] | None]:
     source_family, source_recipe = "dflash", {}
     if cfg.init_from:
         from dflash_trt.checkpoints.files import read_json
-        from dflash_trt.runtime.drafter_family import CONFIG_NAME, DFLASH2, detect_family, zlab_config
+        from dflash_trt.runtime.drafters.families import CONFIG_NAME, DFLASH2, detect_family
+        from dflash_trt.runtime.drafters.speculators_format import zlab_config
 
         where = Path(cfg.init_from) / CONFIG_NAME
         raw = read_json(where, what="--init-from drafter config")
@@ -108,8 +109,8 @@ def check_recipe(recipe: dict[str, int], hidden_size: int, block_size: int, voca
 def drafter_config(cfg: TrainConfig, target_config: Any, layer_ids: list[int], mask_id: int | None = None) -> Any:
     """The drafter's config in z-lab's layout, checked against the target (`mask_id` None: a
     placeholder, to check the shape before the mask token is known)."""
-    from dflash_trt.runtime.draft_model import make_draft_config
-    from dflash_trt.runtime.validate import validate_pair
+    from dflash_trt.runtime.drafters.dflash import make_draft_config
+    from dflash_trt.runtime.drafters.validate import validate_pair
 
     mask = mask_id if mask_id is not None else int(target_config.vocab_size) - 1
     dcfg = make_draft_config(target_config, mask_token_id=mask, num_layers=cfg.num_layers,
@@ -117,7 +118,7 @@ def drafter_config(cfg: TrainConfig, target_config: Any, layer_ids: list[int], m
                              intermediate_size=cfg.intermediate_size)
     _, recipe = training_family(cfg)
     if recipe is not None:
-        from dflash_trt.runtime.dflash2 import as_dflash2_config
+        from dflash_trt.runtime.drafters.dflash2 import as_dflash2_config
 
         check_recipe(recipe, int(target_config.hidden_size), cfg.block_size, int(target_config.vocab_size))
         dcfg = as_dflash2_config(dcfg, recipe)
@@ -139,7 +140,7 @@ def new_drafter(cfg: TrainConfig, dcfg: Any, device: Any) -> Any:
     where given."""
     import torch
 
-    from dflash_trt.runtime.drafter_family import detect_family
+    from dflash_trt.runtime.drafters.families import detect_family
 
     torch.manual_seed(cfg.seed)
     draft = detect_family(dcfg, "train-draft").model_class()(dcfg)
@@ -166,7 +167,7 @@ def init_from(draft: Any, source: Path) -> None:
     """
     import torch
 
-    from dflash_trt.runtime.drafter_family import load_drafter
+    from dflash_trt.runtime.drafters.loading import load_drafter
 
     src = load_drafter(source)
     if src.family == "dflash2" and draft.family != "dflash2":

@@ -1,6 +1,6 @@
 """A trained drafter on disk: z-lab's released format (config.json + model.safetensors; a DFlash2
 drafter with every recipe key inside ``dflash_config`` and its codebooks stored bare, as z-lab
-0.1.0, vLLM, SGLang and TensorRT-LLM read them: runtime/dflash2.py), the frequent-token draft
+0.1.0, vLLM, SGLang and TensorRT-LLM read them: runtime/drafters/dflash2.py), the frequent-token draft
 vocabulary (draft_vocab.json, DFlash only) and MANIFEST.json (what was trained, on what, how, how
 long), written as one directory atomically: an interrupted save leaves nothing half-written.
 """
@@ -76,7 +76,7 @@ def save_drafter(out: Path, draft: Any, manifest: dict[str, Any], save_dtype: An
     """Write `out` atomically (replacing it): the drafter, draft_vocab.json when `draft_vocab`
     (token ids, coverage) is given (recorded in the manifest), then MANIFEST.json."""
     from dflash_trt.fsutil import atomic_directory, write_json_atomic
-    from dflash_trt.runtime.draft_vocab import save_draft_vocab
+    from dflash_trt.runtime.drafters.draft_vocab import save_draft_vocab
 
     with atomic_directory(out, overwrite=True) as tmp:
         draft.save_pretrained(tmp, dtype=save_dtype)

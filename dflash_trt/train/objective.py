@@ -15,7 +15,7 @@ K/V of every committed position before the block's first token, and the block at
 itself bidirectionally. Early slots get more weight because a block is only accepted up to its
 first miss, so slot 1 matters in every step and slot 15 only in the best ones.
 
-A DFlash2 drafter (runtime/dflash2.py) proposes by its candidate selector's walk, so its loss
+A DFlash2 drafter (runtime/drafters/dflash2.py) proposes by its candidate selector's walk, so its loss
 adds the selector's objective, as speculators 0.9.0 trains it (``models/dflash2/metrics.py``):
 a teacher-forced K-way cross-entropy over the runtime's own candidate set. For slot k of block i,
 with h its final hidden state, U = its draft logits and y = its label:
@@ -43,7 +43,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.runtime.draft_model import DFlashDraftModel
+from dflash_trt.runtime.drafters.dflash import DFlashDraftModel
 
 
 def default_gamma(block_size: int) -> float:
@@ -191,7 +191,7 @@ def dflash_loss_batch(
 
 
 def selector_loss(
-    selector: torch.nn.Module,  # runtime/dflash2.CandidateSelector
+    selector: torch.nn.Module,  # runtime/drafters/dflash2.CandidateSelector
     hidden: torch.Tensor,  # [N, H] the slots' final hidden states
     logits: torch.Tensor,  # [N, V'] their draft logits (V' columns: the whole vocabulary or a sample)
     target: torch.Tensor,  # [N] the labels, as columns of `logits`

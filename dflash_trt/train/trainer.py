@@ -85,7 +85,7 @@ def load_frozen_target(target_dir: str, device: Any) -> tuple[Any, Any]:
     """(the target on `device` with no gradients, its tokenizer or None)."""
     import torch
 
-    from dflash_trt.runtime.loading import load_target, load_tokenizer
+    from dflash_trt.runtime.targets.loading import load_target, load_tokenizer
 
     if device.type == "cuda":  # tf32 matmuls: the features and the drafter tolerate them (bf16 is stored)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -138,7 +138,7 @@ def run_steps(cfg: TrainConfig, draft: Any, target: Any, data: TrainingSet, devi
     import torch
     from tqdm import tqdm
 
-    from dflash_trt.runtime.target import TargetAdapter
+    from dflash_trt.runtime.targets.adapter import TargetAdapter
     from dflash_trt.train.objective import default_gamma
     from dflash_trt.train.step import FrozenHead, lr_at, make_optimizer, online_features, train_step
 
@@ -180,8 +180,8 @@ def export(cfg: TrainConfig, draft: Any, target: Any, tokenizer: Any, mask_id: i
     """MANIFEST.json's content, then the drafter directory (with its draft vocabulary) on disk."""
     import torch
 
-    from dflash_trt.runtime.draft_vocab import draft_vocab_from_data
-    from dflash_trt.runtime.tokens import stop_token_ids_of
+    from dflash_trt.runtime.drafters.draft_vocab import draft_vocab_from_data
+    from dflash_trt.runtime.decoding.tokens import stop_token_ids_of
     from dflash_trt.train.export import save_drafter, training_manifest
 
     machine = {"torch_threads": torch.get_num_threads(), "torch": torch.__version__, "device": str(device),
