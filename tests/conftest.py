@@ -34,6 +34,14 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+def _save_pair(root: Path, target, draft) -> tuple[Path, Path]:
+    """Saves a pair as the tests load it: root/target and root/draft."""
+    tdir, ddir = root / "target", root / "draft"
+    target.save_pretrained(tdir)
+    draft.save_pretrained(ddir)
+    return tdir, ddir
+
+
 def save_tiny_pair(root: Path, arch: str = "llama", block_size: int = 8, draft_layers: int = 1, seed: int = 0,
                    **target_kw) -> tuple[Path, Path]:
     """A tiny target (HF directory, safetensors) and a random drafter (z-lab format) under root."""
@@ -41,10 +49,7 @@ def save_tiny_pair(root: Path, arch: str = "llama", block_size: int = 8, draft_l
 
     target = tiny_target(arch, seed=seed, **target_kw)
     draft = random_draft(target.config, num_layers=draft_layers, block_size=block_size, seed=seed)
-    tdir, ddir = root / "target", root / "draft"
-    target.save_pretrained(tdir)
-    draft.save_pretrained(ddir)
-    return tdir, ddir
+    return _save_pair(root, target, draft)
 
 
 @pytest.fixture(scope="session")
@@ -64,10 +69,7 @@ def save_rigged_pair(root: Path, arch: str = "llama", block_size: int = 8, **tar
     target = tiny_target(arch, seed=1, **target_kw)
     draft = random_draft(target.config, block_size=block_size, seed=3, num_key_value_heads=4)
     rig(target, draft)
-    tdir, ddir = root / "target", root / "draft"
-    target.save_pretrained(tdir)
-    draft.save_pretrained(ddir)
-    return tdir, ddir
+    return _save_pair(root, target, draft)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ with it) when the test or the session ends.
 
 from __future__ import annotations
 
+import re
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,21 @@ class Served:
                 name, value = line.rsplit(" ", 1)
                 values[name] = float(value)
         return values
+
+    def cancellations(self) -> float:
+        """The model's count of requests their clients cancelled (metrics.py's counter)."""
+        return self.metrics().get('dflash_cancelled_requests_total{model="dflash",version="1"}', 0)
+
+    def tokens_before_cancel(self, request_id: str, cancelled_before: float, timeout_s: float = 30) -> list[int]:
+        """Waits until the model has counted a cancellation beyond `cancelled_before`, then returns
+        how many tokens each cancellation of `request_id` had produced, as the model's log says."""
+        deadline = time.time() + timeout_s
+        while self.cancellations() <= cancelled_before:
+            assert time.time() < deadline, "the model never saw the client leave"
+            time.sleep(0.05)
+        log = (self.repo.parent / f"tritonserver-{self.repo.name}.log").read_text()
+        pattern = rf"request {re.escape(request_id)} cancelled by its client after (\d+) of"
+        return [int(n) for n in re.findall(pattern, log)]
 
     def stop(self) -> None:
         if self.front is not None:
