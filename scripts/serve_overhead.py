@@ -1,12 +1,13 @@
 """What serving on tritonserver costs per request: the same prompts, in process and through
 `dflash-trt serve` (Triton's gRPC, and the OpenAI front), TTFT and TPOT side by side.
 
-Starts `dflash-trt serve ENGINE --decoupled --policy fixed` (K drafts every step, so every side
-decodes the same tokens in the same steps), then runs `dflash-trt bench` three times on the same
+Starts `dflash-trt serve ENGINE --decoupled --policy fixed --no-prefix-cache` (K drafts every
+step, so every side decodes the same tokens in the same steps; no prefix cache, because every side
+sends the same prompts and a warm cache would flatter whichever side runs later), then runs `dflash-trt bench` three times on the same
 prompt ids and concurrency levels, rotating their order per level so that drift on a shared
 machine lands on every side alike:
 
-- in process: `--engine ENGINE --runtime batched --policy fixed` (the runtime `serve` runs);
+- in process: `--engine ENGINE --runtime batched --policy fixed --no-prefix-cache` (the runtime `serve` runs);
 - Triton gRPC: `--url host:grpc_port` (tritonclient stream; the model applies the chat template);
 - the OpenAI front: `--url http://host:openai_port` (SSE chat completions).
 
@@ -55,7 +56,8 @@ def main(engine: str, concurrency: str, num_prompts: int, max_new_tokens: int) -
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready"
         log = open(Path(tmp) / "serve.log", "w")  # noqa: SIM115 - the server writes it while it runs
-        proc = subprocess.Popen(CLI + ["serve", engine, "--decoupled", "--policy", "fixed", "--grpc-port", "0",
+        proc = subprocess.Popen(CLI + ["serve", engine, "--decoupled", "--policy", "fixed", "--no-prefix-cache",
+                                       "--grpc-port", "0",
                                        "--metrics-port", "0", "--openai-port", "0", "--exit-timeout-secs", "5",
                                        "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=log)
         try:
@@ -64,7 +66,7 @@ def main(engine: str, concurrency: str, num_prompts: int, max_new_tokens: int) -
                     sys.exit(f"error: serve exited: {(Path(tmp) / 'serve.log').read_text()[-2000:]}")
                 time.sleep(0.2)
             grpc, _metrics, _http, openai_port = ready.read_text().split()
-            sides = {"in process": ["--engine", engine, "--runtime", "batched", "--policy", "fixed"],
+            sides = {"in process": ["--engine", engine, "--runtime", "batched", "--policy", "fixed", "--no-prefix-cache"],
                      "Triton gRPC": ["--url", grpc], "OpenAI front": ["--url", f"http://127.0.0.1:{openai_port}"]}
             rows: dict[tuple[str, int], dict] = {}
             for i, c in enumerate(levels):
