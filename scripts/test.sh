@@ -18,7 +18,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # 2 cores, 1397 s -> 653 s for the whole suite), each module whole on one worker (--dist loadfile:
 # a module's servers, Slurm cluster and fixtures stay in one process). DFLASH_TRT_TEST_WORKERS=0
 # runs everything in this one process.
-cores=$(nproc 2>/dev/null || echo 1)
+# (nproc reads OMP_NUM_THREADS, set to 1 above: ask it without)
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
 workers=${DFLASH_TRT_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)

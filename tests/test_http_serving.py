@@ -256,14 +256,37 @@ def test_openai_chat_roles_and_limits_are_openais(base):
 
 def test_an_openai_client_that_leaves_mid_stream_cancels_its_triton_request(triton_streaming, engine):
     """The front cancels the gRPC stream of a client that closed its connection: the model sees
-    the cancellation (its counter moves, its log names the request), long before the budget."""
+    the cancellation (its counter moves, its log names the request), long before the budget.
+
+    The client leaves after the first chunk with content (the role chunk comes before the front
+    asks Triton: a client leaving then has nothing to cancel). Triton is paused (SIGSTOP) from that
+    chunk until the front has let the request go, so the tiny model cannot finish its budget while
+    the client's leaving travels, whatever the machine's load."""
+    import os
+    import signal
+    import time
+
     served = triton_streaming
-    before = served.cancellations()
-    body = {"model": "dflash", "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 200,
+    before, slots, pid = served.cancellations(), served.front.front.slots, served.server.process.pid
+    budget = 200
+    body = {"model": "dflash", "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": budget,
             "temperature": 0, "stream": True}
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{served.openai_base}/v1/chat/completions",
-                                                       json=body) as r:
-        lines = r.iter_lines()
-        rid = json.loads(next(lines)[len("data: "):])["id"]  # the role chunk: the request is in flight
+    try:
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{served.openai_base}/v1/chat/completions",
+                                                           json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[len("data: "):])
+                if event["choices"] and event["choices"][0]["delta"].get("content"):
+                    os.killpg(pid, signal.SIGSTOP)  # a token came: the request is Triton's
+                    break
+            rid = event["id"]
+        deadline = time.time() + 30
+        while slots.used:  # the front saw the client leave and cancelled its stream
+            assert time.time() < deadline, "the front never let the request go"
+            time.sleep(0.01)
+    finally:
+        os.killpg(pid, signal.SIGCONT)
     produced = served.tokens_before_cancel(rid, before)
-    assert produced and produced[-1] < 200, produced
+    assert produced and produced[-1] < budget, produced
