@@ -36,8 +36,8 @@ test-peer: setup peer
 
 # The guards' mutation check: every mutant in tests/mutants.toml, each in a scratch copy of the
 # tree, must fail its guard's tests, and every mutant's original text must still be found. `make
-# test` runs it after a passing suite without the baseline (36 mutants: 112 s on the shared 2-core
-# machine); here with the baseline, every guard run once on the unmutated tree beside them (138 s).
+# test` runs it after a passing suite without the baseline (97 mutants: 221-293 s on the 2-core
+# machine, 2026-11-29); here with the baseline, every guard run once on the unmutated tree beside them.
 .PHONY: mutants
 mutants: | $(PY)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} PYTHONPATH=$(CURDIR) $(PY) scripts/mutation_check.py

@@ -14,9 +14,7 @@ warm-up and at the end (growth in %), and its peak.
 from __future__ import annotations
 
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +26,7 @@ import openai
 
 from dflash_trt.prompts import load_prompts
 from dflash_trt.serving.client import generate
+from serve_child import serve_child  # scripts/, beside this file
 
 KINDS = ("grpc", "chat", "chat_stream", "completion", "generate")
 
@@ -107,58 +106,44 @@ def _pct(values: list[float], q: float) -> float:
 @click.option("--num-prompts", type=click.IntRange(min=1), default=20, show_default=True)
 def main(engine: str, num_requests: int, concurrency: int, max_tokens: int, num_prompts: int) -> None:
     prompts = [p.prompt for p in load_prompts(split="eval")][:num_prompts]
-    with tempfile.TemporaryDirectory() as tmp:
-        ready = Path(tmp) / "ready"
-        proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", engine, "--grpc-port", "0",
-                                 "--http-port", "0", "--metrics-port", "0", "--openai-port", "0",
-                                 "--ready-file", str(ready), "--exit-timeout-secs", "5",
-                                 "--max-streams", str(max(64, concurrency))],
-                                stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "server.log", "w"))
-        try:
-            while not ready.exists():
-                if proc.poll() is not None:
-                    sys.exit(f"error: the server exited: {(Path(tmp) / 'server.log').read_text()[-2000:]}")
-                time.sleep(0.2)
-            grpc_addr, _metrics, http_port, openai_port = ready.read_text().split()
-            ep = Endpoints(grpc_addr, f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{openai_port}", max_tokens)
-            alone = {(k, p): ep.send(k, p)[0] for p in prompts for k in ("grpc", "completion")}  # chat template / raw
-            jobs = [(KINDS[i % len(KINDS)], prompts[(i // len(KINDS)) % len(prompts)]) for i in range(num_requests)]
-            # warm-up at full concurrency (not counted): the allocator's and the runtime's steady state at
-            # C rows is what a leak is measured against, not the one-row state of the answers sent alone
-            with ThreadPoolExecutor(concurrency) as pool:
-                list(pool.map(lambda job: ep.send(*job), jobs[: max(concurrency * 2, num_requests // 20)]))
-            rss_before = _rss_mib(proc.pid)
-            results: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
-            errors: list[str] = []
-            mismatches = 0
-            lock = threading.Lock()
-            trajectory: list[float] = []  # RSS (MiB) after every tenth of the run: a leak climbs, arenas plateau
+    with serve_child([engine, "--max-streams", str(max(64, concurrency))]) as served:
+        proc = served.proc
+        ep = Endpoints(served.grpc, served.http_base, served.openai_base, max_tokens)
+        alone = {(k, p): ep.send(k, p)[0] for p in prompts for k in ("grpc", "completion")}  # chat template / raw
+        jobs = [(KINDS[i % len(KINDS)], prompts[(i // len(KINDS)) % len(prompts)]) for i in range(num_requests)]
+        # warm-up at full concurrency (not counted): the allocator's and the runtime's steady state at
+        # C rows is what a leak is measured against, not the one-row state of the answers sent alone
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(lambda job: ep.send(*job), jobs[: max(concurrency * 2, num_requests // 20)]))
+        rss_before = _rss_mib(proc.pid)
+        results: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
+        errors: list[str] = []
+        mismatches = 0
+        lock = threading.Lock()
+        trajectory: list[float] = []  # RSS (MiB) after every tenth of the run: a leak climbs, arenas plateau
 
-            def one(job: tuple[str, str]) -> None:
-                nonlocal mismatches
-                kind, prompt = job
-                t0 = time.perf_counter()
-                try:
-                    text, ttft = ep.send(kind, prompt)
-                except Exception as e:  # counted and printed: the figure is the error count
-                    with lock:
-                        errors.append(f"{kind}: {type(e).__name__}: {e}")
-                    return
-                want = alone[("completion" if kind == "completion" else "grpc", prompt)]
+        def one(job: tuple[str, str]) -> None:
+            nonlocal mismatches
+            kind, prompt = job
+            t0 = time.perf_counter()
+            try:
+                text, ttft = ep.send(kind, prompt)
+            except Exception as e:  # counted and printed: the figure is the error count
                 with lock:
-                    results[kind].append((time.perf_counter() - t0, ttft))
-                    mismatches += text != want
-                    if sum(len(v) for v in results.values()) % max(1, num_requests // 10) == 0:
-                        trajectory.append(_rss_mib(proc.pid))
+                    errors.append(f"{kind}: {type(e).__name__}: {e}")
+                return
+            want = alone[("completion" if kind == "completion" else "grpc", prompt)]
+            with lock:
+                results[kind].append((time.perf_counter() - t0, ttft))
+                mismatches += text != want
+                if sum(len(v) for v in results.values()) % max(1, num_requests // 10) == 0:
+                    trajectory.append(_rss_mib(proc.pid))
 
-            t_start = time.perf_counter()
-            with ThreadPoolExecutor(concurrency) as pool:
-                list(pool.map(one, jobs))
-            wall = time.perf_counter() - t_start
-            rss_after, rss_peak = _rss_mib(proc.pid), _rss_mib(proc.pid, "VmHWM")
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        t_start = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(one, jobs))
+        wall = time.perf_counter() - t_start
+        rss_after, rss_peak = _rss_mib(proc.pid), _rss_mib(proc.pid, "VmHWM")
     done = sum(len(v) for v in results.values())
     print(f"{num_requests} requests, concurrency {concurrency}, max_tokens {max_tokens}, {len(prompts)} prompts: "
           f"{done} answered in {wall:.1f} s ({done / wall:.1f} req/s), errors {len(errors)}, "

@@ -23,10 +23,10 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import click
+from serve_child import serve_child  # scripts/, beside this file
 
 CLI = [sys.executable, "-m", "dflash_trt.cli"]
 
@@ -53,34 +53,21 @@ def main(engine: str, concurrency: str, num_prompts: int, max_new_tokens: int) -
 
     levels = [int(c) for c in concurrency.split(",")]
     common = ["--num-prompts", str(num_prompts), "--max-new-tokens", str(max_new_tokens)]
-    with tempfile.TemporaryDirectory() as tmp:
-        ready = Path(tmp) / "ready"
-        log = open(Path(tmp) / "serve.log", "w")  # noqa: SIM115 - the server writes it while it runs
-        proc = subprocess.Popen(CLI + ["serve", engine, "--decoupled", "--policy", "fixed", "--no-prefix-cache",
-                                       "--grpc-port", "0",
-                                       "--metrics-port", "0", "--openai-port", "0", "--exit-timeout-secs", "5",
-                                       "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=log)
-        try:
-            while not ready.exists():
-                if proc.poll() is not None:
-                    sys.exit(f"error: serve exited: {(Path(tmp) / 'serve.log').read_text()[-2000:]}")
-                time.sleep(0.2)
-            grpc, _metrics, _http, openai_port = ready.read_text().split()
-            sides = {"in process": ["--engine", engine, "--runtime", "batched", "--policy", "fixed", "--no-prefix-cache"],
-                     "Triton gRPC": ["--url", grpc], "OpenAI front": ["--url", f"http://127.0.0.1:{openai_port}"]}
-            rows: dict[tuple[str, int], dict] = {}
-            for i, c in enumerate(levels):
-                names = list(sides)
-                for name in names[i % 3:] + names[: i % 3]:  # each level starts with another side
-                    report = _bench(Path(tmp) / f"{name}-{c}".replace(" ", "_"),
-                                    [*sides[name], *common, "--concurrency", str(c)])
-                    rows[(name, c)] = next(r for r in report["rows"] if r["mode"] == "dflash")
-            servers = psutil.Process(proc.pid).children(recursive=True)
-            peak = sum(_hwm_mib(p.pid) for p in servers)
-            names = ", ".join(f"{p.name()}" for p in servers)
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    with tempfile.TemporaryDirectory() as tmp, serve_child([engine, "--decoupled", "--policy", "fixed",
+                                                            "--no-prefix-cache"]) as served:
+        grpc, openai_port = served.grpc, served.openai_port
+        sides = {"in process": ["--engine", engine, "--runtime", "batched", "--policy", "fixed", "--no-prefix-cache"],
+                 "Triton gRPC": ["--url", grpc], "OpenAI front": ["--url", f"http://127.0.0.1:{openai_port}"]}
+        rows: dict[tuple[str, int], dict] = {}
+        for i, c in enumerate(levels):
+            names = list(sides)
+            for name in names[i % 3:] + names[: i % 3]:  # each level starts with another side
+                report = _bench(Path(tmp) / f"{name}-{c}".replace(" ", "_"),
+                                [*sides[name], *common, "--concurrency", str(c)])
+                rows[(name, c)] = next(r for r in report["rows"] if r["mode"] == "dflash")
+        servers = psutil.Process(served.proc.pid).children(recursive=True)
+        peak = sum(_hwm_mib(p.pid) for p in servers)
+        names = ", ".join(f"{p.name()}" for p in servers)
     print(f"{num_prompts} prompts x {max_new_tokens} tokens, policy fixed (K every step), engine {engine}")
     print("| side | C | TTFT mean (ms) | TPOT mean (ms) | tau | TTFT - in process (ms) | TPOT - in process (ms) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
