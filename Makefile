@@ -13,7 +13,7 @@ demo: setup
 test: setup
 	bash scripts/test.sh
 
-# The CPU unit tier, under a minute: runtime, policy, serving protocol and backends in process,
+# The CPU unit tier (1,177 tests; 283 s on 2 workers, 2026-11-29): runtime, policy, serving protocol and backends in process,
 # configs, CLI errors. It leaves out Slurm (slurm), MPI (mpi), the embedded 135M target (embedded,
 # slow), real servers / subprocesses / ModelOpt / training runs / dynamo tracing (integration);
 # tests/conftest.py names the modules of each tier. `make test` runs everything. It sets up only
