@@ -38,6 +38,23 @@ class Ready:
     def openai_base(self) -> str:
         return f"http://127.0.0.1:{self.openai_port}"
 
+    def server_mib(self, field: str = "VmRSS") -> float:
+        """RSS (VmRSS) or peak RSS (VmHWM) of tritonserver plus its stub, summed: the processes
+        under serve (whose own is the OpenAI front)."""
+        import psutil
+
+        return sum(_status_mib(p.pid, field) for p in psutil.Process(self.proc.pid).children(recursive=True))
+
+
+def _status_mib(pid: int, field: str) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:  # the process has just gone
+        pass
+    return 0.0
+
 
 def _stop_with_parent() -> None:  # runs in the child between fork and exec
     try:

@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import click
 import httpx
@@ -29,28 +28,6 @@ from dflash_trt.serving.client import generate
 from serve_child import serve_child  # scripts/, beside this file
 
 KINDS = ("grpc", "chat", "chat_stream", "completion", "generate")
-
-
-def _status_mib(pid: int, field: str) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def _server_pids(serve_pid: int) -> list[int]:
-    """tritonserver and its stub: the processes under `serve` (whose own is the OpenAI front)."""
-    import psutil
-
-    return [p.pid for p in psutil.Process(serve_pid).children(recursive=True)]
-
-
-def _rss_mib(serve_pid: int, field: str = "VmRSS") -> float:
-    """RSS (VmRSS) or peak RSS (VmHWM) of tritonserver plus its stub."""
-    return sum(_status_mib(pid, field) for pid in _server_pids(serve_pid))
 
 
 class Endpoints:
@@ -107,7 +84,6 @@ def _pct(values: list[float], q: float) -> float:
 def main(engine: str, num_requests: int, concurrency: int, max_tokens: int, num_prompts: int) -> None:
     prompts = [p.prompt for p in load_prompts(split="eval")][:num_prompts]
     with serve_child([engine, "--max-streams", str(max(64, concurrency))]) as served:
-        proc = served.proc
         ep = Endpoints(served.grpc, served.http_base, served.openai_base, max_tokens)
         alone = {(k, p): ep.send(k, p)[0] for p in prompts for k in ("grpc", "completion")}  # chat template / raw
         jobs = [(KINDS[i % len(KINDS)], prompts[(i // len(KINDS)) % len(prompts)]) for i in range(num_requests)]
@@ -115,7 +91,7 @@ def main(engine: str, num_requests: int, concurrency: int, max_tokens: int, num_
         # C rows is what a leak is measured against, not the one-row state of the answers sent alone
         with ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(lambda job: ep.send(*job), jobs[: max(concurrency * 2, num_requests // 20)]))
-        rss_before = _rss_mib(proc.pid)
+        rss_before = served.server_mib()
         results: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
         errors: list[str] = []
         mismatches = 0
@@ -137,13 +113,13 @@ def main(engine: str, num_requests: int, concurrency: int, max_tokens: int, num_
                 results[kind].append((time.perf_counter() - t0, ttft))
                 mismatches += text != want
                 if sum(len(v) for v in results.values()) % max(1, num_requests // 10) == 0:
-                    trajectory.append(_rss_mib(proc.pid))
+                    trajectory.append(served.server_mib())
 
         t_start = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(one, jobs))
         wall = time.perf_counter() - t_start
-        rss_after, rss_peak = _rss_mib(proc.pid), _rss_mib(proc.pid, "VmHWM")
+        rss_after, rss_peak = served.server_mib(), served.server_mib("VmHWM")
     done = sum(len(v) for v in results.values())
     print(f"{num_requests} requests, concurrency {concurrency}, max_tokens {max_tokens}, {len(prompts)} prompts: "
           f"{done} answered in {wall:.1f} s ({done / wall:.1f} req/s), errors {len(errors)}, "

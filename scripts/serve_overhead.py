@@ -36,28 +36,18 @@ def _bench(out: Path, args: list[str]) -> dict:
     return json.loads((out / "bench.json").read_text())
 
 
-def _hwm_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 @click.command(help=__doc__)
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
 @click.option("--concurrency", default="1,4", show_default=True)
 @click.option("--num-prompts", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 def main(engine: str, concurrency: str, num_prompts: int, max_new_tokens: int) -> None:
-    import psutil
-
     levels = [int(c) for c in concurrency.split(",")]
     common = ["--num-prompts", str(num_prompts), "--max-new-tokens", str(max_new_tokens)]
     with tempfile.TemporaryDirectory() as tmp, serve_child([engine, "--decoupled", "--policy", "fixed",
                                                             "--no-prefix-cache"]) as served:
-        grpc, openai_port = served.grpc, served.openai_port
         sides = {"in process": ["--engine", engine, "--runtime", "batched", "--policy", "fixed", "--no-prefix-cache"],
-                 "Triton gRPC": ["--url", grpc], "OpenAI front": ["--url", f"http://127.0.0.1:{openai_port}"]}
+                 "Triton gRPC": ["--url", served.grpc], "OpenAI front": ["--url", served.openai_base]}
         rows: dict[tuple[str, int], dict] = {}
         for i, c in enumerate(levels):
             names = list(sides)
@@ -65,9 +55,7 @@ def main(engine: str, concurrency: str, num_prompts: int, max_new_tokens: int) -
                 report = _bench(Path(tmp) / f"{name}-{c}".replace(" ", "_"),
                                 [*sides[name], *common, "--concurrency", str(c)])
                 rows[(name, c)] = next(r for r in report["rows"] if r["mode"] == "dflash")
-        servers = psutil.Process(served.proc.pid).children(recursive=True)
-        peak = sum(_hwm_mib(p.pid) for p in servers)
-        names = ", ".join(f"{p.name()}" for p in servers)
+        peak = served.server_mib("VmHWM")
     print(f"{num_prompts} prompts x {max_new_tokens} tokens, policy fixed (K every step), engine {engine}")
     print("| side | C | TTFT mean (ms) | TPOT mean (ms) | tau | TTFT - in process (ms) | TPOT - in process (ms) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -79,7 +67,7 @@ def main(engine: str, concurrency: str, num_prompts: int, max_new_tokens: int) -
             extra = "" if name == "in process" else (f"{ttft - base['ttft_s']['mean'] * 1e3:+.1f} | "
                                                      f"{tpot - base['tpot_s']['mean'] * 1e3:+.2f}")
             print(f"| {name} | {c} | {ttft:.1f} | {tpot:.2f} | {r['tau']:.3f} | {extra or '- | -'} |")
-    print(f"peak RSS of the server processes ({names}), VmHWM summed: {peak:.0f} MiB")
+    print(f"peak RSS of the server processes (tritonserver, its Python backend stub), VmHWM summed: {peak:.0f} MiB")
 
 
 if __name__ == "__main__":
